@@ -1,0 +1,30 @@
+# Two commands do all set-up: `make chat` and `make test`. Both go through `make setup`, which is idempotent.
+# TORCH picks the torch build: the default lets pip choose (CUDA wheels on Linux);
+# CI passes TORCH='torch==2.13.0' to take the CPU build from local disk.
+PYTHON ?= python3
+TORCH ?= torch
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup chat test bench-cpu lint
+
+setup: $(VENV)/.installed
+	@$(BIN)/python -m engine.default_model
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q '$(TORCH)'
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+chat: setup
+	$(BIN)/llamaterm chat
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench-cpu: setup
+	$(BIN)/python -m engine.bench cpu
+
+lint: setup
+	$(BIN)/ruff check app engine kernels tests

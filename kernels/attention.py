@@ -1,0 +1,61 @@
+"""Attention over the paged KV cache.
+
+Layout: k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim]. A batch is a flat run of query
+tokens: sequence b owns q[query_start_loc[b]:query_start_loc[b+1]], which are the last tokens of its context of
+context_lens[b] tokens (their K/V already written to the cache); block_tables[b] lists its blocks in order.
+Prefill chunks and decode steps (one query token) share this one description, so a step can mix them.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Store k, v [T, Hk, D] at flat cache slots (block * block_size + offset); slot -1 means skip."""
+    if use_triton(k):
+        from kernels.attention_triton import write_kv_triton
+
+        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """q [T, Hq, D] -> out [T, Hq, D], causal within each sequence, grouped-query aware."""
+    if use_triton(q):
+        from kernels.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    out = torch.empty_like(q)
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // n_kv
+    starts = query_start_loc.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        s, e = starts[b], starts[b + 1]
+        n = e - s
+        if n == 0:
+            continue
+        blocks = block_tables[b, : (ctx + block_size - 1) // block_size]
+        k = k_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
+        v = v_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
+        qb = q[s:e].transpose(0, 1)  # [Hq, n, D]
+        if n == 1:
+            o = F.scaled_dot_product_attention(qb, k, v, scale=scale)
+        else:
+            # query i sits at position ctx - n + i and sees keys 0..ctx - n + i
+            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,21 @@
+"""The one switch between Triton kernels and torch references.
+
+Triton runs only on CUDA tensors, unless LLAMATERM_KERNELS=torch forces the references everywhere (for
+comparisons). Tests of the Triton code on the CPU call the `*_triton` functions directly under TRITON_INTERPRET=1.
+"""
+
+import os
+
+import torch
+
+_force_reference = os.environ.get("LLAMATERM_KERNELS", "").lower() == "torch"
+
+
+def force_reference(on: bool = True) -> None:
+    """Use the torch references even on CUDA (for A/B comparisons in tests and benchmarks)."""
+    global _force_reference
+    _force_reference = on
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and not _force_reference

@@ -1,0 +1,23 @@
+"""y = x @ W^T for a dense tensor or a QuantWeight."""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
+from kernels.qweight import QuantWeight
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    if use_triton(x):
+        from kernels.qmatmul import qmatmul_triton
+
+        return qmatmul_triton(x, w)
+    return linear_ref(x, w)
+
+
+def linear_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    if w.perm is not None:
+        x = x[..., w.perm]
+    return F.linear(x, w.dense(x.dtype))

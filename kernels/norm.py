@@ -1,0 +1,24 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+import torch
+
+from kernels.dispatch import use_triton
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (norm(x + residual) * weight, x + residual); with no residual, the second is x."""
+    if use_triton(x):
+        from kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype), x

@@ -1,0 +1,109 @@
+"""The one in-memory quantized weight type that every checkpoint format converts to.
+
+A weight of shape [N, K] (out, in) holds unsigned integer values q of `bits` bits (4 or 8), grouped along K in
+groups of `group_size`, with one scale per group and, for affine sources, one offset per group:
+
+    w = scale * q + offset            (offsets present: Q4_1, Q5_1, Q4_K, Q5_K, AWQ, asymmetric GPTQ)
+    w = scale * (q - 2**(bits - 1))   (offsets None: Q4_0, Q8_0, Q6_K, symmetric GPTQ; stores no offset bytes)
+
+Values narrower than the container are re-centred at load so the formula holds (Q5_0: q + 112 in 8 bits).
+An optional input permutation `perm` (GPTQ act-order) means y = x[:, perm] @ w.T.
+4-bit values are packed two per byte along K: byte j of a row holds q[2j] in its low and q[2j+1] in its high
+nibble. Scales and offsets are fp16 (fp32 where a source needs more precision to stay exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class QuantWeight:
+    packed: torch.Tensor  # uint8 [N, K * bits // 8]
+    scales: torch.Tensor  # [N, K // group_size]
+    offsets: torch.Tensor | None  # [N, K // group_size], or None for symmetric
+    bits: int
+    group_size: int
+    shape: tuple[int, int]  # (N, K)
+    perm: torch.Tensor | None = None  # int64 [K]
+    _dense: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @staticmethod
+    def from_values(
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor | None,
+        bits: int,
+        group_size: int,
+        perm: torch.Tensor | None = None,
+    ) -> QuantWeight:
+        """Build from unpacked integer values q [N, K] (any integer dtype, 0 <= q < 2**bits)."""
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        n, k = q.shape
+        if k % group_size:
+            raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+        if scales.shape != (n, k // group_size) or (offsets is not None and offsets.shape != scales.shape):
+            raise ValueError(f"scales/offsets must be [{n}, {k // group_size}], got {tuple(scales.shape)}")
+        q = q.to(torch.uint8)
+        packed = q[:, 0::2] | (q[:, 1::2] << 4) if bits == 4 else q
+        return QuantWeight(packed.contiguous(), scales, offsets, bits, group_size, (n, k), perm)
+
+    def values(self) -> torch.Tensor:
+        """The unpacked integer values q as uint8 [N, K]."""
+        if self.bits == 8:
+            return self.packed
+        n, k = self.shape
+        return torch.stack((self.packed & 0xF, self.packed >> 4), dim=-1).reshape(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """w [N, K] in `dtype`, computed in fp32 (exact for fp16 scales and offsets)."""
+        return dequantize_rows(self.values(), self.scales, self.offsets, self.bits, self.group_size).to(dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized copy, made once and kept: the CPU reference path multiplies with it."""
+        if dtype not in self._dense:
+            self._dense[dtype] = self.dequantize(dtype)
+        return self._dense[dtype]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `ids` (embedding lookup) without dequantizing the whole matrix."""
+        offsets = None if self.offsets is None else self.offsets[ids]
+        q = QuantWeight(self.packed[ids], self.scales[ids], offsets, self.bits, self.group_size,
+                        (ids.numel(), self.shape[1])).values()
+        return dequantize_rows(q, self.scales[ids], offsets, self.bits, self.group_size).to(dtype)
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        mv = lambda t: None if t is None else t.to(device)
+        return QuantWeight(mv(self.packed), mv(self.scales), mv(self.offsets), self.bits, self.group_size,
+                           self.shape, mv(self.perm))
+
+    @staticmethod
+    def cat(weights: list[QuantWeight]) -> QuantWeight:
+        """Stack along N (fuses q/k/v or gate/up into one matmul). All parts must share the format."""
+        first = weights[0]
+        same = all(
+            (w.bits, w.group_size, w.shape[1], w.offsets is None, w.perm is None, w.scales.dtype)
+            == (first.bits, first.group_size, first.shape[1], first.offsets is None, True, first.scales.dtype)
+            for w in weights
+        )
+        if not same:
+            raise ValueError("cannot concatenate quantized weights of different formats")
+        offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
+        return QuantWeight(
+            torch.cat([w.packed for w in weights]), torch.cat([w.scales for w in weights]), offsets,
+            first.bits, first.group_size, (sum(w.shape[0] for w in weights), first.shape[1]),
+        )
+
+
+def dequantize_rows(q, scales, offsets, bits, group_size) -> torch.Tensor:
+    n, k = q.shape
+    qf = q.to(torch.float32).view(n, k // group_size, group_size)
+    s = scales.to(torch.float32).unsqueeze(-1)
+    if offsets is None:
+        w = s * (qf - 2 ** (bits - 1))
+    else:
+        w = s * qf + offsets.to(torch.float32).unsqueeze(-1)
+    return w.view(n, k)

@@ -1,0 +1,30 @@
+"""Rotary position embedding, half-split (NeoX / Hugging Face) convention.
+
+GGUF q/k rows are un-permuted at load (engine/gguf.py), so every source uses this one convention.
+`inv_freq` already holds any frequency scaling (Llama-3 rope_freqs / rope_scaling).
+"""
+
+import torch
+
+from kernels.dispatch import use_triton
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+    """q [T, Hq, D], k [T, Hk, D], positions [T]; returns rotated (q, k)."""
+    if use_triton(q):
+        from kernels.rope_triton import rope_triton
+
+        return rope_triton(q, k, positions, inv_freq)
+    return rope_ref(q, k, positions, inv_freq)
+
+
+def rope_ref(q, k, positions, inv_freq):
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    cos = freqs.cos()[:, None, :]
+    sin = freqs.sin()[:, None, :]
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
