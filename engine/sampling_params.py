@@ -1,0 +1,41 @@
+"""Per-request sampling settings, validated up front so a bad value fails its request, not the engine loop."""
+
+from dataclasses import dataclass
+
+from engine.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off (divides positive logits of seen tokens, multiplies negative)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 turns it off)"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(f"invalid sampling value: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
