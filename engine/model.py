@@ -1,0 +1,112 @@
+"""The Llama-family forward pass over a paged KV cache.
+
+One flat batch of tokens per step: prefill chunks and decode tokens of many sequences side by side, described by
+`StepInput` (names as in vLLM: slot mapping, block tables, context lengths). Every op goes through kernels/,
+which runs Triton on CUDA and the torch references elsewhere.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_attention, write_kv
+from kernels.embedding import embedding
+from kernels.linear import linear
+from kernels.norm import rms_norm
+from kernels.qweight import QuantWeight
+from kernels.rope import rope
+
+Weight = torch.Tensor | QuantWeight
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [T] tokens of this step, sequence after sequence
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] flat KV-cache slot each token's K/V is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] tokens in cache for each sequence after this step
+    query_start_loc: torch.Tensor  # [B + 1] cumulative token counts: sequence b owns tokens [qsl[b], qsl[b+1])
+    logits_indices: torch.Tensor  # [S] rows of the step whose next-token logits are wanted
+
+
+def fuse(parts: list[Weight]) -> list[Weight]:
+    """Concatenate same-format weights along the output dim so q/k/v (gate/up) run as one matmul."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        try:
+            return [QuantWeight.cat(parts)]
+        except ValueError:
+            return parts
+    if all(isinstance(p, torch.Tensor) and p.dtype == parts[0].dtype for p in parts):
+        return [torch.cat(parts)]
+    return parts
+
+
+def linear_parts(x: torch.Tensor, parts: list[Weight]) -> torch.Tensor:
+    if len(parts) == 1:
+        return linear(x, parts[0])
+    return torch.cat([linear(x, p) for p in parts], dim=-1)
+
+
+def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
+    """Quantized weights keep their format; dense ones (norms, fp16 linears) take the compute dtype."""
+    return w.to(device) if isinstance(w, QuantWeight) else w.to(device, dtype)
+
+
+class Layer:
+    def __init__(self, t: dict[str, Weight], i: int, device, dtype):
+        get = lambda name: to_device(t[f"blk.{i}.{name}.weight"], device, dtype)
+        self.attn_norm = get("attn_norm")
+        self.ffn_norm = get("ffn_norm")
+        self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
+        self.o = get("attn_output")
+        self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
+        self.down = get("ffn_down")
+
+
+class Model:
+    def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, device, dtype
+        self.token_embd = to_device(tensors["token_embd.weight"], device, dtype)
+        self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
+        self.lm_head = (self.token_embd if config.tie_word_embeddings
+                        else to_device(tensors["output.weight"], device, dtype))
+        self.layers = [Layer(tensors, i, device, dtype) for i in range(config.n_layers)]
+        self.inv_freq = config.inv_freq().to(device)
+        self.scale = config.head_dim**-0.5
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """[n_layers, 2 (k, v), num_blocks, block_size, n_kv_heads, head_dim], allocated once."""
+        c = self.config
+        shape = (c.n_layers, 2, num_blocks, block_size, c.n_kv_heads, c.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Runs one step; returns fp32 logits [S, vocab] for step.logits_indices."""
+        c = self.config
+        n_tokens = step.input_ids.shape[0]
+        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        h = embedding(step.input_ids, self.token_embd, self.dtype)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
+            x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual)
+            q, k, v = linear_parts(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(n_tokens, c.n_heads, c.head_dim)
+            k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
+            v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
+            q, k = rope(q, k, step.positions, self.inv_freq)
+            write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
+                                step.query_start_loc, self.scale)
+            h = linear(o.view(n_tokens, q_size), layer.o)
+            x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
+            h = linear(silu_and_mul(linear_parts(x, layer.gate_up)), layer.down)
+        x, _ = rms_norm(h[step.logits_indices], self.output_norm, c.rms_norm_eps, residual[step.logits_indices])
+        return linear(x, self.lm_head).float()
