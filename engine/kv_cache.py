@@ -1,0 +1,119 @@
+"""Block manager for the paged KV cache: fixed-size blocks, ref counts, and prefix caching.
+
+The pool itself is one tensor allocated by the model; this file only decides which block holds which tokens.
+A full block is keyed by a hash chained over its tokens and its parent block's hash, so two sequences with the
+same prefix (a shared system prompt, the next turn of a conversation) share blocks instead of recomputing them.
+Freed blocks keep their contents and hash until reused: the free queue is also the LRU list of the prefix cache.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+@dataclass
+class BlockTableEntry:
+    """What a sequence owns: its block ids and how many of its leading blocks are hashed (full and cached)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed: int = 0
+    last_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0 blocks, least recently freed first; popping from the front evicts the LRU cached block
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: list[int], table: BlockTableEntry) -> int:
+        """Take cached blocks for the longest run of full leading blocks; returns the tokens they cover.
+
+        At least one token is always left to compute: the step that computes it produces the next-token logits.
+        """
+        bs = self.block_size
+        parent = None
+        for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % bs, bs):
+            chunk = tuple(token_ids[start : start + bs])
+            h = chain_hash(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            self._ref(block_id)
+            table.block_ids.append(block_id)
+            parent = h
+        table.num_hashed = len(table.block_ids)
+        table.last_hash = parent
+        return len(table.block_ids) * bs
+
+    def can_allocate(self, table: BlockTableEntry, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(table.block_ids) <= self.num_free
+
+    def allocate(self, table: BlockTableEntry, num_tokens: int) -> None:
+        """Grow the table to hold num_tokens tokens (the caller checked can_allocate)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(table.block_ids)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict it from the prefix cache
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            table.block_ids.append(block_id)
+
+    def commit_full_blocks(self, table: BlockTableEntry, token_ids: list[int], num_computed: int) -> None:
+        """Publish blocks whose tokens are all computed, so later sequences can share them."""
+        bs = self.block_size
+        while table.num_hashed < min(num_computed // bs, len(table.block_ids)):
+            i = table.num_hashed
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(table.last_hash, chunk)
+            block = self.blocks[table.block_ids[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, chunk
+                self.cached[h] = block.id
+            table.num_hashed += 1
+            table.last_hash = h
+
+    def release(self, table: BlockTableEntry) -> None:
+        """Drop the sequence's references. Tail blocks go to the front of the LRU so they are evicted first."""
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)
+        table.block_ids.clear()
+        table.num_hashed = 0
+        table.last_hash = None
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1

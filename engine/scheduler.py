@@ -1,0 +1,98 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Each step packs, under a token budget, one decode token for every running sequence plus chunks of prompts
+(chunked prefill), so a long new prompt never stalls the others for more than one chunk. When the cache runs out
+of blocks, the newest running sequence is preempted: its blocks are freed and it is recomputed later (its prefix
+may still be cached). Sequences join and leave between steps.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token index computed in this step
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
+        return self.start + self.length == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_running: int):
+        self.blocks = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_batch_tokens
+        chunks: list[ScheduledChunk] = []
+        # Running sequences first, decodes before prefill chunks, so no session waits on a new prompt.
+        for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_to_compute, budget)
+            while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                chunks = [c for c in chunks if c.seq is not victim]
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.blocks.allocate(seq.table, seq.num_computed + n)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        budget = self.max_batch_tokens - sum(c.length for c in chunks)
+        # Then admit waiting sequences while tokens, blocks and batch slots remain.
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.table.block_ids:
+                cached = self.blocks.match_prefix(seq.token_ids, seq.table)
+                seq.num_computed = cached
+                if seq.first_token_time is None:
+                    seq.num_cached = cached
+            n = min(seq.num_to_compute, budget)
+            # The engine rejects requests larger than the pool, so a sequence always fits once others finish.
+            if not self.blocks.can_allocate(seq.table, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq.table, seq.num_computed + n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.table)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (done or cancelled) wherever it is, freeing its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.table)
+        seq.status = Status.FINISHED
