@@ -1,0 +1,363 @@
+"""The engine: one loop thread that owns the model, the KV cache and the scheduler; callers submit requests
+from any thread and read each request's events from its own queue.
+
+The loop never waits on consumers (events go to unbounded queues) and consumers never block the loop (submit and
+cancel only enqueue). A failure while serving one request fails that request alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.api import EngineStats, Event, RequestStats
+from engine.errors import RequestError
+from engine.kv_cache import BlockManager
+from engine.model import Model, StepInput
+from engine.sampling import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """The caller's side of a request: its event queue and live stats."""
+
+    id: int
+    seq: Sequence
+    engine: Engine
+    events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    finished: bool = False
+    finish_time: float | None = None
+
+    def poll(self) -> list[Event]:
+        """Every event queued since the last call, without blocking."""
+        out = []
+        while True:
+            try:
+                out.append(self.events_queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def events(self) -> Iterator[Event]:
+        """Blocks until each event arrives; ends after the finishing event."""
+        while True:
+            event = self.events_queue.get()
+            yield event
+            if event.finished:
+                return
+
+    def stats(self) -> RequestStats:
+        seq = self.seq
+        times = list(seq.token_times)
+        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+        end = self.finish_time or time.perf_counter()
+        return RequestStats(
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached,
+            generated_tokens=seq.num_generated,
+            ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
+            tokens_per_s=rate,
+            elapsed_s=end - seq.arrival,
+            context_tokens=len(seq.token_ids),
+            max_context=self.engine.max_context,
+            finished=self.finished,
+        )
+
+
+class OutputState:
+    """Turns sampled tokens into text deltas: incremental detokenization, stop strings held back until safe."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self.detok = tokenizer.detokenizer()
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Returns (text safe to emit now, hit a stop string). A stop string can only end in the held-back
+        tail, so the search starts at the first unemitted character."""
+        self.text += self.detok.push(token_id)
+        for s in self.stop:
+            i = self.text.find(s, self.emitted)
+            if i >= 0:
+                self.text, self.stopped = self.text[:i], True
+                return self._emit(i), True
+        return self._emit(len(self.text) - self.hold), False
+
+    def finish(self) -> str:
+        """The rest of the text: bytes the detokenizer held and the stop-string look-ahead."""
+        if not self.stopped:
+            self.text += self.detok.flush()
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta, self.emitted = self.text[self.emitted : upto], upto
+        return delta
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        *,
+        name: str = "",
+        kv_tokens: int | None = None,
+        block_size: int = 16,
+        max_batch_tokens: int | None = None,
+        max_running: int = 64,
+    ):
+        self.model, self.tokenizer, self.model_name = model, tokenizer, name
+        self.device = str(model.device)
+        self.max_context = model.config.context_length
+        num_blocks = max(1, (kv_tokens or default_kv_tokens(model)) // block_size)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        if max_batch_tokens is None:
+            max_batch_tokens = 2048 if model.device.type == "cuda" else 256
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_running)
+        self._ids = itertools.count(1)
+        self._handles: dict[int, RequestHandle] = {}
+        self._outputs: dict[int, OutputState] = {}
+        self._incoming: list[RequestHandle] = []
+        self._cancels: list[int] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._step_tokens: deque[tuple[float, int]] = deque()
+        self._last_batch = 0
+        self._thread = threading.Thread(target=self._loop, name="llamaterm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, name: str | None = None, device: str | None = None, **kwargs) -> Engine:
+        from engine.loader import load_checkpoint
+
+        ckpt, tokenizer, path = load_checkpoint(name)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.float32 if dev.type == "cpu" else torch.float16
+        model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        return cls(model, tokenizer, name=name or Path(path).stem, **kwargs)
+
+    # ---- caller side (any thread) ----
+
+    def pool_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def encode_prompt(self, prompt: list[dict] | str, raw: bool = False) -> list[int]:
+        if isinstance(prompt, str) and raw:
+            if not prompt:
+                raise RequestError("the prompt is empty: give some text")
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not messages or not any(m.get("content") for m in messages):
+            raise RequestError("the prompt is empty: give some text")
+        return encode_chat(self.tokenizer, messages)
+
+    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
+               prompt_ids: list[int] | None = None) -> RequestHandle:
+        """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids."""
+        params = params or SamplingParams()
+        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw)
+        limit = min(self.max_context, self.pool_tokens())
+        if len(ids) >= limit:
+            where = "context" if limit == self.max_context else "KV cache pool"
+            raise RequestError(
+                f"the prompt is {len(ids)} tokens but the model's {where} holds {limit}: "
+                "shorten the prompt (or start a new conversation)"
+                + (", or give the engine a larger pool (--kv-tokens)" if where != "context" else "")
+            )
+        seq = Sequence(
+            id=next(self._ids),
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            params=params,
+            max_tokens=min(params.max_tokens, limit - len(ids)),
+            generator=self._generator(params.seed),
+        )
+        handle = RequestHandle(seq.id, seq, self)
+        with self._cv:
+            if self._stopped:
+                raise RequestError("the engine has shut down")
+            self._incoming.append(handle)
+            self._cv.notify()
+        return handle
+
+    def cancel(self, handle: RequestHandle | int) -> None:
+        """Stop a request at once and free its blocks; a no-op for unknown or finished requests."""
+        with self._cv:
+            self._cancels.append(handle if isinstance(handle, int) else handle.id)
+            self._cv.notify()
+
+    def generate(self, prompt, params: SamplingParams | None = None, **kwargs) -> tuple[str, RequestHandle]:
+        """Blocking convenience: the whole reply text."""
+        handle = self.submit(prompt, params, **kwargs)
+        text = []
+        for event in handle.events():
+            if event.error:
+                raise RequestError(event.error)
+            text.append(event.text)
+        return "".join(text), handle
+
+    def stats(self) -> EngineStats:
+        now = time.perf_counter()
+        window = [(t, n) for t, n in list(self._step_tokens) if now - t <= RATE_WINDOW_S]
+        span = (now - window[0][0]) if window else 0.0
+        handles = list(self._handles.values())
+        return EngineStats(
+            model=self.model_name,
+            device=self.device,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self._incoming),
+            batch_size=self._last_batch,
+            kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free,
+            kv_blocks_total=self.block_manager.num_blocks,
+            tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
+            per_request={h.id: h.stats() for h in handles},
+        )
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        g = torch.Generator(device=self.model.device)
+        g.manual_seed(seed if seed is not None else secrets.randbits(63))
+        return g
+
+    # ---- the loop (engine thread only) ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                incoming, self._incoming = self._incoming, []
+                cancels, self._cancels = self._cancels, []
+            for handle in incoming:
+                self._handles[handle.id] = handle
+                self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop)
+                self.scheduler.add(handle.seq)
+            for request_id in cancels:
+                if request_id in self._handles:
+                    self._finish(self._handles[request_id], "cancelled")
+            if self.scheduler.has_work():
+                self._step()
+        for handle in list(self._handles.values()):
+            self._finish(handle, "cancelled")
+
+    def _step(self) -> None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        self._last_batch = len(chunks)
+        try:
+            step = build_step_input(chunks, self.block_manager.block_size, self.model.device)
+            logits = self.model.forward(step, self.kv_cache)
+        except Exception as e:  # the whole batch shared this failure
+            for c in chunks:
+                self._finish(self._handles[c.seq.id], "error", f"{type(e).__name__}: {e}")
+            return
+        sampling = [c.seq for c in chunks if c.samples]
+        for c in chunks:
+            c.seq.num_computed += c.length
+            self.block_manager.commit_full_blocks(c.seq.table, c.seq.token_ids, c.seq.num_computed)
+        now = time.perf_counter()
+        for seq, token in zip(sampling, sample(logits, sampling), strict=True):
+            handle = self._handles[seq.id]
+            try:
+                self._on_token(handle, token, now)
+            except Exception as e:  # one request's failure stays its own
+                self._finish(handle, "error", f"{type(e).__name__}: {e}")
+        self._step_tokens.append((now, len(sampling)))
+        while self._step_tokens and now - self._step_tokens[0][0] > RATE_WINDOW_S:
+            self._step_tokens.popleft()
+
+    def _on_token(self, handle: RequestHandle, token: int, now: float) -> None:
+        seq = handle.seq
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.stop_ids):
+            return self._finish(handle, "stop", token_ids=(token,))
+        text, stopped = self._outputs[seq.id].push(token)
+        if stopped:
+            return self._finish(handle, "stop", text=text, token_ids=(token,))
+        if seq.num_generated >= seq.max_tokens:
+            return self._finish(handle, "length", text=text, token_ids=(token,))
+        handle.events_queue.put(Event(seq.id, text, (token,)))
+
+    def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, *, text: str = "",
+                token_ids: tuple[int, ...] = ()) -> None:
+        self.scheduler.finish(handle.seq)
+        output = self._outputs.pop(handle.id)
+        if reason in ("length", "stop") and not error:
+            text += output.finish()
+        del self._handles[handle.id]
+        handle.finished, handle.finish_time = True, time.perf_counter()
+        handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """Render with the model's chat template; special tokens in the rendered text are parsed as such."""
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special=True, parse_special=True)
+    if len(ids) > 1 and ids[0] == ids[1] == tokenizer.bos_id:  # the template wrote BOS itself
+        ids = ids[1:]
+    return ids
+
+
+def build_step_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInput:
+    ids, positions, slots, context_lens, starts, logits_indices = [], [], [], [], [0], []
+    for c in chunks:
+        seq, end = c.seq, c.start + c.length
+        table = seq.table.block_ids
+        ids += seq.token_ids[c.start : end]
+        positions += range(c.start, end)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
+        context_lens.append(end)
+        starts.append(starts[-1] + c.length)
+        if c.samples:
+            logits_indices.append(starts[-1] - 1)
+    width = max(len(c.seq.table.block_ids) for c in chunks)
+    tables = [c.seq.table.block_ids + [0] * (width - len(c.seq.table.block_ids)) for c in chunks]
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32 if x is tables else torch.int64, device=device)
+    return StepInput(
+        input_ids=as_tensor(ids),
+        positions=as_tensor(positions),
+        slot_mapping=as_tensor(slots),
+        block_tables=as_tensor(tables),
+        context_lens=as_tensor(context_lens),
+        query_start_loc=as_tensor(starts),
+        logits_indices=as_tensor(logits_indices),
+    )
+
+
+def default_kv_tokens(model: Model) -> int:
+    """CPU: room for a few full conversations. CUDA: most of the memory left after the weights."""
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        return int(free * 0.85) // model.kv_bytes_per_token()
+    return 16384
