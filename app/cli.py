@@ -1,0 +1,247 @@
+"""The `llamaterm` command line. Start-up stays instant: torch and the engine load only inside commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="llamaterm",
+    help="Run Llama-family models from the terminal.\n\nExamples:\n\n"
+    "  llamaterm run \"What is the capital of France?\"\n\n"
+    "  echo 'Summarise: ...' | llamaterm run -\n\n"
+    "  llamaterm chat --sessions 4",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model name in the store, or a path.")]
+DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
+
+
+def fail(message: str, code: int = 1) -> None:
+    typer.echo(f"llamaterm: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def sampling_params(**values):
+    from engine.errors import RequestError
+    from engine.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(**values)
+    except RequestError as e:  # a bad flag value: a usage error
+        fail(str(e), 2)
+
+
+def load_engine(model: str | None, device: str | None, **kwargs):
+    from engine.engine import Engine
+
+    return Engine.from_model(model, device=device, **kwargs)
+
+
+def read_prompt(prompt: str | None) -> str:
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            fail("give a PROMPT, or pipe one on stdin (see llamaterm run --help)", 2)
+        return sys.stdin.read()
+    return prompt
+
+
+def messages_for(prompt: str, system: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def result_json(model_name: str, text: str, handle, finish_reason: str | None) -> dict:
+    st = handle.stats()
+    return {
+        "model": model_name,
+        "text": text,
+        "finish_reason": finish_reason,
+        "prompt_tokens": st.prompt_tokens,
+        "cached_tokens": st.cached_tokens,
+        "generated_tokens": st.generated_tokens,
+        "token_ids": handle.seq.generated,
+        "ttft_s": st.ttft_s,
+        "tokens_per_s": st.tokens_per_s,
+    }
+
+
+@app.command()
+def run(
+    prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or none reads stdin.")] = None,
+    model: ModelOpt = None,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (one per line with --each-line).")] = False,
+    each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), run concurrently.")] = False,
+    file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
+    device: DeviceOpt = None,
+):
+    """Generate a reply to PROMPT and stream it to stdout.
+
+    Examples: llamaterm run "What is the capital of France?"   |   llamaterm run --json --seed 1 --temperature 0.7 "Hi"
+    """
+    params = sampling_params(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()),
+    )
+    if each_line:
+        source = file.read_text() if file else read_prompt("-")
+        prompts = [line for line in source.splitlines() if line.strip()]
+        if not prompts:
+            fail("no prompts: --each-line reads one prompt per non-empty line", 2)
+    else:
+        prompts = [read_prompt(prompt)]
+        if not prompts[0].strip():
+            fail("the prompt is empty: give some text", 2)
+    engine = load_engine(model, device)
+    try:
+        inputs = [p if raw else messages_for(p, system) for p in prompts]
+        handles = [engine.submit(x, params, raw=raw) for x in inputs]
+        if each_line:
+            for handle in handles:  # input order, though all run at once
+                text, reason = collect(handle)
+                typer.echo(json.dumps(result_json(engine.model_name, text, handle, reason)) if as_json else text)
+            return
+        handle = handles[0]
+        if as_json:
+            text, reason = collect(handle)
+            typer.echo(json.dumps(result_json(engine.model_name, text, handle, reason), indent=2))
+        else:
+            stream(handle)
+            if sys.stderr.isatty():
+                report(handle)
+    finally:
+        engine.shutdown()
+
+
+def collect(handle) -> tuple[str, str | None]:
+    parts, reason = [], None
+    for event in handle.events():
+        if event.error:
+            fail(f"generation failed: {event.error}")
+        parts.append(event.text)
+        reason = event.finish_reason
+    return "".join(parts), reason
+
+
+def stream(handle) -> str:
+    parts = []
+    for event in handle.events():
+        if event.error:
+            fail(f"generation failed: {event.error}")
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        parts.append(event.text)
+    sys.stdout.write("\n")
+    return "".join(parts)
+
+
+def report(handle) -> None:
+    st = handle.stats()
+    ttft = f"{st.ttft_s:.2f}" if st.ttft_s is not None else "-"
+    typer.echo(f"[{st.generated_tokens} tokens, {st.tokens_per_s:.1f} tok/s, TTFT {ttft} s]", err=True)
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    sessions: Annotated[int, typer.Option(min=1, max=8, help="Conversation panes side by side.")] = 1,
+    system: Annotated[str | None, typer.Option(help="System prompt for every session.")] = None,
+    plain: Annotated[bool, typer.Option(help="A line-based chat for pipes and dumb terminals.")] = False,
+    temperature: float = 0.0,
+    max_tokens: int = 1024,
+    device: DeviceOpt = None,
+):
+    """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
+    if not plain:
+        try:
+            from app.tui.app import run_tui
+        except ImportError:
+            plain = True
+        else:
+            return run_tui(model, sessions, system)
+    params = sampling_params(temperature=temperature, max_tokens=max_tokens)
+    engine = load_engine(model, device)
+    typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True)
+    messages = [{"role": "system", "content": system}] if system else []
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if line.strip() == "/reset":
+                messages = messages[:1] if system else []
+                continue
+            if not line.strip():
+                continue
+            from engine.errors import RequestError
+
+            try:
+                handle = engine.submit(messages + [{"role": "user", "content": line}], params)
+            except RequestError as e:
+                typer.echo(f"llamaterm: {e}", err=True)
+                continue
+            reply = stream(handle)
+            messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+            report(handle)
+    finally:
+        engine.shutdown()
+
+
+@app.command()
+def tokenize(
+    text: Annotated[str, typer.Argument(help="Text to tokenize; '-' reads stdin.")],
+    model: ModelOpt = None,
+    special: Annotated[bool, typer.Option(help="Parse special tokens such as <|im_start|>.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print ids and token texts as JSON.")] = False,
+):
+    """Print the token ids of TEXT (for debugging prompts)."""
+    from engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    text = read_prompt(text)
+    ids = tokenizer.encode(text, add_special=False, parse_special=special)
+    if as_json:
+        typer.echo(json.dumps({"ids": ids, "tokens": [tokenizer.token_text(i) for i in ids]}))
+    else:
+        typer.echo(" ".join(map(str, ids)))
+
+
+def register_extras() -> None:
+    """Commands that live in their own modules (model store)."""
+    try:
+        from app import models_cli
+    except ImportError:
+        return
+    models_cli.register(app)
+
+
+def main() -> None:
+    from engine.errors import LlamatermError
+
+    register_extras()
+    try:
+        app()
+    except LlamatermError as e:
+        typer.echo(f"llamaterm: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
