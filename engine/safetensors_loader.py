@@ -1,0 +1,391 @@
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) into a Checkpoint.
+
+Covers dense fp16 / bf16 / fp32 weights, GPTQ (4/8-bit, v1 and v2 zero points, act-order g_idx) and AWQ GEMM
+4-bit (shared/research/formats.md §4, §5). Quantized linears become QuantWeight (w = scale * q + offset, with
+offset = -scale * zero rounded once to fp16, or no offset when every zero is 2**(bits-1), which is exact);
+everything else stays a torch tensor in the dtype it was stored in. Tensors are renamed to the GGUF names the
+model uses; Hugging Face q/k rows are already in the half-split (NeoX) RoPE order the model expects.
+Weights are read with `safetensors` only: pickled *.bin files can run code when loaded and are refused.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.checkpoint import Checkpoint
+from engine.config import ModelConfig
+from engine.errors import ModelFormatError, ModelNotFound
+from kernels.qweight import QuantWeight
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+TOP_MODULES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+LAYER_MODULES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
+IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# AutoAWQ packs output column 8c + AWQ_ORDER[i] into nibble i of word c: column j is in nibble REVERSE[j].
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group spanning the whole input dimension
+    zero_shift: int  # added to stored zeros: GPTQ v1 stores zero - 1 (formats.md §4.2), v2 and AWQ store zero
+
+
+def load_safetensors(model_dir: Path) -> Checkpoint:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelNotFound(f"{model_dir} is not a directory (a safetensors checkpoint is a model folder)")
+    hf = read_config_json(model_dir)
+    config = model_config(hf, model_dir.name)
+    scheme = quant_scheme(hf.get("quantization_config"))
+    tensors = convert_tensors(read_tensors(model_dir), config, scheme)
+    return Checkpoint(config, tensors, hf, model_dir)
+
+
+# --- config.json -----------------------------------------------------------------------------------------
+
+
+def read_config_json(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelFormatError(f"{model_dir} has no config.json: it is not a Hugging Face model directory")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelFormatError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ModelFormatError(f"{path} does not hold a JSON object")
+    return hf
+
+
+def model_config(hf: dict, name: str) -> ModelConfig:
+    """config.json (as a dict) -> ModelConfig, refusing what the Llama forward pass cannot run."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
+        raise ModelFormatError(
+            f"unsupported architecture {arch or hf.get('model_type')!r}: llamaterm runs "
+            f"{' and '.join(SUPPORTED_ARCHITECTURES)} checkpoints"
+        )
+    n_heads = int(required(hf, "num_attention_heads"))
+    hidden_size = int(required(hf, "hidden_size"))
+    context_length = int(required(hf, "max_position_embeddings"))
+    # MistralConfig defaults to a 4096-token window when the key is absent; a window covering the whole
+    # context is the same as none.
+    window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    if window is not None and window < context_length:
+        raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelFormatError(f"unsupported activation {hf['hidden_act']!r}: the Llama MLP uses silu")
+    config = ModelConfig(
+        arch="llama",
+        name=name,
+        n_layers=int(required(hf, "num_hidden_layers")),
+        hidden_size=hidden_size,
+        intermediate_size=int(required(hf, "intermediate_size")),
+        n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or hidden_size // n_heads),
+        vocab_size=int(required(hf, "vocab_size")),
+        context_length=context_length,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if config.n_heads % config.n_kv_heads or config.head_dim % 2:
+        raise ModelFormatError(
+            f"inconsistent attention shape: {config.n_heads} heads, {config.n_kv_heads} kv heads, "
+            f"head_dim {config.head_dim}"
+        )
+    return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
+
+
+def required(hf: dict, key: str):
+    if hf.get(key) is None:
+        raise ModelFormatError(f"config.json lacks {key!r}")
+    return hf[key]
+
+
+def rope_params(hf: dict) -> dict:
+    """RoPE settings: transformers 5 writes `rope_parameters`, older ones `rope_theta` and `rope_scaling`."""
+    return {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+
+
+def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None:
+    params = rope_params(hf)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: only 'llama3' is supported")
+    try:
+        factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    except KeyError as err:
+        raise ModelFormatError(f"llama3 rope scaling lacks {err}") from None
+    old_context = float(params.get("original_max_position_embeddings") or config.context_length)
+    # Divisors of the inverse frequencies, as llama.cpp's rope_freqs (formats.md §7.1): keep the short
+    # wavelengths, divide the long ones by `factor`, blend in between.
+    factors = []
+    for inv_freq in config.inv_freq().tolist():
+        wavelen = 2 * math.pi / inv_freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
+
+
+def quant_scheme(qc: dict | None) -> QuantScheme | None:
+    """config.json quantization_config -> QuantScheme. Sym and act-order are read from zeros and g_idx."""
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    bits = qc.get("bits", qc.get("w_bit"))  # AutoAWQ spells them w_bit and q_group_size
+    group_size = qc.get("group_size", qc.get("q_group_size"))
+    if method not in ("gptq", "awq"):
+        raise ModelFormatError(f"unsupported quantization method {method!r}: llamaterm reads GPTQ and AWQ")
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ModelFormatError(f"{method} quantization_config has an invalid group_size {group_size!r}")
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelFormatError(f"unsupported GPTQ checkpoint format {fmt!r} (supported: gptq, gptq_v2)")
+        if bits not in (4, 8):
+            raise ModelFormatError(f"unsupported GPTQ bits {bits!r}: llamaterm reads 4 and 8")
+        return QuantScheme("gptq", bits, group_size, 1 if fmt == "gptq" else 0)
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ModelFormatError(f"unsupported AWQ version {version!r}: llamaterm reads the GEMM layout")
+    if bits != 4:
+        raise ModelFormatError(f"unsupported AWQ bits {bits!r}: the GEMM layout is 4-bit")
+    if not qc.get("zero_point", True):
+        raise ModelFormatError("AWQ without zero points is not supported")
+    return QuantScheme("awq", 4, group_size, 0)
+
+
+# --- safetensors files -----------------------------------------------------------------------------------
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    index_path = model_dir / "model.safetensors.index.json"
+    weight_map = None
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise ModelFormatError(f"{index_path} is not a valid safetensors index ({err})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+            raise ModelFormatError(
+                f"{model_dir} holds only PyTorch pickle weights (*.bin, *.pt), which can run code when "
+                "loaded; llamaterm reads *.safetensors only. Download the safetensors version of the model."
+            )
+        raise ModelFormatError(f"{model_dir} has no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        path = model_dir / file
+        if not path.is_file():
+            raise ModelFormatError(f"{path} is listed in {index_path.name} but missing: download it again")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    if key in tensors:
+                        raise ModelFormatError(f"tensor {key!r} appears in more than one file ({file})")
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as err:
+            raise ModelFormatError(f"{path} is corrupt or truncated ({err}): download it again") from None
+    if weight_map is not None and (missing := sorted(set(weight_map) - set(tensors))):
+        raise ModelFormatError(f"tensors in {index_path.name} are missing from their files: {missing[:5]}")
+    return tensors
+
+
+# --- names and shapes ------------------------------------------------------------------------------------
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF module name -> weight shape ([out, in] for linears) implied by the config."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    h, ffn = c.hidden_size, c.intermediate_size
+    shapes = {"token_embd": (c.vocab_size, h), "output_norm": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["output"] = (c.vocab_size, h)
+    for i in range(c.n_layers):
+        layer = {
+            "attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+            "ffn_norm": (h,), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn),
+        }
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def gguf_module(hf_module: str) -> str | None:
+    if hf_module in TOP_MODULES:
+        return TOP_MODULES[hf_module]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_module)
+    if m and m[2] in LAYER_MODULES:
+        return f"blk.{int(m[1])}.{LAYER_MODULES[m[2]]}"
+    return None
+
+
+def convert_tensors(
+    raw: dict[str, torch.Tensor], config: ModelConfig, scheme: QuantScheme | None
+) -> dict[str, torch.Tensor | QuantWeight]:
+    # Group tensors by module: "model.layers.0.mlp.up_proj.qweight" -> "blk.0.ffn_up" part "qweight".
+    modules: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+    for name, tensor in raw.items():
+        if IGNORED_TENSOR.fullmatch(name):
+            continue
+        hf_module, _, part = name.rpartition(".")
+        module = gguf_module(hf_module)
+        if module is None:
+            raise ModelFormatError(f"unexpected tensor {name!r}: not part of a Llama model")
+        modules.setdefault(module, (hf_module, {}))[1][part] = tensor
+    if config.tie_word_embeddings:
+        modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
+    shapes = expected_shapes(config)
+    if missing := [name for name in shapes if name not in modules]:
+        raise ModelFormatError(f"the checkpoint lacks tensors for {missing[:5]} (from config.json)")
+    tensors: dict[str, torch.Tensor | QuantWeight] = {}
+    for module, (hf_module, parts) in modules.items():
+        if module not in shapes:
+            layers = config.n_layers
+            raise ModelFormatError(f"unexpected tensors {hf_module}.* ({layers} layers in config.json)")
+        shape = shapes[module]
+        if "bias" in parts:
+            if len(shape) != 2:
+                raise ModelFormatError(f"unexpected tensor {hf_module}.bias")
+            tensors[f"{module}.bias"] = dense(parts.pop("bias"), (shape[0],), f"{hf_module}.bias")
+        if "qweight" in parts and len(shape) == 2 and module != "token_embd":
+            if scheme is None:
+                raise ModelFormatError(f"{hf_module} is quantized but config.json has no quantization_config")
+            convert = gptq_weight if scheme.method == "gptq" else awq_weight
+            tensors[f"{module}.weight"] = convert(parts, shape, scheme, hf_module)
+        elif set(parts) == {"weight"}:
+            tensors[f"{module}.weight"] = dense(parts["weight"], shape, f"{hf_module}.weight")
+        else:
+            raise ModelFormatError(f"unexpected tensors for {hf_module}: {sorted(parts)}")
+    return tensors
+
+
+def dense(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    if t.dtype not in DENSE_DTYPES:
+        raise ModelFormatError(f"{name} has dtype {t.dtype}; dense weights must be fp16, bf16 or fp32")
+    check_shape(t, shape, name)
+    return t
+
+
+def check_shape(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ModelFormatError(f"{name} has shape {list(t.shape)}, expected {list(shape)} from config.json")
+
+
+# --- GPTQ and AWQ ----------------------------------------------------------------------------------------
+
+
+def quant_parts(parts: dict, names: set[str], hf_module: str, scheme: QuantScheme) -> None:
+    if set(parts) != names:
+        found, wanted = sorted(parts), sorted(names)
+        raise ModelFormatError(f"{hf_module} has tensors {found}; {scheme.method} uses {wanted}")
+    for name in names - {"scales"}:
+        if parts[name].dtype != torch.int32:
+            raise ModelFormatError(f"{hf_module}.{name} has dtype {parts[name].dtype}, expected int32")
+    if parts["scales"].dtype != torch.float16:
+        raise ModelFormatError(f"{hf_module}.scales has dtype {parts['scales'].dtype}, expected float16")
+
+
+def group_count(k: int, scheme: QuantScheme, hf_module: str) -> tuple[int, int]:
+    group_size = k if scheme.group_size == -1 else scheme.group_size
+    if k % group_size:
+        raise ModelFormatError(f"{hf_module}: input size {k} is not a multiple of group_size {group_size}")
+    return group_size, k // group_size
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Split every int32 into 32 // bits fields, lowest bits first, laid out one after another along `dim`."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    fields = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # [rows, cols, fields]
+    rows, cols = packed.shape
+    if dim == 0:
+        return fields.permute(0, 2, 1).reshape(rows * fields.shape[-1], cols)
+    return fields.reshape(rows, cols * fields.shape[-1])
+
+
+def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_module: str) -> QuantWeight:
+    n, k = shape
+    bits, per_word = scheme.bits, 32 // scheme.bits
+    quant_parts(parts, {"qweight", "qzeros", "scales", "g_idx"}, hf_module, scheme)
+    group_size, groups = group_count(k, scheme, hf_module)
+    if k % per_word or n % per_word:
+        raise ModelFormatError(f"{hf_module}: shape {[n, k]} does not pack into int32 words of {bits} bits")
+    check_shape(parts["qweight"], (k // per_word, n), f"{hf_module}.qweight")
+    check_shape(parts["qzeros"], (groups, n // per_word), f"{hf_module}.qzeros")
+    check_shape(parts["scales"], (groups, n), f"{hf_module}.scales")
+    check_shape(parts["g_idx"], (k,), f"{hf_module}.g_idx")
+    q = unpack_int32(parts["qweight"], bits, dim=0)  # [K, N], packed along the input dimension
+    zeros = unpack_int32(parts["qzeros"], bits, dim=1) + scheme.zero_shift  # [G, N], packed along the output
+    g_idx = parts["g_idx"].long()
+    in_range = g_idx.min() >= 0 and g_idx.max() < groups
+    if not in_range or (torch.bincount(g_idx, minlength=groups) != group_size).any():
+        raise ModelFormatError(
+            f"{hf_module}.g_idx does not assign {group_size} input channels to each of {groups} groups"
+        )
+    perm = None
+    if not torch.equal(g_idx, torch.arange(k) // group_size):
+        # Act-order: sort input channels by group so groups are contiguous; the model gathers x[:, perm].
+        perm = torch.argsort(g_idx, stable=True)
+        q = q[perm]
+    return quant_weight(q.T, parts["scales"].T, zeros.T, bits, group_size, perm)
+
+
+def awq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_module: str) -> QuantWeight:
+    n, k = shape
+    quant_parts(parts, {"qweight", "qzeros", "scales"}, hf_module, scheme)
+    group_size, groups = group_count(k, scheme, hf_module)
+    if n % 8:
+        raise ModelFormatError(f"{hf_module}: output size {n} is not a multiple of 8")
+    check_shape(parts["qweight"], (k, n // 8), f"{hf_module}.qweight")
+    check_shape(parts["qzeros"], (groups, n // 8), f"{hf_module}.qzeros")
+    check_shape(parts["scales"], (groups, n), f"{hf_module}.scales")
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:  # [rows, N / 8] -> [rows, N] in logical column order
+        nibbles = unpack_int32(packed, 4, dim=1).view(packed.shape[0], n // 8, 8)
+        return nibbles[..., AWQ_REVERSE_ORDER].reshape(packed.shape[0], n)
+
+    q, zeros = unpack(parts["qweight"]), unpack(parts["qzeros"])
+    return quant_weight(q.T, parts["scales"].T, zeros.T, 4, group_size)
+
+
+def quant_weight(q, scales, zeros, bits: int, group_size: int, perm=None) -> QuantWeight:
+    """q [N, K], scales and zeros [N, G] with w = scale * (q - zero) -> QuantWeight."""
+    if (zeros == 2 ** (bits - 1)).all():
+        offsets = None  # symmetric: QuantWeight's own centring, exact
+    else:
+        # scale * zero is exact in fp32 (11 + 9 significant bits); rounding it to fp16 is the inexact step.
+        offsets = (-scales.float() * zeros).half().contiguous()
+    return QuantWeight.from_values(q.contiguous(), scales.contiguous(), offsets, bits, group_size, perm)
