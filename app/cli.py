@@ -86,8 +86,8 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (one per line with --each-line).")] = False,
-    each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), run concurrently.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object (a line each with --each-line).")] = False,
+    each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
     file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
     device: DeviceOpt = None,
 ):

@@ -169,20 +169,23 @@ class Engine:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not messages or not any(m.get("content") for m in messages):
             raise RequestError("the prompt is empty: give some text")
-        return encode_chat(self.tokenizer, messages)
+        return self.tokenizer.encode_chat(messages)
 
     def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
                prompt_ids: list[int] | None = None) -> RequestHandle:
         """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids."""
         params = params or SamplingParams()
         ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw)
+        if len(ids) >= self.max_context:
+            raise RequestError(
+                f"the prompt is {len(ids)} tokens but the model's context holds {self.max_context}: "
+                "shorten the prompt or start a new conversation"
+            )
         limit = min(self.max_context, self.pool_tokens())
         if len(ids) >= limit:
-            where = "context" if limit == self.max_context else "KV cache pool"
             raise RequestError(
-                f"the prompt is {len(ids)} tokens but the model's {where} holds {limit}: "
-                "shorten the prompt (or start a new conversation)"
-                + (", or give the engine a larger pool (--kv-tokens)" if where != "context" else "")
+                f"the prompt is {len(ids)} tokens but the KV cache pool holds {limit}: shorten the prompt, "
+                "or give the engine a larger pool (--kv-tokens)"
             )
         seq = Sequence(
             id=next(self._ids),
@@ -319,14 +322,6 @@ class Engine:
         del self._handles[handle.id]
         handle.finished, handle.finish_time = True, time.perf_counter()
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
-
-
-def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    """Render with the model's chat template; special tokens in the rendered text are parsed as such."""
-    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special=True, parse_special=True)
-    if len(ids) > 1 and ids[0] == ids[1] == tokenizer.bos_id:  # the template wrote BOS itself
-        ids = ids[1:]
-    return ids
 
 
 def build_step_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInput:

@@ -1,8 +1,8 @@
 """The Llama-family forward pass over a paged KV cache.
 
-One flat batch of tokens per step: prefill chunks and decode tokens of many sequences side by side, described by
-`StepInput` (names as in vLLM: slot mapping, block tables, context lengths). Every op goes through kernels/,
-which runs Triton on CUDA and the torch references elsewhere.
+One flat batch of tokens per step: prefill chunks and decode tokens of many sequences side by side,
+described by `StepInput` (names as in vLLM: slot mapping, block tables, context lengths). Every op goes through
+kernels/, which runs Triton on CUDA and the torch references elsewhere.
 """
 
 from dataclasses import dataclass
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import ModelFormatError
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, write_kv
 from kernels.embedding import embedding
@@ -28,7 +29,7 @@ class StepInput:
     slot_mapping: torch.Tensor  # [T] flat KV-cache slot each token's K/V is written to
     block_tables: torch.Tensor  # [B, max_blocks] int32
     context_lens: torch.Tensor  # [B] tokens in cache for each sequence after this step
-    query_start_loc: torch.Tensor  # [B + 1] cumulative token counts: sequence b owns tokens [qsl[b], qsl[b+1])
+    query_start_loc: torch.Tensor  # [B + 1] sequence b owns tokens [qsl[b], qsl[b+1])
     logits_indices: torch.Tensor  # [S] rows of the step whose next-token logits are wanted
 
 
@@ -61,14 +62,22 @@ class Layer:
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
         self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
+        # Llama checkpoints with attention_bias=true carry q/k/v biases; the rest have none
+        biases = [t.get(f"blk.{i}.attn_{p}.bias") for p in "qkv"]
+        self.qkv_bias = torch.cat(biases).to(device, dtype) if all(b is not None for b in biases) else None
         self.o = get("attn_output")
         self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
         self.down = get("ffn_down")
 
 
 class Model:
-    def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device,
+                 dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
+        qkv_biases = ("attn_q", "attn_k", "attn_v")
+        unsupported = [n for n in tensors if n.endswith(".bias") and n.split(".")[-2] not in qkv_biases]
+        if unsupported:
+            raise ModelFormatError(f"{unsupported[0]}: biases outside q/k/v are not supported")
         self.token_embd = to_device(tensors["token_embd.weight"], device, dtype)
         self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
         self.lm_head = (self.token_embd if config.tie_word_embeddings
@@ -97,7 +106,10 @@ class Model:
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual)
-            q, k, v = linear_parts(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            qkv = linear_parts(x, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(n_tokens, c.n_heads, c.head_dim)
             k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
@@ -108,5 +120,6 @@ class Model:
             h = linear(o.view(n_tokens, q_size), layer.o)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
             h = linear(silu_and_mul(linear_parts(x, layer.gate_up)), layer.down)
-        x, _ = rms_norm(h[step.logits_indices], self.output_norm, c.rms_norm_eps, residual[step.logits_indices])
+        last = step.logits_indices
+        x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last])
         return linear(x, self.lm_head).float()

@@ -1,0 +1,141 @@
+"""Benchmarks of the whole engine. Each prints our figure beside a peer measured in the same run and the limit.
+
+  python -m engine.bench cpu     single-stream decode on the default model vs Hugging Face transformers (fp32)
+  python -m engine.bench batch   aggregate decode tok/s for 1, 2, 4, 8 sessions, static batch vs dynamic arrivals
+"""
+
+import argparse
+import random
+import time
+
+import torch
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.store import default_model_path
+
+PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    x = torch.empty(64 << 20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    n = 5
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        y.copy_(x)
+    sync()
+    return 2 * x.numel() * 4 * n / (time.perf_counter() - t)
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of weights one decode step reads on this engine's path (dense copies on the CPU reference path)."""
+    from kernels.qweight import QuantWeight
+
+    total = 0
+    model = engine.model
+    parts = [model.lm_head, model.output_norm]
+    for layer in model.layers:
+        parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
+    for w in parts:
+        if isinstance(w, QuantWeight):
+            total += sum(d.numel() * d.element_size() for d in w._dense.values()) if w._dense else (
+                w.packed.numel() + w.scales.numel() * w.scales.element_size() * 2)
+        else:
+            total += w.numel() * w.element_size()
+    return total
+
+
+def decode_rate(handle) -> float:
+    times = list(handle.seq.token_times)
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def bench_cpu(tokens: int) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    engine = Engine.from_model(None, device="cpu")
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    rates = []
+    for _ in range(3):
+        _, handle = engine.generate(PROMPT, params)
+        rates.append(decode_rate(handle))
+    ours = max(rates)
+    ours_tokens = handle.seq.generated
+    ids = engine.tokenizer.encode_chat(PROMPT)
+    wbytes = weight_bytes(engine)
+    engine.shutdown()
+
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           torch_dtype=torch.float32).eval()
+    hf_tokens, times = [], []
+    with torch.inference_mode():
+        x, past = torch.tensor([ids]), None
+        for _ in range(tokens):
+            r = hf(input_ids=x, past_key_values=past, use_cache=True)
+            past, token = r.past_key_values, int(r.logits[0, -1].argmax())
+            hf_tokens.append(token)
+            times.append(time.perf_counter())
+            x = torch.tensor([[token]])
+    theirs = (len(times) - 1) / (times[-1] - times[0])
+    bw = copy_bandwidth(torch.device("cpu"))
+    limit = bw / 2 / wbytes  # a copy moves each byte twice; decode reads each weight byte once
+    print(f"CPU decode, default model (SmolLM2-135M Q4_1), {tokens} tokens, {torch.get_num_threads()} threads")
+    print(f"{'':28}{'tok/s':>10}")
+    print(f"{'llamaterm (fp32)':28}{ours:10.1f}")
+    print(f"{'HF transformers (fp32)':28}{theirs:10.1f}")
+    print(f"{'speed-up':28}{ours / theirs:9.2f}x")
+    print(f"{'memory limit':28}{limit:10.1f}   ({wbytes / 1e6:.0f} MB read per token at {bw / 2e9:.1f} GB/s)")
+    print(f"same tokens as transformers: {ours_tokens == hf_tokens}")
+
+
+def bench_batch(sessions: list[int], tokens: int, device: str | None, model: str | None) -> None:
+    engine = Engine.from_model(model, device=device)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    prompts = [[{"role": "user", "content": f"Story number {i}: tell me about a lighthouse keeper."}]
+               for i in range(max(sessions))]
+    engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    print(f"Aggregate decode tok/s, {engine.model_name} on {engine.device}, {tokens} new tokens per session")
+    print(f"{'sessions':>8} {'static':>10} {'dynamic':>10} {'static/1':>9}")
+    base = None
+    rng = random.Random(0)
+    for n in sessions:
+        row = []
+        for staggered in (False, True):
+            t0 = time.perf_counter()
+            handles = []
+            for i in range(n):
+                handles.append(engine.submit(prompts[i], params))
+                if staggered:  # sessions join over the first part of the run
+                    time.sleep(rng.random() * 0.3)
+            for h in handles:
+                list(h.events())
+            row.append(n * tokens / (time.perf_counter() - t0))
+        base = base or row[0]
+        print(f"{n:8d} {row[0]:10.1f} {row[1]:10.1f} {row[0] / base:8.2f}x")
+    engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["cpu", "batch"])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--sessions", default="1,2,4,8")
+    ap.add_argument("--device")
+    ap.add_argument("--model")
+    args = ap.parse_args()
+    if args.what == "cpu":
+        bench_cpu(args.tokens)
+    else:
+        bench_batch([int(s) for s in args.sessions.split(",")], args.tokens, args.device, args.model)
+
+
+if __name__ == "__main__":
+    main()

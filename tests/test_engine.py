@@ -1,0 +1,230 @@
+"""The engine on small random models: batching, preemption, prefix caching and cancellation never change what a
+request generates; every block comes back; bad requests fail alone."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.errors import RequestError
+from engine.gguf import load_gguf
+from engine.model import Model
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from tests.tiny_models import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layers=2, context_length=512)
+    ckpt = load_gguf(path)
+    return ckpt, Tokenizer.from_gguf_metadata(ckpt.metadata)
+
+
+def make_engine(tiny, **kwargs) -> Engine:
+    ckpt, tokenizer = tiny
+    return Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), tokenizer, **kwargs)
+
+
+def run_alone(engine: Engine, prompt_ids, params) -> list[int]:
+    handle = engine.submit(None, params, prompt_ids=prompt_ids)
+    list(handle.events())
+    return handle.seq.generated
+
+
+def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 49000) for _ in range(rng.randint(1, max_prompt))]
+        if i % 2:
+            params = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.7, 1.0, 1.3]),
+                                    top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 50]), seed=1000 + i,
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=rng.randint(1, max_new), ignore_eos=True)
+        out.append((prompt, params))
+    return out
+
+
+def solo_outputs(tiny, requests) -> list[list[int]]:
+    engine = make_engine(tiny)
+    try:
+        return [run_alone(engine, p, sp) for p, sp in requests]
+    finally:
+        engine.shutdown()
+
+
+def test_batch_invariance_with_staggered_arrivals(tiny):
+    requests = random_requests(8, seed=1)
+    expected = solo_outputs(tiny, requests)
+    engine = make_engine(tiny, max_batch_tokens=64)
+    try:
+        handles = []
+        for prompt, params in requests:
+            handles.append(engine.submit(None, params, prompt_ids=prompt))
+            time.sleep(0.005)
+        for h in handles:
+            list(h.events())
+        assert [h.seq.generated for h in handles] == expected
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_small_pool_preempts_and_recomputes(tiny):
+    prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
+    requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=i % 2, seed=i))
+                for i, p in enumerate(prompts)]
+    expected = solo_outputs(tiny, requests)
+    engine = make_engine(tiny, kv_tokens=16 * 16, block_size=16)  # 16 blocks: ~3 requests at a time
+    try:
+        handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in requests]
+        for h in handles:
+            events = list(h.events())
+            assert events[-1].finish_reason == "length"
+        assert [h.seq.generated for h in handles] == expected
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_next_turn_reuses_cached_prefix(tiny):
+    ckpt, tokenizer = tiny
+    turn1 = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = make_engine(tiny)
+    try:
+        reply, first = engine.generate(turn1, params)
+        turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+        _, second = engine.generate(turn2, params)
+        assert first.stats().cached_tokens == 0
+        assert second.stats().cached_tokens >= 16 * ((first.stats().prompt_tokens - 1) // 16)
+        assert second.stats().cached_tokens > 0
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+    cold = make_engine(tiny)
+    try:
+        _, cold_second = cold.generate(turn2, params)
+        assert cold_second.stats().cached_tokens == 0
+        assert cold_second.seq.generated == second.seq.generated
+    finally:
+        cold.shutdown()
+
+
+def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny):
+    others = random_requests(3, seed=3)
+    expected = solo_outputs(tiny, others)
+    engine = make_engine(tiny, max_batch_tokens=32)
+    try:
+        long_prompt = list(range(100, 400))  # ten 32-token chunks of prefill
+        in_prefill = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=long_prompt)
+        in_decode = engine.submit(None, SamplingParams(max_tokens=400, ignore_eos=True), prompt_ids=[5, 6, 7])
+        handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in others]
+        engine.cancel(in_prefill)
+        while in_decode.seq.num_generated < 3:
+            time.sleep(0.001)
+        engine.cancel(in_decode)
+        assert list(in_prefill.events())[-1].finish_reason == "cancelled"
+        assert list(in_decode.events())[-1].finish_reason == "cancelled"
+        assert in_decode.seq.num_generated < 400
+        for h in handles:
+            list(h.events())
+        assert [h.seq.generated for h in handles] == expected
+        engine.cancel(in_decode)  # finished: a no-op
+        engine.cancel(12345)  # unknown: a no-op
+        time.sleep(0.05)
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_stress_random_arrivals_cancels_and_stop_strings(tiny):
+    rng = random.Random(4)
+    requests = []
+    for prompt, params in random_requests(200, seed=5, max_prompt=40, max_new=16):
+        stop = tuple(rng.sample(["e", " the", "a", "\n", "ing"], rng.randint(0, 2)))
+        requests.append((prompt, SamplingParams(**{**params.__dict__, "stop": stop})))
+    expected = solo_outputs(tiny, requests)
+    engine = make_engine(tiny, kv_tokens=64 * 16, max_batch_tokens=128)
+    cancelled = set(rng.sample(range(200), 30))
+    handles = {}
+
+    def submitter():
+        for i, (prompt, params) in enumerate(requests):
+            handles[i] = engine.submit(None, params, prompt_ids=prompt)
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 0.004)
+            if i in cancelled:
+                engine.cancel(handles[i])
+
+    try:
+        t = threading.Thread(target=submitter)
+        t.start()
+        t.join()
+        texts = {}
+        for i, h in handles.items():
+            events = list(h.events())
+            texts[i] = events
+            assert events[-1].finished
+            if i not in cancelled:
+                assert events[-1].finish_reason in ("stop", "length")
+                assert h.seq.generated == expected[i]
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+    finally:
+        engine.shutdown()
+
+
+def test_stop_strings_cut_the_text(tiny):
+    _, tokenizer = tiny
+    engine = make_engine(tiny)
+    try:
+        full, _ = engine.generate("Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True), raw=True)
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        assert stop and stop in full
+        cut, h = engine.generate("Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)),
+                                 raw=True)
+        assert cut == full[: full.index(stop)]
+        assert list(h.poll()) == []
+    finally:
+        engine.shutdown()
+
+
+def test_bad_requests_fail_alone(tiny, monkeypatch):
+    engine = make_engine(tiny, kv_tokens=20 * 16)
+    try:
+        with pytest.raises(RequestError, match="empty"):
+            engine.submit("", SamplingParams(), raw=True)
+        with pytest.raises(RequestError, match="context"):
+            engine.submit(None, SamplingParams(), prompt_ids=[5] * 600)
+        with pytest.raises(RequestError, match="KV cache pool"):
+            engine.submit(None, SamplingParams(), prompt_ids=[5] * 400)
+        # max_tokens past the pool is clamped, with finish reason "length"
+        h = engine.submit(None, SamplingParams(max_tokens=10_000, ignore_eos=True), prompt_ids=[5] * 300)
+        events = list(h.events())
+        assert events[-1].finish_reason == "length" and h.seq.num_generated == 320 - 300
+        # an exception while serving one request fails that request alone
+        from engine import engine as engine_module
+
+        real_push = engine_module.OutputState.push
+
+        def flaky(self, token_id):
+            if self.stop == ("boom",):
+                raise ValueError("detokenizer exploded")
+            return real_push(self, token_id)
+
+        monkeypatch.setattr(engine_module.OutputState, "push", flaky)
+        bad = engine.submit(None, SamplingParams(max_tokens=5, stop=("boom",)), prompt_ids=[7, 8, 9])
+        good = engine.submit(None, SamplingParams(max_tokens=5, ignore_eos=True), prompt_ids=[7, 8, 9])
+        bad_events = list(bad.events())
+        assert bad_events[-1].finish_reason == "error" and "exploded" in bad_events[-1].error
+        assert list(good.events())[-1].finish_reason == "length" and good.seq.num_generated == 5
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
