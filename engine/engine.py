@@ -134,6 +134,7 @@ class Engine:
         if max_batch_tokens is None:
             max_batch_tokens = 2048 if model.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_running)
+        self._warm_up()
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -241,6 +242,13 @@ class Engine:
             self._stopped = True
             self._cv.notify()
         self._thread.join()
+
+    def _warm_up(self) -> None:
+        """One token through the model before serving, so weight preparation and kernel compilation are paid at
+        load time rather than by the first request's TTFT. It writes slot 0 of a free block: no one reads it."""
+        one = lambda *v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=self.model.device)
+        step = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
+        self.model.forward(step, self.kv_cache)
 
     def _generator(self, seed: int | None) -> torch.Generator:
         g = torch.Generator(device=self.model.device)
