@@ -1,0 +1,421 @@
+"""The tokenizer: text <-> token ids, chat prompts, and streaming detokenization.
+
+Encoding runs in the `tokenizers` library. For GGUF files it is rebuilt from the metadata the way llama.cpp
+tokenizes (shared/research/formats.md §3): byte-level BPE (`gpt2`) with the pre-tokenizer regexes of the
+file's pre type, or SentencePiece BPE (`llama`) with scores and byte fallback. Folders bring tokenizer.json.
+
+Decoding is ours: every token maps once to the bytes it stands for, so decode and the incremental detokenizer
+concatenate bytes and decode UTF-8, O(1) per token. It is lossless: no clean-up of spaces around punctuation.
+"""
+
+import codecs
+import json
+import re
+import threading
+from functools import cached_property
+from pathlib import Path
+
+import tokenizers
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+
+from engine.chat_template import CHATML_TEMPLATE, ChatTemplate
+from engine.errors import ModelFormatError
+
+# llama.cpp token types (gguf-py TokenType), as stored in tokenizer.ggml.token_type
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Control tokens that end a turn or a text: llama.cpp's end-of-generation names (llama-vocab.cpp), plus
+# Llama 3's <|end_of_text|>, which a file whose eos is <|eot_id|> would otherwise let through
+END_OF_TURN = frozenset(
+    {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|endoftext|>"}
+    | {"<end_of_turn>", "<EOT>"}
+)
+
+# Pre-tokenizer regexes by tokenizer.ggml.pre, applied in order (llama-vocab.cpp, llm_tokenizer_bpe)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+PRE_TOKENIZER_SPLITS = {
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "llama3": (_LLAMA3_SPLIT,),
+    "llama-v3": (_LLAMA3_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT),
+    "gpt-2": (_GPT2_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+}
+# Llama 3 vocabularies take a pre-token that is a whole vocabulary entry as is, and add BOS by default
+_LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3"})
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level spelling, inverted: each of the 256 characters a token is written in -> its byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def _piece_bytes(token: str, token_type: int, byte_level: bool) -> bytes:
+    """The bytes a token stands for in decoded text."""
+    if token_type in (CONTROL, USER_DEFINED, UNKNOWN):
+        return token.encode()  # added tokens are stored as plain text in both kinds of vocabulary
+    if byte_level:
+        try:
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        except KeyError:  # outside the byte alphabet: plain text, as the tokenizers library decodes it
+            return token.encode()
+    if token_type == BYTE and _BYTE_TOKEN.fullmatch(token):
+        return bytes([int(token[3:5], 16)])  # <0xNN>
+    return token.replace("▁", " ").encode()
+
+
+class Tokenizer:
+    """Build with from_gguf_metadata or from_hf_dir. Thread-safe: encode takes a lock, the rest reads only."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        tokens: list[str],
+        token_types: list[int],
+        *,
+        byte_level: bool,
+        strip_leading_space: bool,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        extra_stop_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+    ):
+        if add_bos and bos_id is None:
+            raise ModelFormatError("the tokenizer says to add a BOS token but names none")
+        if add_eos and eos_id is None:
+            raise ModelFormatError("the tokenizer says to add an EOS token but names none")
+        self._backend = backend
+        self._tokens = tokens
+        self._pieces = [_piece_bytes(t, ty, byte_level) for t, ty in zip(tokens, token_types, strict=True)]
+        self._special = frozenset(i for i, ty in enumerate(token_types) if ty in (CONTROL, UNKNOWN))
+        # SentencePiece writes a word's leading space as part of the token; the first one in a text is the
+        # space it added in front of the text, so decoding drops it
+        self._strip_leading_space = strip_leading_space
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        named = {i for i in self._special if tokens[i] in END_OF_TURN}
+        self.stop_ids = frozenset(({eos_id} if eos_id is not None else set()) | named | set(extra_stop_ids))
+        self._chat_template_source = chat_template
+        self._encode_lock = threading.Lock()  # encode_special_tokens is a setting on the shared backend
+
+    # ---- construction ----
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """From GGUF metadata (every key -> plain Python value, arrays as lists)."""
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelFormatError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+        tokens = list(tokens)
+        n = len(tokens)
+        token_types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+        if len(token_types) != n:
+            raise ModelFormatError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {n} tokens")
+
+        def token_id(key: str) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{key}")
+            if value is not None and not 0 <= value < n:
+                raise ModelFormatError(f"tokenizer.ggml.{key} = {value} is outside the vocabulary of {n} tokens")
+            return value
+
+        model = meta.get("tokenizer.ggml.model")
+        if model == "gpt2":
+            pre = meta.get("tokenizer.ggml.pre", "default")
+            backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges"), pre)
+            add_bos_default, add_space_prefix = pre in _LLAMA3_PRES, False
+        elif model == "llama":
+            add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            unk_id = token_id("unknown_token_id")
+            backend = _sentencepiece_bpe(
+                tokens,
+                meta.get("tokenizer.ggml.scores"),
+                None if unk_id is None else tokens[unk_id],
+                add_space_prefix,
+            )
+            add_bos_default = True
+        else:
+            raise ModelFormatError(
+                f"tokenizer model {model!r} is not supported: llamaterm reads 'gpt2' (byte-level BPE) and "
+                "'llama' (SentencePiece)"
+            )
+        # Added tokens are matched whole in the text; special ones only when asked (encode's parse_special)
+        typed = list(zip(tokens, token_types, strict=True))
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in typed if ty in (CONTROL, UNKNOWN)]
+        )
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in typed if ty == USER_DEFINED])
+        stops = tuple(i for i in (token_id("eot_token_id"), token_id("eom_token_id")) if i is not None)
+        bos_id = token_id("bos_token_id")
+        return cls(
+            backend,
+            tokens,
+            token_types,
+            byte_level=model == "gpt2",
+            strip_leading_space=add_space_prefix,
+            bos_id=bos_id,
+            eos_id=token_id("eos_token_id"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default and bos_id is not None)),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            extra_stop_ids=stops,
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
+        folder = Path(path)
+        spec_text = _read_text(folder / "tokenizer.json")
+        if spec_text is None:
+            raise ModelFormatError(f"{folder}: no tokenizer.json (llamaterm needs the fast-tokenizer file)")
+        try:
+            spec = json.loads(spec_text)
+            backend = tokenizers.Tokenizer.from_str(spec_text)
+        except Exception as err:  # the library raises plain Exceptions on a malformed file
+            raise ModelFormatError(f"{folder / 'tokenizer.json'}: cannot be read: {err}") from err
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+
+        decoders = _flatten_decoders(spec.get("decoder"))
+        kinds = {d.get("type") for d in decoders}
+        if "ByteLevel" in kinds:
+            byte_level, strip_leading_space = True, False
+        elif kinds & {"ByteFallback", "Metaspace", "Replace"}:
+            byte_level = False
+            strip_leading_space = "Strip" in kinds or any(
+                d.get("type") == "Metaspace"
+                and (d.get("prepend_scheme", "never") != "never" or d.get("add_prefix_space"))
+                for d in decoders
+            )
+        else:
+            raise ModelFormatError(f"{folder / 'tokenizer.json'}: unsupported decoder {sorted(map(str, kinds))}")
+
+        vocab = backend.get_vocab(with_added_tokens=True)
+        tokens = [""] * (max(vocab.values()) + 1)
+        token_types = [UNUSED] * len(tokens)
+        for token, i in vocab.items():
+            tokens[i] = token
+            token_types[i] = BYTE if not byte_level and _BYTE_TOKEN.fullmatch(token) else NORMAL
+        for added in spec.get("added_tokens", []):
+            token_types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+
+        def config_token_id(name: str) -> int | None:
+            token = config.get(name)
+            if isinstance(token, dict):  # saved as an AddedToken
+                token = token.get("content")
+            return None if token is None else backend.token_to_id(token)
+
+        bos_id, eos_id = config_token_id("bos_token"), config_token_id("eos_token")
+        # Without add_bos_token in the config, the post-processor shows what to add (Llama 3 adds BOS there)
+        added = backend.encode("", add_special_tokens=True).ids
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            add_bos = bos_id is not None and added[:1] == [bos_id]
+        add_eos = config.get("add_eos_token")
+        if add_eos is None:
+            add_eos = eos_id is not None and len(added) > int(add_bos) and added[-1] == eos_id
+        # Instruct models list their end-of-turn tokens here (Llama 3.1: end_of_text, eom_id, eot_id)
+        generation_eos = generation.get("eos_token_id")
+        if generation_eos is None:
+            generation_eos = []
+        extra_stops = tuple(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+
+        template = _read_text(folder / "chat_template.jinja") or config.get("chat_template")
+        if isinstance(template, list):  # named variants: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(
+            backend,
+            tokens,
+            token_types,
+            byte_level=byte_level,
+            strip_leading_space=strip_leading_space,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            add_bos=bool(add_bos),
+            add_eos=bool(add_eos),
+            extra_stop_ids=extra_stops,
+            chat_template=template,
+        )
+
+    # ---- encoding ----
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The token as the vocabulary spells it (e.g. 'Ġworld' or '▁world'); decode() gives its text."""
+        self._check_id(token_id)
+        return self._tokens[token_id]
+
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> ids. add_special adds BOS/EOS as the model asks; parse_special turns text such as
+        '<|im_start|>' into its control token (off for user text, so it cannot forge turns)."""
+        with self._encode_lock:
+            self._backend.encode_special_tokens = not parse_special
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special:
+            ids = [self.bos_id] * self.add_bos + ids + [self.eos_id] * self.add_eos
+        return ids
+
+    # ---- chat ----
+
+    @cached_property
+    def _chat_template(self) -> ChatTemplate:
+        # Compiled on first use, so a model with a broken template still loads for raw prompts
+        return ChatTemplate(self._chat_template_source or CHATML_TEMPLATE)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none)."""
+        return self._chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token="" if self.bos_id is None else self._tokens[self.bos_id],
+            eos_token="" if self.eos_id is None else self._tokens[self.eos_id],
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's ids: template markers parsed as special tokens, BOS added once if the model asks."""
+        ids = self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special=False, parse_special=True
+        )
+        if self.add_bos and ids[:1] != [self.bos_id]:  # templates such as Llama 3's write BOS themselves
+            ids.insert(0, self.bos_id)
+        return ids
+
+    # ---- decoding ----
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        pieces = [self._piece(i) for i in ids if not (skip_special and i in self._special)]
+        if pieces and self._strip_leading_space:
+            pieces[0] = pieces[0].removeprefix(b" ")
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def detokenizer(self, skip_special: bool = False) -> "Detokenizer":
+        """A streaming decoder for one sequence: the concatenation of its outputs equals decode(ids)."""
+        return Detokenizer(self, skip_special)
+
+    def _piece(self, token_id: int) -> bytes:
+        self._check_id(token_id)
+        return self._pieces[token_id]
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < len(self._tokens):
+            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{len(self._tokens) - 1})")
+
+
+class Detokenizer:
+    """Text of a sequence as its tokens arrive. push() returns only complete characters: the bytes of a UTF-8
+    character split across tokens (an emoji in a byte-level vocabulary) wait until its last byte comes."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._first = True
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        tok = self._tokenizer
+        if self._skip_special and token_id in tok._special:
+            return ""
+        piece = tok._piece(token_id)
+        if self._first:
+            self._first = False
+            if tok._strip_leading_space:
+                piece = piece.removeprefix(b" ")
+        return self._utf8.decode(piece)
+
+    def flush(self) -> str:
+        """The end of the sequence: held bytes of an unfinished character come out as U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str) -> tokenizers.Tokenizer:
+    if pre not in PRE_TOKENIZER_SPLITS:
+        known = ", ".join(sorted(PRE_TOKENIZER_SPLITS))
+        raise ModelFormatError(f"tokenizer pre-type {pre!r} is not supported (llamaterm knows {known})")
+    if not merges:
+        raise ModelFormatError("the GGUF byte-level tokenizer has no merges (tokenizer.ggml.merges)")
+    pairs = []
+    for merge in merges:
+        cut = merge.find(" ", 1)  # "left right"; a part never holds a real space in a byte-level vocabulary
+        if cut < 0:
+            raise ModelFormatError(f"tokenizer.ggml.merges holds a malformed merge {merge!r}")
+        pairs.append((merge[:cut], merge[cut + 1 :]))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return backend
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], scores: list[float] | None, unk_token: str | None, add_space_prefix: bool
+) -> tokenizers.Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: spaces become '▁', one more goes in front of each run of text
+    (after each special token too), then the adjacent pair whose union scores best merges first; characters
+    outside the vocabulary fall back to <0xNN> byte tokens."""
+    if scores is None or len(scores) != len(tokens):
+        raise ModelFormatError("the GGUF SentencePiece tokenizer needs one score per token (tokenizer.ggml.scores)")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # The same rule as ranked merges: every split of a token into two vocabulary pieces, best score first
+    # (a stable sort keeps vocabulary order between equal scores)
+    merges = [
+        (token[:k], token[k:], scores[i])
+        for token, i in vocab.items()
+        for k in range(1, len(token))
+        if token[:k] in vocab and token[k:] in vocab
+    ]
+    merges.sort(key=lambda m: -m[2])
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    )
+    escape = [normalizers.Replace(" ", "▁")]
+    backend.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if add_space_prefix else []) + escape)
+    return backend
+
+
+def _flatten_decoders(decoder: dict | None) -> list[dict]:
+    if decoder is None:
+        return []
+    if decoder.get("type") == "Sequence":
+        return [d for sub in decoder.get("decoders", []) for d in _flatten_decoders(sub)]
+    return [decoder]
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def _read_json(path: Path) -> dict:
+    text = _read_text(path)
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ModelFormatError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return value
