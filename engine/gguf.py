@@ -1,0 +1,466 @@
+"""GGUF checkpoints (llama.cpp's format) -> Checkpoint.
+
+The container is parsed here rather than with gguf.GGUFReader: GGUFReader trusts the counts and lengths in
+the file (an absurd array length makes it loop for ever, a short file gives silently short arrays) and
+takes seconds to decode a 49k-token vocabulary. This parser checks every read against the end of the file and
+decodes numeric arrays in one numpy call. The gguf package still supplies the type ids and block sizes; its
+dequantizers are the tests' oracle. Byte layouts and the mapping onto QuantWeight: shared/research/formats.md
+§1 and §2.
+
+Quantized tensors become QuantWeight: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly; Q4_K, Q5_K (group 32) and Q6_K
+(group 16) with each super-block scale times sub-block scale rounded once to fp16. The converter's q/k row
+permutation is undone, so rows are in Hugging Face order and the model applies half-split (NeoX) RoPE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import struct
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from engine.checkpoint import Checkpoint
+from engine.config import ModelConfig
+from engine.errors import ModelFormatError
+from kernels.qweight import QuantWeight
+
+SUPPORTED_ARCHS = ("llama",)
+REDOWNLOAD = "Re-download it (or re-convert it with a current llama.cpp)."
+
+_V = GGUFValueType
+_SCALAR_FORMATS = {
+    _V.UINT8: "<B", _V.INT8: "<b", _V.UINT16: "<H", _V.INT16: "<h", _V.UINT32: "<I", _V.INT32: "<i",
+    _V.UINT64: "<Q", _V.INT64: "<q", _V.FLOAT32: "<f", _V.FLOAT64: "<d", _V.BOOL: "<?",
+}
+_MAX_ARRAY_NESTING = 4  # the spec allows arrays of arrays; real files use none
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+def _bad(path: Path, problem: str, advice: str = REDOWNLOAD) -> ModelFormatError:
+    return ModelFormatError(f"{path}: {problem}.\n{advice}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Container
+
+
+@dataclasses.dataclass
+class RawTensor:
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: (rows, row length) for a matrix, i.e. the GGUF dims reversed
+    data: np.ndarray  # uint8 view of the file, mapped read-only
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict[str, object]
+    tensors: dict[str, RawTensor]
+
+
+class _Reader:
+    """A cursor over the mapped file; every read is checked against the end of the file."""
+
+    def __init__(self, path: Path, buf: np.ndarray):
+        self.path, self.mv, self.pos = path, memoryview(buf), 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if self.pos + n > len(self.mv):
+            raise _bad(self.path, f"the file is truncated: {what} at byte {self.pos} runs past its end "
+                                  f"({len(self.mv)} bytes)")
+        self.pos += n
+        return self.mv[self.pos - n:self.pos]
+
+    def scalar(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def count(self, item_size: int, what: str) -> int:
+        """A u64 element count, checked against the bytes left so that absurd counts fail at once."""
+        n = self.scalar("<Q", what)
+        if n * item_size > (left := len(self.mv) - self.pos):
+            raise _bad(self.path, f"the file is truncated or corrupt: {what} claims {n} entries, more than the "
+                                  f"{left} bytes left can hold")
+        return n
+
+    def string(self, what: str) -> str:
+        data = self.take(self.count(1, what), what)
+        try:
+            return str(data, "utf-8")
+        except UnicodeDecodeError:
+            raise _bad(self.path, f"{what} is not valid UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> object:
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[vtype], what)
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
+        if vtype != GGUFValueType.ARRAY or depth >= _MAX_ARRAY_NESTING:
+            raise _bad(self.path, f"{what} has an unknown value type {vtype} (or arrays nested too deep)")
+        itype = self.scalar("<I", what)
+        if itype in _SCALAR_FORMATS:
+            dtype = np.dtype(_SCALAR_FORMATS[itype])
+            n = self.count(dtype.itemsize, what)
+            return np.frombuffer(self.take(n * dtype.itemsize, what), dtype=dtype).tolist()
+        n = self.count(8 if itype == GGUFValueType.STRING else 12, what)  # smallest string / array header
+        return [self.value(itype, what, depth + 1) for _ in range(n)]
+
+
+def read_gguf_file(path: Path) -> GGUFFile:
+    """Parse one GGUF file: metadata and tensor descriptions with byte views of their data (memory mapped)."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise _bad(path, "the file is empty")
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+    except FileNotFoundError:
+        raise _bad(path, "no such file", "Check the path, or download the model again.") from None
+    except OSError as err:
+        raise ModelFormatError(f"{path}: cannot read it ({err.strerror or err}).") from None
+    r = _Reader(path, buf)
+    magic = bytes(r.take(4, "the magic bytes")) if size >= 4 else b""
+    if magic != b"GGUF":
+        raise _bad(path, f"not a GGUF file (it starts with {bytes(buf[:4])!r}, not b'GGUF')",
+                   "llamaterm loads llama.cpp GGUF models (*.gguf): check the path, or re-download the file.")
+    version = r.scalar("<I", "the version")
+    if version not in (2, 3):
+        problem = ("a big-endian GGUF file, which llamaterm does not read" if version & 0xFFFF == 0
+                   else f"GGUF version {version}; llamaterm reads versions 2 and 3")
+        raise _bad(path, problem, "Download a little-endian GGUF of version 3 (current llama.cpp writes it).")
+    n_tensors = r.count(24, "the tensor count")  # a tensor info takes at least 24 bytes
+    n_keys = r.count(13, "the metadata key count")  # a key/value pair takes at least 13 bytes
+
+    metadata: dict[str, object] = {}
+    for i in range(n_keys):
+        key = r.string(f"metadata key {i}")
+        if key in metadata:
+            raise _bad(path, f"metadata key {key!r} appears twice")
+        metadata[key] = r.value(r.scalar("<I", f"the type of {key}"), f"metadata value {key!r}")
+
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _bad(path, f"general.alignment = {alignment!r} is not a power of two")
+
+    infos = []
+    for i in range(n_tensors):
+        name = r.string(f"the name of tensor {i}")
+        n_dims = r.scalar("<I", f"the rank of tensor {name!r}")
+        if not 1 <= n_dims <= 4:
+            raise _bad(path, f"tensor {name!r} has {n_dims} dimensions (GGUF allows 1 to 4)")
+        dims = [r.scalar("<Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
+        type_id = r.scalar("<I", f"the type of tensor {name!r}")
+        infos.append((name, dims, type_id, r.scalar("<Q", f"the offset of tensor {name!r}")))
+    data_start = -(-r.pos // alignment) * alignment
+
+    tensors: dict[str, RawTensor] = {}
+    for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise _bad(path, f"tensor {name!r} appears twice")
+        if type_id not in GGML_QUANT_SIZES:  # GGML_QUANT_SIZES is keyed by the enum, whose members equal ints
+            raise _bad(path, f"tensor {name!r} has an unknown type id {type_id} (new format or corrupt file)",
+                       "Update llamaterm, or download a GGUF quantized with a common type (Q4_K_M, Q8_0).")
+        ggml_type = GGMLQuantizationType(type_id)
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        if min(dims) == 0:
+            raise _bad(path, f"tensor {name!r} has shape {dims}, with an empty dimension")
+        if dims[0] % block_size:
+            raise _bad(path, f"tensor {name!r} has shape {dims}, whose rows are not a whole number of "
+                             f"{ggml_type.name} blocks of {block_size} values")
+        n_bytes = math.prod(dims) // block_size * type_size
+        start = data_start + offset
+        if offset % alignment or start + n_bytes > size:
+            raise _bad(path, f"tensor {name!r} lies at bytes {start}..{start + n_bytes}, misaligned or "
+                             f"beyond the end of the file ({size} bytes): the file is truncated or corrupt")
+        tensors[name] = RawTensor(name, ggml_type, tuple(reversed(dims)), buf[start:start + n_bytes])
+    return GGUFFile(path, metadata, tensors)
+
+
+def read_gguf_parts(path: Path) -> GGUFFile:
+    """Read a model, following a split model (`name-00001-of-00003.gguf`) to all of its parts.
+
+    The returned metadata is the first part's (the others carry only split keys); tensors are merged.
+    """
+    first = read_gguf_file(path)
+    count = first.metadata.get("split.count", 1)
+    if count == 1:
+        return first
+    no, shard = first.metadata.get("split.no"), _SHARD_NAME.fullmatch(path.name)
+    if no != 0 or not shard or int(shard["no"]) != 1 or int(shard["count"]) != count:
+        raise _bad(path, f"this is part {no!r} (counting from 0) of a model split into {count!r} files",
+                   "Load the first part, the file named like <name>-00001-of-000NN.gguf.")
+    parts = [path.with_name(f"{shard['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise ModelFormatError(f"{path}: the model is split into {count} files and these are missing: "
+                               f"{', '.join(missing)}.\nDownload every part into {path.parent}.")
+    tensors = dict(first.tensors)
+    for no, part_path in enumerate(parts, start=1):
+        part = read_gguf_file(part_path)
+        if (part.metadata.get("split.no"), part.metadata.get("split.count")) != (no, count):
+            raise _bad(part_path, f"its split keys do not say part {no} of {count} (counting from 0)",
+                       "The parts come from different models or downloads: download every part again.")
+        if repeated := sorted(tensors.keys() & part.tensors.keys()):
+            raise _bad(part_path, f"it repeats tensors of earlier parts: {', '.join(repeated[:3])}")
+        tensors.update(part.tensors)
+    expected = first.metadata.get("split.tensors.count", len(tensors))
+    if expected != len(tensors):
+        raise _bad(path, f"the parts hold {len(tensors)} tensors, the metadata promises {expected}")
+    return GGUFFile(path, first.metadata, tensors)
+
+
+def read_gguf_info(path: str | Path) -> dict:
+    """Metadata and tensor statistics, nothing converted (cheap: for `llamaterm info` and `ls`)."""
+    f = read_gguf_parts(Path(path))
+    return {
+        "path": str(path),
+        "architecture": f.metadata.get("general.architecture"),
+        "metadata": f.metadata,
+        "n_tensors": len(f.tensors),
+        "n_params": sum(math.prod(t.shape) for t in f.tensors.values()),
+        "n_bytes": sum(t.data.nbytes for t in f.tensors.values()),
+        "tensor_types": dict(Counter(t.type.name for t in f.tensors.values()).most_common()),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hyper-parameters and the expected tensors
+
+
+def _config(f: GGUFFile) -> ModelConfig:
+    meta, path = f.metadata, f.path
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise _bad(path, f"the architecture {arch!r} is not supported "
+                         f"(llamaterm runs: {', '.join(SUPPORTED_ARCHS)})",
+                   "Pick a Llama-family model (Llama 2/3, Mistral, SmolLM, TinyLlama) in GGUF format.")
+    required = object()
+
+    def get(key: str, default: object = required, kind: type = int):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is required:
+            raise _bad(path, f"the metadata key {arch}.{key} is missing")
+        kinds = (int, float) if kind is float else (int,)
+        if not isinstance(value, kinds) or isinstance(value, bool) or not 0 < value < math.inf:
+            raise _bad(path, f"{arch}.{key} = {value!r} is not a positive {kind.__name__}")
+        return kind(value)
+
+    hidden, n_heads = get("embedding_length"), get("attention.head_count")
+    n_kv_heads = get("attention.head_count_kv", n_heads)
+    head_dim = get("attention.key_length", get("rope.dimension_count", max(hidden // n_heads, 1)))
+    if n_heads % n_kv_heads or head_dim % 2:
+        raise _bad(path, f"{n_heads} heads, {n_kv_heads} kv heads and head_dim {head_dim} do not fit")
+    for key in ("attention.value_length", "rope.dimension_count"):  # differing values: a variant we don't run
+        if get(key, head_dim) != head_dim:
+            raise _bad(path, f"{arch}.{key} differs from head_dim {head_dim}, which llamaterm does not run",
+                       "Pick a standard Llama-family model.")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
+
+    freq_factors = _rope_freq_factors(f, arch, head_dim, get)
+    return ModelConfig(
+        arch=arch,
+        name=str(meta.get("general.name") or path.stem),
+        n_layers=get("block_count"),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        context_length=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
+        rope_theta=get("rope.freq_base", 10000.0, float),
+        rope_freq_factors=freq_factors,
+        tie_word_embeddings="output.weight" not in f.tensors,
+    )
+
+
+def _rope_freq_factors(f: GGUFFile, arch: str, head_dim: int, get) -> tuple[float, ...] | None:
+    """RoPE frequency divisors: Llama-3 scaling comes baked into the rope_freqs tensor, linear scaling is one
+    factor for all."""
+    factors = None
+    if (t := f.tensors.get("rope_freqs.weight")) is not None:
+        if t.type != GGMLQuantizationType.F32 or t.shape != (head_dim // 2,):
+            raise _bad(f.path, f"rope_freqs.weight is {t.type.name} {t.shape}, not F32 ({head_dim // 2},)")
+        factors = t.data.view(np.float32).tolist()
+        if not all(0 < x < math.inf for x in factors):
+            raise _bad(f.path, "rope_freqs.weight holds values that are not positive and finite")
+    legacy_linear = f.metadata.get(f"{arch}.rope.scale_linear")  # the old spelling of linear scaling
+    scaling = f.metadata.get(f"{arch}.rope.scaling.type", "none" if legacy_linear is None else "linear")
+    if scaling == "linear":
+        factor = get("rope.scaling.factor", legacy_linear, float)
+        factors = [x * factor for x in (factors or [1.0] * (head_dim // 2))]
+    elif scaling != "none":
+        raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear and Llama-3 are)",
+                   "Pick a model without that context extension.")
+    return None if factors is None else tuple(factors)
+
+
+def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Every tensor a llama GGUF may hold, with its numpy shape; and the names that must be there."""
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"token_embd.weight": (c.vocab_size, c.hidden_size), "output_norm.weight": (c.hidden_size,),
+              "output.weight": (c.vocab_size, c.hidden_size), "rope_freqs.weight": (c.head_dim // 2,)}
+    required = {"token_embd.weight", "output_norm.weight"}
+    for i in range(c.n_layers):
+        layer = {"attn_norm": (c.hidden_size,), "attn_q": (q_rows, c.hidden_size),
+                 "attn_k": (kv_rows, c.hidden_size), "attn_v": (kv_rows, c.hidden_size),
+                 "attn_output": (c.hidden_size, q_rows), "ffn_norm": (c.hidden_size,),
+                 "ffn_gate": (c.intermediate_size, c.hidden_size),
+                 "ffn_up": (c.intermediate_size, c.hidden_size),
+                 "ffn_down": (c.hidden_size, c.intermediate_size)}
+        shapes |= {f"blk.{i}.{name}.weight": shape for name, shape in layer.items()}
+        required |= {f"blk.{i}.{name}.weight" for name in layer}
+        # optional biases (Llama's attention_bias / mlp_bias)
+        shapes |= {f"blk.{i}.{name}.bias": shape[:1] for name, shape in layer.items() if len(shape) == 2}
+    return shapes, required
+
+
+def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
+    if c.n_layers * 9 > len(f.tensors):  # before building per-layer tables from an absurd block_count
+        raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
+    shapes, required = _expected_shapes(c)
+    if missing := sorted(required - f.tensors.keys()):
+        raise _bad(f.path, f"tensors are missing: {', '.join(missing[:5])}{' ...' if missing[5:] else ''}")
+    for name, t in f.tensors.items():
+        if name not in shapes:
+            raise _bad(f.path, f"tensor {name!r} is not part of a {c.arch} model",
+                       "Pick a standard Llama-family model.")
+        if t.shape != shapes[name]:
+            raise _bad(f.path, f"tensor {name!r} has shape {t.shape}; the metadata implies {shapes[name]}")
+        if t.type in _UNPACK and len(t.shape) == 1:
+            raise _bad(f.path, f"tensor {name!r} is a vector quantized as {t.type.name}; llamaterm expects "
+                               "vectors in F32, F16 or BF16")
+        if t.type not in _DENSE and t.type not in _UNPACK:
+            supported = ", ".join(x.name for x in _DENSE | _UNPACK)
+            raise _bad(f.path, f"tensor {name!r} has type {t.type.name}, which llamaterm does not support "
+                               f"(supported: {supported})",
+                       "Download a GGUF quantized with a supported type, e.g. Q4_K_M, Q4_0 or Q8_0.")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tensor conversion, in numpy: its uint8 arithmetic is several times faster than torch's on the CPU.
+# Each unpacker takes blocks uint8 [rows, n_blocks, type_size] and returns q uint8 [rows, n_blocks,
+# block_size], scales and offsets (or None) [rows, n_blocks, groups per block], bits and group size.
+
+_DENSE = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+          GGMLQuantizationType.BF16: torch.bfloat16}
+_SHIFTS = np.arange(8, dtype=np.uint8)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte `at` of every block."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Legacy 32-value blocks: the low nibbles of the 16 bytes are values 0..15, the high nibbles 16..31."""
+    return np.concatenate((qs & 0xF, qs >> 4), axis=-1)
+
+
+def _bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 fifth bits: value e's bit is bit e of the little-endian 32-bit qh."""
+    return ((qh[..., None] >> _SHIFTS) & 1).reshape(*qh.shape[:-1], -1)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: each 32-byte chunk holds one 32-value sub-block in its low nibbles, the next in its high."""
+    qs = qs.reshape(*qs.shape[:-1], -1, 1, 32)
+    return np.concatenate((qs & 0xF, qs >> 4), axis=-2).reshape(*qs.shape[:-3], -1)
+
+
+def _k_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: w = (d*sc)*q - dmin*m per 32 values, with 6-bit sc and m packed in 12 bytes
+    (llama.cpp get_scale_min_k4). Each product is exact in fp32 and rounded once, to fp16."""
+    lo, mid, hi = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate((lo & 63, (hi & 0xF) | (lo >> 6) << 4), axis=-1)
+    m = np.concatenate((mid & 63, (hi >> 4) | (mid >> 6) << 4), axis=-1)
+    d, dmin = _f16(blocks, 0).astype(np.float32)[..., None], _f16(blocks, 2).astype(np.float32)[..., None]
+    return (d * sc).astype(np.float16), (-(dmin * m)).astype(np.float16)
+
+
+def _q5_k(b):
+    qh = b[..., 16:48]  # bit j of byte l is the fifth bit of value 32*j + l
+    high = ((qh[..., None, :] >> _SHIFTS[:, None]) & 1).reshape(*qh.shape[:-1], -1)
+    return _k_nibbles(b[..., 48:176]) | high << 4, *_k_affine(b), 8, 32
+
+
+def _q6_k(b):
+    # value 128h + 32k + l: low 4 bits from ql[64h + 32(k%2) + l] (low nibble for k < 2), high 2 bits from
+    # qh[32h + l] >> 2k; the signed q6 - 32 is stored re-centred, as q6 + 96 in 8 bits.
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32)
+    low = np.concatenate((ql & 0xF, ql >> 4), axis=-2)
+    high = (b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32) >> (2 * _SHIFTS[:4, None])) & 3
+    scales = _f16(b, 208).astype(np.float32)[..., None] * b[..., 192:208].view(np.int8)
+    return (low | high << 4).reshape(*b.shape[:-1], -1) + 96, scales.astype(np.float16), None, 8, 16
+
+
+_UNPACK = {
+    # w = d*(q - 8)
+    GGMLQuantizationType.Q4_0: lambda b: (_nibbles(b[..., 2:18]), _f16(b, 0), None, 4, 32),
+    # w = d*q + m
+    GGMLQuantizationType.Q4_1: lambda b: (_nibbles(b[..., 4:20]), _f16(b, 0), _f16(b, 2), 4, 32),
+    # w = d*(q5 - 16), q5 stored as q5 + 112 in 8 bits
+    GGMLQuantizationType.Q5_0: lambda b: ((_nibbles(b[..., 6:22]) | _bits(b[..., 2:6]) << 4) + 112,
+                                          _f16(b, 0), None, 8, 32),
+    # w = d*q5 + m
+    GGMLQuantizationType.Q5_1: lambda b: (_nibbles(b[..., 8:24]) | _bits(b[..., 4:8]) << 4,
+                                          _f16(b, 0), _f16(b, 2), 8, 32),
+    # w = d*q8, the int8 q8 stored as q8 + 128
+    GGMLQuantizationType.Q8_0: lambda b: (b[..., 2:34] ^ 0x80, _f16(b, 0), None, 8, 32),
+    GGMLQuantizationType.Q4_K: lambda b: (_k_nibbles(b[..., 16:144]), *_k_affine(b), 4, 32),
+    GGMLQuantizationType.Q5_K: _q5_k,
+    GGMLQuantizationType.Q6_K: _q6_k,
+}
+
+
+def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
+    """A float tensor in its own dtype, or a quantized matrix as QuantWeight."""
+    if t.type in _DENSE:
+        # copied: the mapping is read-only (a private writable one would be charged as committed memory)
+        return torch.from_numpy(np.array(t.data)).view(_DENSE[t.type]).view(t.shape)
+    rows, cols = t.shape
+    block_size, type_size = GGML_QUANT_SIZES[t.type]
+    q, scales, offsets, bits, group = _UNPACK[t.type](t.data.reshape(rows, cols // block_size, type_size))
+    as_rows = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x).reshape(rows, -1))
+    return QuantWeight.from_values(as_rows(q), as_rows(scales), as_rows(offsets), bits, group)
+
+
+def hf_row_order(n_rows: int, n_head: int) -> np.ndarray:
+    """For each Hugging Face q/k row, the GGUF row holding it: the converter interleaved the two halves of
+    every head, so HF row j*h/2 + i of a head is GGUF row 2i + j (formats.md §1.7)."""
+    return np.arange(n_rows).reshape(n_head, -1, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _unpermute(t: RawTensor, n_head: int) -> RawTensor:
+    """Reorder whole rows (or bias elements) of the raw bytes; exact for every type (blocks lie in rows)."""
+    rows = t.data.reshape(t.shape[0], -1)
+    return dataclasses.replace(t, data=rows[hf_row_order(t.shape[0], n_head)].reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def load_gguf(path: str | Path) -> Checkpoint:
+    """Load a Llama-family GGUF model; the first part of a split model loads all parts. Any problem with the
+    file raises ModelFormatError."""
+    f = read_gguf_parts(Path(path))
+    config = _config(f)
+    _check_tensors(f, config)
+    tensors = {}
+    for name, t in f.tensors.items():
+        if name == "rope_freqs.weight":  # already in config.rope_freq_factors
+            continue
+        if ".attn_q." in name or ".attn_k." in name:
+            t = _unpermute(t, config.n_heads if ".attn_q." in name else config.n_kv_heads)
+        tensors[name] = w = convert_tensor(t)
+        if isinstance(w, QuantWeight) and not all(x.isfinite().all() for x in (w.scales, w.offsets)
+                                                  if x is not None):
+            raise _bad(f.path, f"tensor {name!r} has scales that are NaN or beyond the fp16 range (corrupt)")
+    return Checkpoint(config=config, tensors=tensors, metadata=f.metadata, path=f.path)
