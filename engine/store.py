@@ -1,14 +1,33 @@
-"""The model store: checkpoints under the user's data directory, referred to by short names."""
+"""The model store: checkpoints under the user's data directory, referred to by short names.
 
+Layout of models_dir():
+    <name>/                 one folder per model: its files and a manifest, llamaterm.json
+    .partial/<name>@<commit>/  downloads in progress (engine.hub); invisible to ls and resolve
+    .locks/<name>.lock      held while a model is pulled or removed: concurrent pulls leave one good copy
+    .trash/                 folders on their way out: renamed here first so they vanish from the store at once
+"""
+
+import difflib
+import json
 import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from filelock import FileLock
 from platformdirs import user_data_dir
 
-from engine.errors import ModelNotFound
+from engine.checkpoint_info import is_first_gguf, read_checkpoint
+from engine.errors import ModelFormatError, ModelNotFound
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MANIFEST = "llamaterm.json"
+# Store names: what `pull` derives from a repo and quant, or what --name gives.
+VALID_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
 def data_dir() -> Path:
@@ -24,8 +43,121 @@ def default_model_path() -> Path:
     return models_dir() / "default" / DEFAULT_GGUF
 
 
+@dataclass
+class StoredModel:
+    name: str
+    folder: Path
+    manifest: dict[str, Any]  # repo, revision, format, quant, architecture, parameters, files, ...
+
+    @property
+    def checkpoint(self) -> Path:
+        """What the loader takes: the .gguf file (the first part of a split one) or the safetensors folder."""
+        if self.manifest["format"] == "safetensors":
+            return self.folder
+        firsts = sorted(f["path"] for f in self.manifest["files"] if is_first_gguf(f["path"]))
+        return self.folder / firsts[0]
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+
+
+def format_size(n: float) -> str:
+    """Bytes in decimal units, as the Hub shows file sizes: '807.7 MB'."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def model_lock(name: str) -> FileLock:
+    locks = models_dir() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(locks / f"{name}.lock")
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    tmp = folder / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(folder / MANIFEST)
+
+
+def describe_checkpoint(checkpoint: Path) -> dict[str, Any]:
+    """The manifest fields that `ls` shows, read once from the files so `ls` stays fast."""
+    info = read_checkpoint(checkpoint)
+    return {
+        "format": info.format,
+        "quant": info.quant,
+        "architecture": info.architecture,
+        "parameters": info.parameters,
+        "context_length": info.context_length,
+    }
+
+
+def _adopt(folder: Path) -> dict[str, Any] | None:
+    """A manifest for a folder that `pull` did not write (the default model, a copied-in checkpoint), cached.
+
+    Only top-level files count: the default model's installer stages its download in a subfolder.
+    """
+    firsts = sorted(p for p in folder.glob("*.gguf") if is_first_gguf(p.name))
+    if firsts:
+        files = list(folder.glob("*.gguf"))
+        checkpoint = firsts[0]
+    elif (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+        files = [p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST]
+        checkpoint = folder
+    else:
+        return None
+    try:
+        manifest = describe_checkpoint(checkpoint)
+    except ModelFormatError:
+        return None
+    manifest["files"] = [{"path": p.name, "size": p.stat().st_size} for p in sorted(files)]
+    try:
+        write_manifest(folder, manifest)
+    except OSError:
+        pass  # a read-only store still lists; it just reads the checkpoint again next time
+    return manifest
+
+
+def list_models() -> list[StoredModel]:
+    root = models_dir()
+    if not root.is_dir():
+        return []
+    models = []
+    for folder in sorted(root.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except (FileNotFoundError, ValueError):  # none, or damaged: rebuilt from the files
+            manifest = _adopt(folder)
+        if manifest is not None:
+            models.append(StoredModel(folder.name, folder, manifest))
+    return models
+
+
+def find_model(name: str) -> StoredModel:
+    """A stored model by name (case-insensitive), or ModelNotFound that suggests the close names."""
+    models = {m.name.lower(): m for m in list_models()}
+    if name.lower() in models:
+        return models[name.lower()]
+    raise ModelNotFound(f"no model named {name!r} in the store.{_suggestions(name, list(models))}")
+
+
+def _suggestions(name: str, names: list[str]) -> str:
+    key = name.lower()
+    close = [n for n in names if key in n] + difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    close = list(dict.fromkeys(close))[:5]
+    if close:
+        return f" Did you mean: {', '.join(close)}?"
+    if names:
+        return " `llamaterm ls` lists the stored models."
+    return " The store is empty: `llamaterm pull REPO` downloads a model."
+
+
 def resolve_model(name: str | None) -> Path:
-    """A model name (or None for the default) or a path to a .gguf file -> the checkpoint's path."""
+    """A model name (or None for the default) or a path to a checkpoint -> the checkpoint's path."""
     if name is None or name == DEFAULT_MODEL:
         path = default_model_path()
         if not path.exists():
@@ -37,7 +169,31 @@ def resolve_model(name: str | None) -> Path:
     candidate = Path(name).expanduser()
     if candidate.exists():
         return candidate
-    stored = models_dir() / name
-    if stored.exists():
-        return stored
-    raise ModelNotFound(f"no model named {name!r}: it is neither a file nor in the store ({models_dir()}).")
+    return find_model(name).checkpoint
+
+
+def install(staged: Path, name: str) -> StoredModel:
+    """Move a complete, verified folder into the store as `name`, replacing any older copy.
+
+    The caller holds model_lock(name).
+
+    Each rename is atomic, so readers see the old model or the new one, never a mix of files.
+    """
+    dest = models_dir() / name
+    if dest.exists():
+        _discard(dest)
+    staged.replace(dest)
+    return StoredModel(name, dest, json.loads((dest / MANIFEST).read_text()))
+
+
+def remove_model(model: StoredModel) -> None:
+    """Remove a stored model's folder. Hold model_lock(model.name)."""
+    _discard(model.folder)
+
+
+def _discard(folder: Path) -> None:
+    trash = models_dir() / ".trash"
+    trash.mkdir(parents=True, exist_ok=True)
+    doomed = trash / f"{folder.name}-{uuid.uuid4().hex[:8]}"
+    folder.replace(doomed)  # gone from the store in one step, even if the deletion below is interrupted
+    shutil.rmtree(doomed)
