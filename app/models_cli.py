@@ -1,0 +1,198 @@
+"""The model store commands: `llamaterm pull / ls / rm / info`.
+
+app/cli.py calls register(app). Heavy modules (huggingface_hub, gguf, torch) load inside the commands, so
+`llamaterm --help` stays instant. Data goes to stdout; progress and diagnostics to stderr.
+"""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def pull(
+    ref: Annotated[str, typer.Argument(metavar="REPO[:QUANT]", help="A Hub repo, with a GGUF quant if you like.")],
+    revision: Annotated[
+        str | None, typer.Option("--revision", "-r", help="Branch, tag or commit (default: the main branch).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Store it under this name instead of the derived one.")] = None,
+    offline: Annotated[
+        bool, typer.Option(help="Use the store's copy, never the network (HF_HUB_OFFLINE=1 does the same).")
+    ] = False,
+):
+    """Download a model from the Hugging Face Hub into the store; print its name.
+
+    GGUF repos: one quant, every part of a split file; without :QUANT, Q4_K_M or else the closest 4-bit.
+    Safetensors repos: config, tokenizer and *.safetensors files; never pickles.
+    An interrupted pull resumes when run again. Files are checked against the Hub's sha256 first.
+
+    Examples:
+
+      llamaterm pull bartowski/Llama-3.2-1B-Instruct-GGUF:q4_k_m
+
+      llamaterm pull HuggingFaceTB/SmolLM2-135M-Instruct --name smol
+    """
+    from engine import hub
+    from engine.store import VALID_NAME, format_size
+
+    try:
+        hub.parse_ref(ref)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="REPO[:QUANT]") from None
+    if name is not None and not VALID_NAME.match(name):
+        raise typer.BadParameter("use lowercase letters, digits, '.', '_' and '-'", param_hint="--name")
+    try:
+        model = hub.pull(ref, revision=revision, name=name, offline=offline, say=say)
+    except KeyboardInterrupt:
+        say("\ninterrupted: what was downloaded is kept; run the same command again to resume")
+        raise typer.Exit(130) from None
+    typer.echo(model.name)
+    quant = model.manifest.get("quant") or model.manifest["format"]
+    say(f"{model.name}: {quant}, {format_size(model.size_on_disk())}. Try: llamaterm run --model {model.name} Hi")
+
+
+def ls(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+):
+    """List the models in the store: name, format, quant, architecture, parameters, context and size on disk."""
+    from engine.store import format_size, list_models
+
+    rows = [
+        {
+            "name": m.name,
+            "format": m.manifest.get("format"),
+            "quant": m.manifest.get("quant"),
+            "architecture": m.manifest.get("architecture"),
+            "parameters": m.manifest.get("parameters"),
+            "context_length": m.manifest.get("context_length"),
+            "size": m.size_on_disk(),
+            "repo": m.manifest.get("repo"),
+            "path": str(m.checkpoint),
+        }
+        for m in list_models()
+    ]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        say("The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model.")
+        return
+    table = [("NAME", "FORMAT", "QUANT", "ARCH", "PARAMS", "CONTEXT", "SIZE")]
+    for r in rows:
+        table.append(
+            (
+                r["name"],
+                r["format"],
+                r["quant"] or "-",
+                r["architecture"] or "-",
+                format_count(r["parameters"]),
+                str(r["context_length"] or "-"),
+                format_size(r["size"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def rm(
+    name: Annotated[str, typer.Argument(help="The model's name (see llamaterm ls).")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+):
+    """Remove a model from the store and free its disk space."""
+    from filelock import Timeout
+
+    from engine.errors import LlamatermError
+    from engine.store import find_model, format_size, model_lock, remove_model
+
+    model = find_model(name)
+    size = format_size(model.size_on_disk())
+    if not yes and not typer.confirm(f"Remove {model.name} ({size})?", err=True):
+        raise typer.Exit(1)
+    try:
+        with model_lock(model.name).acquire(timeout=0):
+            remove_model(model)
+    except Timeout:
+        raise LlamatermError(f"{model.name} is being pulled right now; remove it when that finishes") from None
+    say(f"Removed {model.name}, freeing {size}.")
+
+
+def info(
+    name: Annotated[str, typer.Argument(help="The model's name (see llamaterm ls), or a checkpoint's path.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Show a model's metadata, tensor types and chat template."""
+    from engine.checkpoint_info import read_checkpoint
+    from engine.store import find_model, format_size
+
+    path = Path(name).expanduser()
+    if path.exists():
+        manifest, checkpoint = {}, path
+        size = sum(p.stat().st_size for p in [path, *path.rglob("*")] if p.is_file())
+    else:
+        model = find_model(name)
+        name, manifest, checkpoint, size = model.name, model.manifest, model.checkpoint, model.size_on_disk()
+    ci = read_checkpoint(checkpoint)
+    data = {
+        "name": name,
+        "path": str(checkpoint),
+        "format": ci.format,
+        "quant": manifest.get("quant") or ci.quant,
+        "architecture": ci.architecture,
+        "parameters": ci.parameters,
+        "context_length": ci.context_length,
+        "size": size,
+        "repo": manifest.get("repo"),
+        "revision": manifest.get("revision"),
+        "pulled_at": manifest.get("pulled_at"),
+        "files": manifest.get("files"),
+        "tensor_types": ci.tensor_types,
+        "chat_template": ci.chat_template,
+        "metadata": ci.metadata,
+    }
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+        return
+    summary = {
+        "name": name,
+        "path": data["path"],
+        "format": ci.format,
+        "quant": data["quant"] or "-",
+        "architecture": ci.architecture or "-",
+        "parameters": format_count(ci.parameters),
+        "context": str(ci.context_length or "-"),
+        "size": format_size(size),
+    }
+    if data["repo"]:
+        summary["repo"] = f"{data['repo']} @ {data['revision'][:12]}, pulled {data['pulled_at']}"
+    summary["tensor types"] = ", ".join(f"{t} x{n}" for t, n in ci.tensor_types.items())
+    for key, value in summary.items():
+        typer.echo(f"{key:<14}{value}")
+    typer.echo("\nmetadata")
+    for key, value in ci.metadata.items():
+        text = json.dumps(value, default=str) if not isinstance(value, str) else value
+        typer.echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
+    typer.echo("\nchat template")
+    typer.echo(ci.chat_template.rstrip() if ci.chat_template else "  (none)")
+
+
+def format_count(n: int | None) -> str:
+    """Parameter counts as the field writes them: 135M, 1.24B."""
+    if not n:
+        return "-"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(pull)
+    app.command()(ls)
+    app.command()(rm)
+    app.command()(info)
