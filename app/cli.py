@@ -22,6 +22,9 @@ app = typer.Typer(
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model name in the store, or a path.")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
+KvTokensOpt = Annotated[
+    int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
+]
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -83,6 +86,8 @@ def run(
     top_k: int = 0,
     min_p: float = 0.0,
     repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
@@ -90,6 +95,7 @@ def run(
     each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
     file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
     device: DeviceOpt = None,
+    kv_tokens: KvTokensOpt = None,
 ):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -97,7 +103,8 @@ def run(
     """
     params = sampling_params(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()),
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
     )
     if each_line:
         source = file.read_text() if file else read_prompt("-")
@@ -108,7 +115,7 @@ def run(
         prompts = [read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, kv_tokens=kv_tokens)
     try:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [engine.submit(x, params, raw=raw) for x in inputs]
@@ -166,6 +173,7 @@ def chat(
     temperature: float = 0.0,
     max_tokens: int = 1024,
     device: DeviceOpt = None,
+    kv_tokens: KvTokensOpt = None,
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
     if not plain:
@@ -176,7 +184,7 @@ def chat(
         else:
             return run_tui(model, sessions, system)
     params = sampling_params(temperature=temperature, max_tokens=max_tokens)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, kv_tokens=kv_tokens)
     typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True)
     messages = [{"role": "system", "content": system}] if system else []
     try:

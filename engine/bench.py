@@ -74,7 +74,7 @@ def bench_cpu(tokens: int) -> None:
 
     path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           torch_dtype=torch.float32).eval()
+                                                           dtype=torch.float32).eval()
     hf_tokens, times = [], []
     with torch.inference_mode():
         x, past = torch.tensor([ids]), None

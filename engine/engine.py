@@ -8,6 +8,7 @@ cancel only enqueue). A failure while serving one request fails that request alo
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import secrets
 import threading
@@ -359,8 +360,9 @@ def build_step_input(chunks: list[ScheduledChunk], block_size: int, device: torc
 
 
 def default_kv_tokens(model: Model) -> int:
-    """CPU: room for a few full conversations. CUDA: most of the memory left after the weights."""
+    """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens."""
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         return int(free * 0.85) // model.kv_bytes_per_token()
-    return 16384
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1024, min(32768, free // 4 // model.kv_bytes_per_token()))

@@ -34,7 +34,7 @@ def hf_model():
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, torch_dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=torch.float32
     )
     return model.eval()
 
