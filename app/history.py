@@ -9,6 +9,7 @@ and the problem is reported through `History.problem`.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -277,6 +278,16 @@ def to_json(conv: Conversation) -> str:
         ],
     }
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def export_file(conv: Conversation, fmt: str, directory: Path | None = None) -> Path:
+    """Write a conversation as Markdown ("md") or JSON ("json"); returns the file's path."""
+    directory = directory or data_dir() / "exports"
+    directory.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", conv.title).strip("-").lower()[:40] or "conversation"
+    path = directory / f"{slug}-{conv.id}.{fmt}"
+    path.write_text(to_markdown(conv) if fmt == "md" else to_json(conv), encoding="utf-8")
+    return path
 
 
 def _dumps(value: dict | None) -> str | None:

@@ -1,0 +1,365 @@
+"""The main screen: 1 to 8 panes in columns or a grid, the broadcast input and the engine's status bar.
+
+Two timers connect it to the engine without ever blocking either side: TICK_HZ drains every streaming pane's
+events and appends them in one batch per pane, and STATS_HZ reads the engine's stats for the panes and the
+status bar. Nothing here waits on the engine, and the engine never waits on the UI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from functools import partial
+
+from textual import on
+from textual.app import ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Grid
+from textual.events import DescendantFocus
+from textual.screen import Screen
+from textual.widgets import Footer, Input
+
+from app.history import History, export_file
+from app.tui import clipboard
+from app.tui.screens.help import HelpScreen
+from app.tui.screens.history import HistoryScreen
+from app.tui.screens.settings import SettingsScreen
+from app.tui.screens.text_prompt import TextPromptScreen
+from app.tui.session import Session
+from app.tui.widgets.chat_pane import ChatPane
+from app.tui.widgets.stats import StatusBar
+from app.tui.widgets.transcript import CopyRequested
+
+MAX_PANES = 8
+TICK_HZ = 25
+STATS_HZ = 4
+
+
+class ChatScreen(Screen):
+    AUTO_FOCUS = "#prompt"
+    BINDINGS = [
+        Binding("f1,question_mark", "help", "Help", tooltip="Every key and what it does"),
+        Binding("escape", "stop", "Stop", tooltip="Stop the reply (from the broadcast input: every selected pane)"),
+        Binding("ctrl+n", "new_pane", "New pane", tooltip="Open a pane with the active pane's settings"),
+        Binding("f8", "close_pane", "Close pane", show=False, tooltip="Close the active pane (it stays in history)"),
+        Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active pane's conversation"),
+        Binding("ctrl+s", "settings", "Settings", tooltip="System prompt, temperature, top-p, max tokens, seed"),
+        Binding("f6", "focus_pane(1)", "Next pane", show=False, tooltip="Make the next pane active"),
+        Binding("shift+f6", "focus_pane(-1)", "Previous pane", show=False, tooltip="Make the previous pane active"),
+        Binding("ctrl+z", "zoom", "Zoom", show=False, tooltip="Show only the active pane, or all of them again"),
+        Binding("ctrl+t", "toggle_selected", "Select", show=False,
+                tooltip="Add or remove the active pane from the broadcast targets"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False, tooltip="Ask the last prompt again"),
+        Binding("f4", "edit", "Edit last", show=False, tooltip="Edit the last prompt and send it again"),
+        Binding("ctrl+y", "copy_reply", "Copy reply", show=False, tooltip="Copy the active pane's last reply"),
+        Binding("ctrl+b", "copy_code", "Copy code", show=False,
+                tooltip="Copy the last code block of the active pane's last reply"),
+        Binding("ctrl+l", "clear", "Clear", show=False, tooltip="Start a new conversation in the active pane"),
+        Binding("ctrl+o", "history", "History", tooltip="Search past conversations and reopen one"),
+    ]
+    PALETTE_ONLY = [
+        ("Export pane as Markdown", "Write the active pane's conversation to a .md file", "export('md')"),
+        ("Export pane as JSON", "Write the active pane's conversation to a .json file", "export('json')"),
+        ("Stop every reply", "Stop all panes that are answering", "stop_all"),
+    ]
+
+    def __init__(self, history: History, sessions: list[Session]):
+        super().__init__()
+        self.history = history
+        self.initial_sessions = sessions
+        self.engine = None  # set once the model has loaded
+        self.zoomed = False
+
+    def compose(self) -> ComposeResult:
+        with Grid(id="panes"):
+            for number, session in enumerate(self.initial_sessions, 1):
+                yield ChatPane(session, number)
+        yield Input(id="prompt", placeholder="Ask every selected pane… (Enter sends, F1 lists the keys)")
+        yield StatusBar(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.activate(self.panes[0], focus=False)
+        self.relayout()
+        self.set_interval(1 / TICK_HZ, self.tick)
+        self.set_interval(1 / STATS_HZ, self.refresh_stats)
+
+    @property
+    def panes(self) -> list[ChatPane]:
+        return list(self.query_one("#panes", Grid).query_children(ChatPane))
+
+    @property
+    def active(self) -> ChatPane:
+        return self.query_one("ChatPane.-active", ChatPane)
+
+    # ---- the engine ----
+
+    async def engine_ready(self, engine) -> None:
+        self.engine = engine
+        for pane in self.panes:
+            if pane.session.queued:
+                await pane.submit(engine)
+        self.refresh_stats()
+
+    def engine_failed(self, message: str) -> None:
+        self.query_one(StatusBar).show_error(message)
+
+    async def tick(self) -> None:
+        for pane in self.panes:
+            if pane.session.handle is not None:
+                await pane.pull()
+
+    def refresh_stats(self) -> None:
+        if self.engine is None:
+            return
+        self.query_one(StatusBar).show(self.engine.stats())
+        for pane in self.panes:
+            if pane.session.handle is not None:
+                pane.session.refresh_stats()
+                pane.show_stats()
+
+    # ---- layout and focus ----
+
+    def relayout(self) -> None:
+        """Up to 3 panes side by side, more in two rows; a zoomed pane alone."""
+        panes = self.panes
+        shown = 1 if self.zoomed else len(panes)
+        columns = shown if shown <= 3 else -(-shown // 2)
+        grid = self.query_one("#panes", Grid)
+        grid.styles.grid_size_columns = columns
+        grid.styles.grid_size_rows = -(-shown // columns)
+        for pane in panes:
+            pane.display = not self.zoomed or pane.has_class("-active")
+        self.set_class(len(panes) == 1, "-single")  # one pane: the broadcast input is its input
+        self.show_targets()
+
+    def show_targets(self) -> None:
+        panes = self.panes
+        selected = sum(p.selected for p in panes)
+        if len(panes) == 1:
+            title = ""
+        elif selected == 0:
+            title = "no pane selected: ctrl+t selects the active one"
+        else:
+            title = f"→ all {selected} panes" if selected == len(panes) else f"→ {selected} of {len(panes)} panes"
+        self.query_one("#prompt", Input).border_title = title
+
+    def activate(self, pane: ChatPane, focus: bool = True) -> None:
+        for other in self.panes:
+            other.set_class(other is pane, "-active")
+        if self.zoomed:
+            self.relayout()
+        if focus:
+            target = pane.query_one(".pane-input", Input)
+            (target if target.display and not self.has_class("-single") else self.query_one("#prompt")).focus()
+
+    @on(DescendantFocus)
+    def follow_focus(self, event: DescendantFocus) -> None:
+        pane = next((w for w in event.widget.ancestors if isinstance(w, ChatPane)), None)
+        if pane is not None and not pane.has_class("-active"):
+            self.activate(pane, focus=False)
+
+    # ---- prompts ----
+
+    @on(Input.Submitted)
+    async def send(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if event.input.id == "prompt":
+            targets = [p for p in self.panes if p.selected]
+            if not targets:
+                self.notify("No pane is selected: ctrl+t selects the active pane.", severity="warning")
+                return
+        else:
+            targets = [next(w for w in event.input.ancestors if isinstance(w, ChatPane))]
+        busy = [p for p in targets if p.session.busy]
+        if busy:
+            numbers = ", ".join(str(p.number) for p in busy)
+            self.notify(f"Pane {numbers} is still answering (Esc stops it).", severity="warning")
+        if len(busy) == len(targets):
+            return
+        event.input.clear()
+        for pane in targets:
+            if pane not in busy:
+                await pane.ask(text, self.engine)
+
+    # ---- actions (keys and command palette) ----
+
+    async def action_stop(self) -> None:
+        if self.focused is self.query_one("#prompt"):
+            targets = [p for p in self.panes if p.selected]
+        else:
+            targets = [self.active]
+        for pane in targets:
+            await pane.stop()
+
+    async def action_stop_all(self) -> None:
+        for pane in self.panes:
+            await pane.stop()
+
+    async def action_new_pane(self) -> None:
+        await self.add_pane(Session(self.history, self.active.session.settings))
+
+    async def add_pane(self, session: Session) -> None:
+        if len(self.panes) >= MAX_PANES:
+            self.notify(f"{MAX_PANES} panes is the most: close one (F8) first.", severity="warning")
+            return
+        pane = ChatPane(session, len(self.panes) + 1)
+        await self.query_one("#panes", Grid).mount(pane)
+        self.zoomed = False
+        self.relayout()
+        self.activate(pane)
+
+    async def action_close_pane(self) -> None:
+        panes = self.panes
+        if len(panes) == 1:
+            self.notify("The last pane stays open: ctrl+l clears it.")
+            return
+        pane = self.active
+        index = panes.index(pane)
+        await pane.remove()
+        panes = self.panes
+        for number, other in enumerate(panes, 1):
+            other.number = number
+        self.zoomed = False
+        self.relayout()
+        self.activate(panes[min(index, len(panes) - 1)])
+
+    def action_focus_pane(self, step: int) -> None:
+        panes = self.panes
+        self.activate(panes[(panes.index(self.active) + step) % len(panes)])
+
+    def action_zoom(self) -> None:
+        self.zoomed = not self.zoomed
+        self.relayout()
+
+    def action_toggle_selected(self) -> None:
+        self.active.selected = not self.active.selected
+        self.show_targets()
+
+    def action_rename(self) -> None:
+        pane = self.active
+
+        def rename(name: str | None) -> None:
+            if name is not None:
+                pane.session.rename(name)
+                pane.show_title()
+
+        self.app.push_screen(TextPromptScreen(f"Rename pane {pane.number}", pane.session.title), rename)
+
+    def action_settings(self) -> None:
+        pane = self.active
+
+        def configure(settings) -> None:
+            if settings is not None:
+                pane.session.configure(settings)
+
+        self.app.push_screen(SettingsScreen(f"Pane {pane.number}: {pane.session.title}", pane.session.settings),
+                             configure)
+
+    async def action_regenerate(self) -> None:
+        pane = self.active
+        if pane.session.last_prompt() is None:
+            self.notify("Nothing to regenerate yet.")
+            return
+        await self.resend(pane, pane.session.rewind())
+
+    def action_edit(self) -> None:
+        pane = self.active
+        prompt = pane.session.last_prompt()
+        if prompt is None:
+            self.notify("No message to edit yet.")
+            return
+
+        async def edited(text: str | None) -> None:
+            if text:
+                pane.session.rewind()
+                await self.resend(pane, text)
+
+        self.app.push_screen(TextPromptScreen("Edit the last message (Enter sends it again)", prompt.content), edited)
+
+    async def resend(self, pane: ChatPane, text: str) -> None:
+        await pane.drop_forgotten()
+        await pane.ask(text, self.engine)
+
+    def action_copy_reply(self) -> None:
+        reply = self.active.session.reply
+        if reply is None or not reply.content:
+            self.notify("No reply to copy yet.")
+            return
+        self.copy(reply.content, "reply")
+
+    def action_copy_code(self) -> None:
+        view = self.active.reply_view
+        blocks = view.code_blocks() if view is not None else []
+        if not blocks:
+            self.notify("The last reply has no code block.")
+            return
+        self.copy(blocks[-1], "code block")
+
+    @on(CopyRequested)
+    def copy_clicked(self, event: CopyRequested) -> None:
+        self.copy(event.text, event.what)
+
+    def copy(self, text: str, what: str) -> None:
+        path = clipboard.copy(self.app, text)
+        where = f" (if your terminal ignores OSC 52, it is in {path})" if path else ""
+        self.notify(f"Copied the {what}{where}.")
+
+    async def action_clear(self) -> None:
+        pane = self.active
+        await pane.show_session(Session(self.history, pane.session.settings, pane.session.name))
+
+    def action_history(self) -> None:
+        self.app.push_screen(HistoryScreen(self.history), self.open_conversation)
+
+    async def open_conversation(self, conversation_id: int | None) -> None:
+        """Reopen a stored conversation: where it is already open, else in an empty active pane, else in a new one."""
+        if conversation_id is None:
+            return
+        for pane in self.panes:
+            if pane.session.conversation_id == conversation_id:
+                self.activate(pane)
+                return
+        session = Session.reopen(self.history, self.history.load(conversation_id))
+        active = self.active
+        if not active.session.messages and not active.session.busy:
+            await active.show_session(session)
+            self.activate(active)
+        else:
+            await self.add_pane(session)
+
+    def action_export(self, fmt: str) -> None:
+        conversation_id = self.active.session.conversation_id
+        if conversation_id is None:
+            self.notify("Nothing to export yet.")
+            return
+        path = export_file(self.history.load(conversation_id), fmt)
+        self.notify(f"Exported to {path}")
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen(self.key_help()))
+
+    # ---- discoverability: every key and command comes from BINDINGS, so help and palette never go stale ----
+
+    def key_help(self) -> list[tuple[str, list[tuple[str, str]]]]:
+        def keys(binding: Binding) -> str:
+            return " / ".join(self.app.get_key_display(replace(binding, key=k)) for k in binding.key.split(","))
+
+        chat = [
+            ("Enter", "Send: from the broadcast input to every selected pane, from a pane's input to that pane"),
+            ("Tab / Shift+Tab", "Move between the inputs"),
+            ("Click", "Copy a message, or the code block under the mouse"),
+            *((keys(b), b.tooltip) for b in self.BINDINGS),
+            ("^p", "Command palette: every action, and export as Markdown or JSON"),
+            ("^q", "Quit"),
+        ]
+        history = [(keys(b), b.tooltip) for b in HistoryScreen.BINDINGS]
+        return [("Chat", chat), ("History list", history)]
+
+    def commands(self) -> Iterable[SystemCommand]:
+        for binding in self.BINDINGS:
+            yield SystemCommand(binding.description, binding.tooltip, partial(self.run_action, binding.action))
+        for title, help, action in self.PALETTE_ONLY:
+            yield SystemCommand(title, help, partial(self.run_action, action))

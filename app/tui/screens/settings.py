@@ -1,0 +1,81 @@
+"""A pane's settings: system prompt and sampling values, checked by the engine's own rules before saving."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, TextArea
+
+from app.tui.session import ChatSettings
+from engine.errors import RequestError
+
+# (field, label, Input type, hint); only the seed may be left blank
+FIELDS = [
+    ("temperature", "Temperature", "number", "0 = greedy"),
+    ("top_p", "Top-p", "number", "(0, 1]"),
+    ("max_tokens", "Max tokens", "integer", ">= 1"),
+    ("seed", "Seed", "integer", "blank = random"),
+]
+OPTIONAL = {"seed"}
+
+
+class SettingsScreen(ModalScreen[ChatSettings | None]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, title: str, settings: ChatSettings):
+        super().__init__()
+        self.title_text, self.settings = title, settings
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog settings"):
+            yield Label(f"Settings · {self.title_text}", classes="dialog-title", markup=False)
+            yield Label("System prompt")
+            yield TextArea(self.settings.system, id="system", soft_wrap=True)
+            for name, label, kind, hint in FIELDS:
+                value = getattr(self.settings, name)
+                with Horizontal(classes="field"):
+                    yield Label(label, classes="field-label")
+                    yield Input("" if value is None else str(value), type=kind, id=name, compact=True)
+                    yield Label(hint, classes="field-hint")
+            yield Label("", id="error")
+            with Horizontal(classes="buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+            yield Label("^s saves · Esc cancels · Tab moves between fields", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#system", TextArea).focus()
+
+    @on(Button.Pressed, "#save")
+    @on(Input.Submitted)
+    def action_save(self) -> None:
+        try:
+            values = {
+                name: parse(label, kind, self.query_one(f"#{name}", Input).value, name in OPTIONAL)
+                for name, label, kind, _ in FIELDS
+            }
+            settings = ChatSettings(system=self.query_one("#system", TextArea).text.strip(), **values)
+        except RequestError as e:
+            self.query_one("#error", Label).update(Content(str(e)))
+            return
+        self.dismiss(settings)
+
+    @on(Button.Pressed, "#cancel")
+    def cancel(self) -> None:
+        self.dismiss(None)
+
+
+def parse(label: str, kind: str, text: str, optional: bool) -> float | int | None:
+    text = text.strip()
+    if not text:
+        if optional:
+            return None
+        raise RequestError(f"{label}: give a value")
+    try:
+        return float(text) if kind == "number" else int(text)
+    except ValueError:
+        raise RequestError(f"{label}: {text!r} is not a {'number' if kind == 'number' else 'whole number'}") from None

@@ -1,0 +1,193 @@
+"""One conversation as a pane holds it: settings, messages, the request in flight. No widgets here.
+
+Every message goes to the history as it happens: the user's at once, the reply when its first text arrives,
+then again at most every SAVE_EVERY_S while it streams and once when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+
+from app.history import Conversation, History
+from engine.api import RequestStats
+from engine.errors import RequestError
+from engine.sampling_params import SamplingParams
+
+SAVE_EVERY_S = 1.0
+TOPIC_CHARS = 48
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system: str = ""
+    temperature: float = 0.0  # the engine's default: greedy, so panes differ only by what the user changes
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    seed: int | None = None
+
+    def __post_init__(self):
+        self.sampling_params()  # a bad value fails here, where the user typed it, not in the engine
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ChatSettings:
+        """Settings from the history; keys this version does not know are dropped."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(eq=False)
+class ChatMessage:
+    role: str  # "user" | "assistant"
+    content: str = ""
+    id: int | None = None  # row in the history, once saved
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Session:
+    def __init__(self, history: History, settings: ChatSettings | None = None, name: str | None = None):
+        self.history = history
+        self.settings = settings or ChatSettings()
+        self.name = name  # given by the user (or a reopened conversation); kept when the pane is cleared
+        self.topic = ""  # the first prompt, the title of an unnamed conversation
+        self.conversation_id: int | None = None
+        self.messages: list[ChatMessage] = []
+        self.handle = None  # the engine's RequestHandle while a reply streams
+        self.engine = None  # the engine that took the request, to cancel it
+        self.queued = False  # asked before the engine was ready; submitted once it is
+        self.stats: RequestStats | None = None
+        self._saved_at = 0.0
+
+    @classmethod
+    def reopen(cls, history: History, conv: Conversation) -> Session:
+        session = cls(history, ChatSettings.from_dict(conv.settings), name=conv.title)
+        session.conversation_id = conv.id
+        session.messages = [ChatMessage(m.role, m.content, m.id, m.finish_reason) for m in conv.messages]
+        if conv.messages and conv.messages[-1].stats:
+            session.stats = RequestStats(**conv.messages[-1].stats)
+        return session
+
+    @property
+    def title(self) -> str:
+        return self.name or self.topic or "New chat"
+
+    @property
+    def busy(self) -> bool:
+        return self.handle is not None or self.queued
+
+    @property
+    def reply(self) -> ChatMessage | None:
+        """The last assistant message."""
+        return next((m for m in reversed(self.messages) if m.role == "assistant"), None)
+
+    def last_prompt(self) -> ChatMessage | None:
+        return next((m for m in reversed(self.messages) if m.role == "user"), None)
+
+    def request_messages(self) -> list[dict]:
+        """What the engine sees: the system prompt, then every message with text (not the reply being made)."""
+        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        return system + [{"role": m.role, "content": m.content} for m in self.messages if m.content]
+
+    def ask(self, text: str) -> tuple[ChatMessage, ChatMessage]:
+        """Add the user's message (saved now) and an empty reply; `submit` sends them."""
+        if not self.topic:
+            self.topic = text if len(text) <= TOPIC_CHARS else text[: TOPIC_CHARS - 1] + "…"
+        if self.conversation_id is None:
+            self.conversation_id = self.history.create_conversation(self.title, self.settings.to_dict())
+        prompt = ChatMessage("user", text)
+        prompt.id = self.history.add_message(self.conversation_id, "user", text)
+        reply = ChatMessage("assistant")
+        self.messages += [prompt, reply]
+        self.queued, self.stats = True, None
+        return prompt, reply
+
+    def submit(self, engine) -> None:
+        """Send the queued request. One the engine refuses (too long for the context) ends with its reason."""
+        self.queued, self.engine = False, engine
+        try:
+            self.handle = engine.submit(self.request_messages(), self.settings.sampling_params())
+        except RequestError as e:
+            self._end_reply("error", str(e))
+
+    def poll(self) -> tuple[str, bool]:
+        """Drain the engine's events (never blocks): (new text, whether the reply ended)."""
+        events = self.handle.poll()
+        if not events:
+            return "", False
+        text = "".join(e.text for e in events)
+        self.messages[-1].content += text
+        last = events[-1]
+        if last.finished:
+            self.stats, self.handle = self.handle.stats(), None
+            self._end_reply(last.finish_reason, last.error)
+            return text, True
+        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+            self._save_reply()
+        return text, False
+
+    def refresh_stats(self) -> None:
+        if self.handle is not None:
+            self.stats = self.handle.stats()
+
+    def stop(self) -> None:
+        """Stop the reply; the engine's "cancelled" event ends it (or at once, if it was never sent)."""
+        if self.handle is not None:
+            self.engine.cancel(self.handle)
+        elif self.queued:
+            self.queued = False
+            self._end_reply("cancelled", None)
+
+    def rewind(self) -> str:
+        """Forget the last prompt and all after it (here and in the history); returns its text to send again."""
+        prompt = self.last_prompt()
+        if self.handle is not None:
+            self.engine.cancel(self.handle)
+        self.handle, self.queued, self.stats = None, False, None
+        self.messages = self.messages[: self.messages.index(prompt)]
+        self.history.delete_messages_from(self.conversation_id, prompt.id)
+        return prompt.content
+
+    def rename(self, name: str) -> None:
+        """An empty name goes back to the topic as the title."""
+        self.name = name or None
+        if self.conversation_id is not None:
+            self.history.update_conversation(self.conversation_id, title=self.title)
+
+    def configure(self, settings: ChatSettings) -> None:
+        self.settings = settings
+        if self.conversation_id is not None:
+            self.history.update_conversation(self.conversation_id, settings=settings.to_dict())
+
+    def close(self) -> None:
+        """The pane is closing or moving on: save what streamed so far as stopped, free the engine's work."""
+        if not self.busy:
+            return
+        if self.handle is not None:
+            self.engine.cancel(self.handle)
+        self.handle, self.queued = None, False
+        self._end_reply("cancelled", None)
+
+    def _end_reply(self, reason: str | None, error: str | None) -> None:
+        reply = self.messages[-1]
+        reply.finish_reason, reply.error = reason, error
+        self._save_reply()
+
+    def _save_reply(self) -> None:
+        reply = self.messages[-1]
+        stats = asdict(self.stats) if self.stats and reply.finish_reason else None
+        if reply.id is not None:
+            self.history.update_message(reply.id, reply.content, reply.finish_reason, stats)
+        elif reply.content:  # an empty reply (stopped or refused before any text) is not worth a row
+            reply.id = self.history.add_message(
+                self.conversation_id, "assistant", reply.content, reply.finish_reason, stats
+            )
+        self._saved_at = time.monotonic()

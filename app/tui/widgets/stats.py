@@ -1,0 +1,49 @@
+"""Live numbers, all as the engine measures them: one line per pane and the status bar of the screen."""
+
+from __future__ import annotations
+
+from textual.content import Content
+from textual.widgets import Static
+
+from engine.api import EngineStats, RequestStats
+
+
+def request_line(stats: RequestStats | None, queued: bool) -> str:
+    if queued:
+        return "queued: waiting for the model"
+    if stats is None:
+        return "ready"
+    ttft = "–" if stats.ttft_s is None else f"{stats.ttft_s * 1000:.0f} ms"
+    return (
+        f"{stats.tokens_per_s:.1f} tok/s · TTFT {ttft} · {stats.generated_tokens} tok"
+        f" · ctx {stats.context_tokens}/{stats.max_context} · cached {stats.cached_tokens}"
+    )
+
+
+def engine_line(stats: EngineStats) -> str:
+    return (
+        f"{stats.model} on {stats.device} │ {stats.tokens_per_s:.1f} tok/s │ batch {stats.batch_size}"
+        f" │ KV {stats.kv_blocks_used}/{stats.kv_blocks_total} blocks │ waiting {stats.waiting}"
+    )
+
+
+class PaneStats(Static):
+    """The pane's request: tokens/s now, TTFT, tokens generated, context used / max, cached prefix tokens."""
+
+    def show(self, stats: RequestStats | None, queued: bool) -> None:
+        self.update(Content(request_line(stats, queued)))  # Content: no markup in the text
+
+
+class StatusBar(Static):
+    """The engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device."""
+
+    def on_mount(self) -> None:
+        self.update("loading model…")
+
+    def show(self, stats: EngineStats) -> None:
+        self.set_class(False, "-error")
+        self.update(Content(engine_line(stats)))
+
+    def show_error(self, message: str) -> None:
+        self.set_class(True, "-error")
+        self.update(Content(f"the model did not load: {message}"))

@@ -1,0 +1,96 @@
+"""The messages of a conversation as shown in a pane: the user's as plain text, replies as streaming Markdown."""
+
+from __future__ import annotations
+
+from markdown_it import MarkdownIt
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
+
+from app.tui.session import ChatMessage
+
+NOTES = {"cancelled": "⏹ stopped", "length": "… max tokens reached"}
+
+
+class CopyRequested(Message):
+    """A click on a message or one of its code blocks: copy that text."""
+
+    def __init__(self, text: str, what: str):
+        super().__init__()
+        self.text, self.what = text, what
+
+
+class UserMessage(Static):
+    def __init__(self, message: ChatMessage):
+        super().__init__(message.content, markup=False)
+        self.message = message
+
+    def on_click(self) -> None:
+        self.post_message(CopyRequested(self.message.content, "message"))
+
+
+class ReplyMessage(Vertical):
+    """Text arrives in batches through a MarkdownStream, which re-parses only the last block. When the reply
+    ends, the document is rendered in full wherever the streamed blocks differ from a full parse; where they
+    match, re-rendering would cost a long reply a visible stall (every block rebuilt) for the same result."""
+
+    def __init__(self, message: ChatMessage):
+        super().__init__()
+        self.message = message
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(self.message.content)
+        note = Static(self._note(), classes="note", markup=False)
+        note.display = bool(self._note())
+        yield note
+
+    async def append(self, text: str) -> None:
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        await self._stream.write(text)
+
+    async def finish(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        markdown = self.query_one(Markdown)
+        if markdown.source != self.message.content or not streamed_blocks_match(markdown):
+            await markdown.update(self.message.content)
+        note = self.query_one(".note", Static)
+        note.update(self._note())
+        note.display = bool(self._note())
+
+    def code_blocks(self) -> list[str]:
+        return [fence.code for fence in self.query(MarkdownFence)]
+
+    def on_click(self, event: events.Click) -> None:
+        fence = next((w for w in event.widget.ancestors_with_self if isinstance(w, MarkdownFence)), None)
+        if fence is not None:
+            self.post_message(CopyRequested(fence.code, "code block"))
+        else:
+            self.post_message(CopyRequested(self.message.content, "reply"))
+
+    def _note(self) -> str:
+        if self.message.error:
+            return f"⚠ {self.message.error}"
+        return NOTES.get(self.message.finish_reason, "")
+
+
+def streamed_blocks_match(markdown: Markdown) -> bool:
+    """Whether the top-level blocks built while streaming are those a full parse of the source gives: same
+    widget types over the same source lines. (A block stops changing once the next one starts.)"""
+    expected = []
+    for token in MarkdownIt("gfm-like").parse(markdown.source):
+        key = token.tag if token.type == "heading_open" else token.type
+        if token.level == 0 and token.map and key in markdown.BLOCKS:
+            expected.append((markdown.get_block_class(key), tuple(token.map)))
+    actual = [(type(block), tuple(block.source_range)) for block in markdown.query_children(MarkdownBlock)]
+    return actual == expected
+
+
+def message_view(message: ChatMessage) -> UserMessage | ReplyMessage:
+    return UserMessage(message) if message.role == "user" else ReplyMessage(message)

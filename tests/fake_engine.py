@@ -1,0 +1,171 @@
+"""A stand-in for engine.engine.Engine with the same API: it streams canned text from its own thread.
+
+Each running request gets one word-sized token per step, at `tokens_per_s` steps a second. The stats are the
+nominal ones (rate = tokens_per_s, TTFT = one step), so screens that show them are deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from engine.api import EngineStats, Event, RequestStats
+from engine.errors import RequestError
+from engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+REPLY = """Here is a small example in **Python**:
+
+```python
+def fib(n: int) -> int:
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+```
+
+It runs in *exponential* time; memoize it for speed.
+"""
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\s*\S+|\s+", text)
+
+
+@dataclass(eq=False)
+class FakeHandle:
+    id: int
+    prompt: list[str]
+    params: SamplingParams
+    cached_tokens: int
+    engine: FakeEngine
+    events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    generated: int = 0
+    finished: bool = False
+
+    def poll(self) -> list[Event]:
+        out = []
+        while not self.events_queue.empty():
+            out.append(self.events_queue.get_nowait())
+        return out
+
+    def events(self) -> Iterator[Event]:
+        while True:
+            event = self.events_queue.get()
+            yield event
+            if event.finished:
+                return
+
+    def stats(self) -> RequestStats:
+        rate = self.engine.tokens_per_s
+        return RequestStats(
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.cached_tokens,
+            generated_tokens=self.generated,
+            ttft_s=1 / rate if self.generated else None,
+            tokens_per_s=rate if self.generated else 0.0,
+            elapsed_s=self.generated / rate,
+            context_tokens=len(self.prompt) + self.generated,
+            max_context=self.engine.max_context,
+            finished=self.finished,
+        )
+
+
+class FakeEngine:
+    def __init__(self, reply: str = REPLY, *, tokens_per_s: float = 200.0, hold: bool = False,
+                 model_name: str = "fake-llama", device: str = "cpu", max_context: int = 2048):
+        """hold: after the reply, keep the request running (as if still generating) until it is cancelled."""
+        self.reply_tokens = words(reply)
+        self.tokens_per_s = tokens_per_s
+        self.hold = hold
+        self.model_name, self.device, self.max_context = model_name, device, max_context
+        self.submitted: list[tuple[list[dict], SamplingParams]] = []
+        self._ids = itertools.count(1)
+        self._live: list[FakeHandle] = []
+        self._prompts: list[list[str]] = []  # for the prefix cache's hit count
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, messages: list[dict] | str, params: SamplingParams | None = None, *,
+               raw: bool = False) -> FakeHandle:
+        params = params or SamplingParams()
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        prompt = [tok for m in messages for tok in [f"<{m['role']}>", *words(m["content"])]]
+        if len(prompt) >= self.max_context:
+            raise RequestError(f"the prompt is {len(prompt)} tokens but the model's context holds {self.max_context}")
+        with self._cv:
+            if self._stopped:
+                raise RequestError("the engine has shut down")
+            cached = max((common_prefix(prompt, p) for p in self._prompts), default=0) // BLOCK_SIZE * BLOCK_SIZE
+            self._prompts.append(prompt)
+            handle = FakeHandle(next(self._ids), prompt, params, cached, self)
+            self.submitted.append((messages, params))
+            self._live.append(handle)
+            self._cv.notify()
+        return handle
+
+    def cancel(self, handle: FakeHandle) -> None:
+        with self._cv:
+            if handle in self._live:
+                self._finish(handle, "cancelled")
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            live = list(self._live)
+        return EngineStats(
+            model=self.model_name,
+            device=self.device,
+            running=len(live),
+            waiting=0,
+            batch_size=len(live),
+            kv_blocks_used=sum(-(-(len(h.prompt) + h.generated) // BLOCK_SIZE) for h in live),
+            kv_blocks_total=1024,
+            tokens_per_s=self.tokens_per_s * len(live),
+            per_request={h.id: h.stats() for h in live},
+        )
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            for handle in list(self._live):
+                self._finish(handle, "cancelled")
+            self._cv.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        with self._cv:
+            while not self._stopped:
+                if not self._live:
+                    self._cv.wait()
+                    continue
+                for handle in list(self._live):
+                    self._step(handle)
+                self._cv.wait(1 / self.tokens_per_s)
+
+    def _step(self, handle: FakeHandle) -> None:
+        limit = min(handle.params.max_tokens, len(self.reply_tokens))
+        if handle.generated >= limit:
+            if not self.hold:
+                self._finish(handle, "length" if limit == handle.params.max_tokens else "stop")
+            return
+        token = self.reply_tokens[handle.generated]
+        handle.generated += 1
+        handle.events_queue.put(Event(handle.id, token, (handle.generated,)))
+
+    def _finish(self, handle: FakeHandle, reason: str) -> None:
+        self._live.remove(handle)
+        handle.finished = True
+        handle.events_queue.put(Event(handle.id, "", (), True, reason))
+
+
+def common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
