@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx2
 from filelock import Timeout
-from huggingface_hub import HfApi, constants, get_session, hf_hub_url, hf_raise_for_status
+from huggingface_hub import HfApi, constants, get_session, get_token, hf_hub_url, hf_raise_for_status
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -163,16 +163,20 @@ def offline_mode() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES
 
 
+def gated_message(repo: str) -> str:
+    return (
+        f"{repo} is gated: accept its conditions at {endpoint()}/{repo}, then log in here with "
+        "`hf auth login` (or set HF_TOKEN)"
+    )
+
+
 @contextmanager
 def hub_errors(repo: str, revision: str | None) -> Iterator[None]:
     """Turn huggingface_hub's exceptions into one-line messages that say what to do."""
     try:
         yield
     except GatedRepoError:
-        raise PullError(
-            f"{repo} is gated: accept its conditions at {endpoint()}/{repo}, then log in here with "
-            "`hf auth login` (or set HF_TOKEN)"
-        ) from None
+        raise PullError(gated_message(repo)) from None
     except RepositoryNotFoundError:
         raise PullError(
             f"no repo {repo} on {endpoint()} (if it is private, log in with `hf auth login` or set HF_TOKEN)"
@@ -191,6 +195,8 @@ def plan_pull(repo: str, quant: str | None, revision: str | None, name: str | No
         info = HfApi(endpoint=endpoint()).model_info(
             repo, revision=revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT
         )
+    if info.gated and get_token() is None:
+        raise PullError(gated_message(repo))  # say so now, not after the first download fails
     remote = {
         s.rfilename: RemoteFile(s.rfilename, s.size or 0, s.lfs.sha256 if s.lfs else None, s.blob_id)
         for s in info.siblings or []

@@ -450,6 +450,9 @@ def test_gated_repo_needs_a_token(hub_server, models, tmp_path, monkeypatch):
     hub_server.add_repo("tester/Gated-GGUF", {"Gated-Q4_0.gguf": models["Q4_0"]}, gated=True)
     hub_server.tokens.add(TOKEN)
     assert_user_error(llamaterm("pull", "tester/Gated-GGUF"), "tester/Gated-GGUF is gated", "hf auth login")
+    assert hub_server.gets("Gated-Q4_0.gguf") == []  # known from the listing: no download tried
+    r = llamaterm("pull", "tester/Gated-GGUF", HF_TOKEN="hf_without_access")  # refused by the download
+    assert_user_error(r, "tester/Gated-GGUF is gated", "hf auth login")
     assert_store_empty()
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     pull("tester/Gated-GGUF")
