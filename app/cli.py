@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from app import models_cli
+
 app = typer.Typer(
     name="llamaterm",
     help="Run Llama-family models from the terminal.\n\nExamples:\n\n"
@@ -233,19 +235,12 @@ def tokenize(
         typer.echo(" ".join(map(str, ids)))
 
 
-def register_extras() -> None:
-    """Commands that live in their own modules (model store)."""
-    try:
-        from app import models_cli
-    except ImportError:
-        return
-    models_cli.register(app)
+models_cli.register(app)  # pull, ls, rm, info
 
 
 def main() -> None:
     from engine.errors import LlamatermError
 
-    register_extras()
     try:
         app()
     except LlamatermError as e:
