@@ -10,7 +10,7 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch
     if isinstance(table, torch.Tensor):
         return table[ids].to(dtype)
     if use_triton(ids):
-        from kernels.embedding_triton import embedding_triton
+        from kernels.qweight_triton import dequantize_rows_triton
 
-        return embedding_triton(ids, table, dtype)
+        return dequantize_rows_triton(table, ids.reshape(-1), dtype).view(*ids.shape, table.shape[1])
     return table.rows(ids, dtype)

@@ -11,7 +11,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     if use_triton(x):
-        from kernels.qmatmul import qmatmul_triton
+        from kernels.linear_triton import qmatmul_triton
 
         return qmatmul_triton(x, w)
     return linear_ref(x, w)

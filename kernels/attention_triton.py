@@ -1,0 +1,206 @@
+"""Paged attention and KV-cache writes on CUDA (layouts and semantics in kernels/attention.py).
+
+One kernel serves decode and chunked prefill. A program owns one KV head and a block of query rows: BLOCK_Q
+consecutive query tokens of one sequence times the GROUP query heads that share the KV head, so every K/V tile
+is read once for all of them (GQA). Query blocks of all sequences are numbered in one grid axis: sequence b's
+blocks start at query_start_loc[b] // BLOCK_Q + b, which leaves room for its partial first and last block, and a
+program finds its sequence by binary search, so varlen batches need no host-side metadata (and no sync).
+
+Decode-heavy steps (about one query token per sequence) use BLOCK_Q = 1; when that grid is too small to fill
+the GPU, the KV range is also split across programs (flash-decoding): each split writes its normalized partial
+output and log-sum-exp, and a second kernel merges them. The split count comes from the block table's width,
+an upper bound on context length known on the host.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_util import arith_dtype, num_sms
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, n_heads,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < n_heads) & (d < HEAD_DIM)
+        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    t, n_heads, head_dim = k.shape
+    if t == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    _write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_heads,
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(n_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, qk_scale, num_seqs, num_tokens, tokens_per_split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # the sequence of this query block: the last b whose first block index is <= pid
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_ptr + mid) // BLOCK_Q
+        if BLOCK_Q > 1:
+            first += mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(query_start_ptr + seq)
+    n_q = tl.load(query_start_ptr + seq + 1) - q_start
+    first = q_start // BLOCK_Q
+    if BLOCK_Q > 1:
+        first += seq
+    i0 = (pid - first) * BLOCK_Q  # first query of this block, counted within the sequence
+    if i0 < n_q:
+        ctx = tl.load(context_lens_ptr + seq)
+        r = tl.arange(0, BLOCK_M)
+        qi = i0 + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_mask = (r < BLOCK_Q * GROUP) & (qi < n_q)
+        pos = ctx - n_q + qi  # query qi sits at position pos and sees keys 0..pos
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+        kv_end = ctx - n_q + tl.minimum(i0 + BLOCK_Q, n_q)  # one past the last key any row of the block sees
+        kv_lo = split * tokens_per_split
+        kv_hi = tl.minimum(kv_lo + tokens_per_split, kv_end)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            t_mask = t < kv_hi
+            page = tl.load(table + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+            kv_off = page * stride_cb + (t % PAGE) * stride_cs + kv_head * stride_ch
+            k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None],
+                        other=0.0)
+            s = tl.dot(q.to(DT), k.to(DT)) * qk_scale  # log2 domain
+            s = tl.where(t_mask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DT), v.to(DT))
+            m_i = m_new
+
+        tok = q_start + qi
+        if SPLIT:
+            # normalized partial and its log2-sum-exp; a split with no visible key has lse = -inf, weight 0
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            row = (split * num_tokens + tok).to(tl.int64) * (tl.num_programs(1) * GROUP) + head
+            tl.store(part_lse_ptr + row, lse, mask=row_mask)
+            tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
+                     mask=row_mask[:, None] & d_mask[None, :])
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, n_heads, num_splits,
+                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (s * num_tokens + t).to(tl.int64) * n_heads + h
+    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always sees key 0, so the max is finite
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                           num_splits: int | None = None):
+    """num_splits overrides the flash-decoding split count (tests)."""
+    num_tokens, n_heads, head_dim = q.shape
+    num_seqs = context_lens.numel()
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv
+    out = torch.empty(num_tokens, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+
+    if num_tokens <= 2 * num_seqs:  # decode-heavy: one query token per program, GROUP rows padded to 16
+        block_q, block_n, warps, stages = 1, 64, 4, 3
+        n_blocks = num_tokens
+    else:  # prefill chunks: 128 rows of (token, head) per program
+        block_q, block_n, warps, stages = max(1, 128 // group), 64, 8, 2
+        n_blocks = num_tokens // block_q + num_seqs
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+
+    programs = n_blocks * n_kv
+    max_context = block_tables.shape[1] * page
+    sms = num_sms(q.device)
+    splits = 1
+    if block_q == 1 and programs < 2 * sms:  # too few programs to fill the GPU: split the KV range too
+        splits = min(triton.cdiv(4 * sms, programs), triton.cdiv(max_context, 256))
+    if num_splits is not None:
+        splits = num_splits
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
+    splits = triton.cdiv(max_context, tokens_per_split)
+    if splits > 1:
+        part_o = torch.empty(splits, num_tokens, n_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, num_tokens, n_heads, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+
+    _paged_attention_kernel[(n_blocks, n_kv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_o, part_lse,
+        scale * _LOG2E, num_seqs, num_tokens, tokens_per_split,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, DT=arith_dtype(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, n_heads)](
+            part_o, part_lse, out, num_tokens, n_heads, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,180 @@
+"""Every Triton kernel against its torch reference at small, odd shapes (not multiples of the blocks).
+
+Without CUDA the kernels run under TRITON_INTERPRET=1, set here before any of them is compiled (the kernel modules
+are imported below, after it; triton 3.9 reads the variable when a kernel is decorated, so an earlier
+`import triton` elsewhere does no harm). With CUDA the same tests run the compiled kernels. Inputs are fresh random
+draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten element fails the test.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from kernels.activation import silu_and_mul_ref  # noqa: E402
+from kernels.activation_triton import silu_and_mul_triton  # noqa: E402
+from kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from kernels.attention_triton import paged_attention_triton, write_kv_triton  # noqa: E402
+from kernels.linear import linear_ref  # noqa: E402
+from kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
+from kernels.norm import rms_norm_ref  # noqa: E402
+from kernels.norm_triton import rms_norm_triton  # noqa: E402
+from kernels.qweight import QuantWeight  # noqa: E402
+from kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
+from kernels.rope import rope_ref  # noqa: E402
+from kernels.rope_triton import rope_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not out.isnan().any(), "unwritten (NaN) or invalid elements"
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """torch.empty / empty_like return NaN-filled (float) or 0x7F..-filled (int) memory while a test runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan") if t.is_floating_point() else 0x7F) if t.numel() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16) -> QuantWeight:
+    q = torch.randint(0, 2**bits, (n, k))
+    scales = (torch.rand(n, k // group) * 0.02 + 0.002).to(scale_dtype)
+    offs = (torch.randn(n, k // group) * 0.02).to(scale_dtype) if offsets else None
+    return QuantWeight.from_values(q, scales, offs, bits, group, torch.randperm(k) if perm else None).to(DEVICE)
+
+
+# (bits, group, offsets, perm): every group size, both widths, offsets and act-order each on and off
+FORMATS = [(4, 32, False, False), (4, 64, True, True), (4, 128, False, True), (4, 128, True, False),
+           (8, 16, False, False), (8, 32, True, True), (4, 16, True, False), (8, 128, False, True)]
+
+
+@pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_rows(bits, group, offsets, perm, dtype):
+    w = random_qweight(19, 3 * group, bits, group, offsets, perm)
+    ids = torch.tensor([3, 0, 18, 3, 7], device=DEVICE)
+    assert rel_err(dequantize_rows_triton(w, ids, dtype), w.rows(ids, dtype)) < TOL[dtype]
+    assert rel_err(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype)) < TOL[dtype]
+
+
+# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, and several M tiles
+CONFIGS = [Config(16, 16, 64, 3, 4, 2), Config(16, 32, 128, 1, 4, 2), Config(16, 16, 32, 2, 4, 1)]
+
+
+@pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (20, CONFIGS[2])])
+def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
+    k = max(group, config.block_k) * 3 if group < 128 else 2 * group
+    w = random_qweight(40, k, bits, group, offsets, perm, torch.float32 if bits == 8 else torch.float16)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    ref = linear_ref(x.float(), w)
+    assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]
+    assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]  # split counters were reset
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qmatmul_dense_path(dtype):
+    """Above DENSE_M rows: dequantize, then a dense matmul; also a 3-D input."""
+    w = random_qweight(24, 64, 4, 32, True, True)
+    x = torch.randn(3, (DENSE_M + 3) // 3 + 1, 64, device=DEVICE).to(dtype)
+    assert rel_err(qmatmul_triton(x, w), linear_ref(x.float(), w)) < TOL[dtype]
+
+
+def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3):
+    """A cache with NaN in every slot no sequence owns, and block tables padded with garbage ids."""
+    blocks = [-(-c // page) for c in ctxs]
+    num_blocks = sum(blocks) + extra_blocks
+    k_cache = torch.full((num_blocks, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    ids = torch.randperm(num_blocks, device=DEVICE).int()
+    tables = torch.full((len(ctxs), max(blocks) + 2), 10**6, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for b, (c, nb) in enumerate(zip(ctxs, blocks, strict=True)):
+        tables[b, :nb] = ids[used:used + nb]
+        used += nb
+        slots = (tables[b, :nb, None].long() * page + torch.arange(page, device=DEVICE)).flatten()[:c]
+        k_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=DEVICE).to(dtype)
+        v_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=DEVICE).to(dtype)
+    return k_cache, v_cache, tables
+
+
+ATTENTION_CASES = [
+    # query lengths, context lengths, q heads, kv heads, head dim, page, forced splits
+    ([1, 1, 1, 1], [5, 17, 1, 40], 8, 2, 32, 4, None),  # decode, GQA 4
+    ([1, 1, 1], [50, 3, 77], 4, 4, 64, 16, 3),  # decode split over KV (flash-decoding), MHA
+    ([1, 0, 1], [70, 3, 2], 6, 2, 24, 4, 5),  # an idle sequence, head dim not a power of two
+    ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4, None),  # chunked prefill: whole prompts, prefix + chunk, decode
+    ([40], [75], 4, 1, 16, 16, None),  # one long chunk over a cached prefix, GQA 4 (MQA)
+]
+
+
+@pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,splits", ATTENTION_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, splits, dtype):
+    k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, num_splits=splits)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_write_kv(dtype):
+    t, n_kv, head_dim, page = 7, 3, 24, 4
+    fused = torch.randn(t, 4 * n_kv * head_dim, device=DEVICE).to(dtype)  # k and v as strided views, like qkv
+    k = fused[:, :n_kv * head_dim].view(t, n_kv, head_dim)
+    v = fused[:, 2 * n_kv * head_dim:3 * n_kv * head_dim].view(t, n_kv, head_dim)
+    slots = torch.tensor([5, -1, 0, 13, 22, -1, 8], device=DEVICE)
+    caches = [torch.full((6, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    write_kv_triton(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    for out, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, residual):
+    x = torch.randn(5, 100, device=DEVICE).to(dtype)
+    res = torch.randn(5, 100, device=DEVICE).to(dtype) if residual else None
+    weight = (1 + 0.1 * torch.randn(100, device=DEVICE)).to(dtype)
+    y, s = rms_norm_triton(x, weight, 1e-5, res)
+    y_ref, s_ref = rms_norm_ref(x, weight, 1e-5, res)
+    assert rel_err(y, y_ref) < TOL[dtype] and rel_err(s, s_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rope(dtype):
+    t, n_q, n_kv, head_dim = 6, 5, 3, 48
+    qkv = torch.randn(t, (n_q + 2 * n_kv) * head_dim, device=DEVICE).to(dtype)  # q, k as strided views
+    q = qkv[:, :n_q * head_dim].view(t, n_q, head_dim)
+    k = qkv[:, n_q * head_dim:(n_q + n_kv) * head_dim].view(t, n_kv, head_dim)
+    positions = torch.tensor([0, 1, 7, 300, 8191, 100_000], device=DEVICE)
+    inv_freq = 500_000.0 ** -(torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    inv_freq[head_dim // 4:] /= 8  # Llama-3-style scaled low frequencies
+    for out, ref in zip(rope_triton(q, k, positions, inv_freq), rope_ref(q, k, positions, inv_freq), strict=True):
+        assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_silu_and_mul(dtype):
+    gate_up = torch.randn(2, 3, 2 * 1100, device=DEVICE).to(dtype)  # two column blocks per row
+    assert rel_err(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
