@@ -1,7 +1,7 @@
 """A stand-in for engine.engine.Engine with the same API: it streams canned text from its own thread.
 
-Each running request gets one word-sized token per step, at `tokens_per_s` steps a second. The stats are the
-nominal ones (rate = tokens_per_s, TTFT = one step), so screens that show them are deterministic.
+Each running request gets one word-sized token of its reply per step, at `tokens_per_s` steps a second. The
+stats are the nominal ones (rate = tokens_per_s, TTFT = one step), so screens that show them are deterministic.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 import queue
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.api import EngineStats, Event, RequestStats
@@ -37,6 +37,7 @@ def words(text: str) -> list[str]:
 class FakeHandle:
     id: int
     prompt: list[str]
+    reply: list[str]
     params: SamplingParams
     cached_tokens: int
     engine: FakeEngine
@@ -73,10 +74,11 @@ class FakeHandle:
 
 
 class FakeEngine:
-    def __init__(self, reply: str = REPLY, *, tokens_per_s: float = 200.0, hold: bool = False,
-                 model_name: str = "fake-llama", device: str = "cpu", max_context: int = 2048):
-        """hold: after the reply, keep the request running (as if still generating) until it is cancelled."""
-        self.reply_tokens = words(reply)
+    def __init__(self, reply: str | Callable[[list[dict]], str] = REPLY, *, tokens_per_s: float = 200.0,
+                 hold: bool = False, model_name: str = "fake-llama", device: str = "cpu", max_context: int = 2048):
+        """reply: the text of every reply, or a function of the request's messages that gives it.
+        hold: after the reply, keep the request running (as if still generating) until it is cancelled."""
+        self.reply = reply if callable(reply) else lambda messages: reply
         self.tokens_per_s = tokens_per_s
         self.hold = hold
         self.model_name, self.device, self.max_context = model_name, device, max_context
@@ -102,7 +104,7 @@ class FakeEngine:
                 raise RequestError("the engine has shut down")
             cached = max((common_prefix(prompt, p) for p in self._prompts), default=0) // BLOCK_SIZE * BLOCK_SIZE
             self._prompts.append(prompt)
-            handle = FakeHandle(next(self._ids), prompt, params, cached, self)
+            handle = FakeHandle(next(self._ids), prompt, words(self.reply(messages)), params, cached, self)
             self.submitted.append((messages, params))
             self._live.append(handle)
             self._cv.notify()
@@ -147,12 +149,12 @@ class FakeEngine:
                 self._cv.wait(1 / self.tokens_per_s)
 
     def _step(self, handle: FakeHandle) -> None:
-        limit = min(handle.params.max_tokens, len(self.reply_tokens))
+        limit = min(handle.params.max_tokens, len(handle.reply))
         if handle.generated >= limit:
             if not self.hold:
                 self._finish(handle, "length" if limit == handle.params.max_tokens else "stop")
             return
-        token = self.reply_tokens[handle.generated]
+        token = handle.reply[handle.generated]
         handle.generated += 1
         handle.events_queue.put(Event(handle.id, token, (handle.generated,)))
 

@@ -30,6 +30,6 @@ async def engine_ready(pilot: Pilot) -> None:
 
 
 async def idle(pilot: Pilot) -> None:
-    """Every pane's reply has ended and been rendered."""
-    await wait_until(pilot, lambda: not any(p.session.busy for p in pilot.app.chat.panes))
+    """Every pane's reply has ended and been drawn."""
+    await wait_until(pilot, lambda: not any(p.session.busy or p.has_undrawn for p in pilot.app.chat.panes))
     await pilot.pause()

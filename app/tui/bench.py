@@ -83,19 +83,23 @@ def headless_run(engine, sessions: int, settings) -> float:
     return recorder.tokens_per_s()[0]
 
 
-def tui_run(engine, sessions: int, settings) -> tuple[float, list[float]]:
+def tui_run(engine, sessions: int, settings) -> tuple[float, list[float], float]:
+    """(aggregate tokens/s, key latencies in s, the UI thread's busy share while the replies streamed)"""
     from app.tui.app import ChatApp
 
     recorder = Recorder(engine)
     app = ChatApp(lambda: recorder, sessions=sessions)
     latencies: list[float] = []
+    busy = 0.0
 
     async def scenario(pilot: Pilot) -> None:
+        nonlocal busy
         while app.chat.engine is None:
             await pilot.pause(0.01)
         for pane in app.chat.panes:
             pane.session.configure(settings)
         app.chat.query_one("#prompt", Input).value = PROMPT
+        wall, cpu = time.perf_counter(), time.thread_time()
         await pilot.press("enter")
         target = app.chat.panes[0].query_one(".pane-input", Input)
         target.focus()
@@ -104,13 +108,14 @@ def tui_run(engine, sessions: int, settings) -> tuple[float, list[float]]:
                 latencies.extend(await key_latencies(pilot, target, "abcde"))
             else:
                 await asyncio.sleep(0.05)
+        busy = (time.thread_time() - cpu) / (time.perf_counter() - wall)
 
     async def main() -> None:
-        async with app.run_test(size=(200, 60)) as pilot:
+        async with app.run_test(size=(160, 48)) as pilot:
             await scenario(pilot)
 
     asyncio.run(main())
-    return recorder.tokens_per_s()[0], latencies
+    return recorder.tokens_per_s()[0], latencies, busy
 
 
 def main() -> None:
@@ -132,10 +137,11 @@ def main() -> None:
     headless, with_tui, latencies = [], [], []
     for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits both alike
         headless.append(headless_run(engine, args.sessions, settings))
-        rate, keys = tui_run(engine, args.sessions, settings)
+        rate, keys, busy = tui_run(engine, args.sessions, settings)
         with_tui.append(rate)
         latencies += keys
-        print(f"  headless {headless[-1]:8.1f} tok/s   with TUI {with_tui[-1]:8.1f} tok/s")
+        print(f"  headless {headless[-1]:8.1f} tok/s   with TUI {with_tui[-1]:8.1f} tok/s"
+              f" (UI thread busy {busy:.0%} of the time)")
     engine.shutdown()
 
     ratio = statistics.median(with_tui) / statistics.median(headless)

@@ -1,12 +1,14 @@
 """The main screen: 1 to 8 panes in columns or a grid, the broadcast input and the engine's status bar.
 
-Two timers connect it to the engine without ever blocking either side: TICK_HZ drains every streaming pane's
-events and appends them in one batch per pane, and STATS_HZ reads the engine's stats for the panes and the
-status bar. Nothing here waits on the engine, and the engine never waits on the UI.
+One timer connects it to the engine without blocking either side: TICK_HZ times a second it drains every
+streaming pane's events (cheap), then, when the render budget allows, draws each pane's new text in one batch
+and, STATS_HZ times a second, the engine's stats for the panes and the status bar. Nothing here waits on the
+engine, and the engine never waits on the UI.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
@@ -21,6 +23,7 @@ from textual.widgets import Footer, Input
 
 from app.history import History, export_file
 from app.tui import clipboard
+from app.tui.budget import RenderBudget
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.history import HistoryScreen
 from app.tui.screens.settings import SettingsScreen
@@ -32,7 +35,8 @@ from app.tui.widgets.transcript import CopyRequested
 
 MAX_PANES = 8
 TICK_HZ = 25
-STATS_HZ = 4
+STATS_HZ = 1
+RENDER_SHARE = 0.05  # of the wall time, for the UI thread; past it, streamed text waits (see RenderBudget)
 
 
 class ChatScreen(Screen):
@@ -69,6 +73,8 @@ class ChatScreen(Screen):
         self.initial_sessions = sessions
         self.engine = None  # set once the model has loaded
         self.zoomed = False
+        self.render_budget = RenderBudget(RENDER_SHARE)
+        self.stats_shown_at = 0.0
 
     def compose(self) -> ComposeResult:
         with Grid(id="panes"):
@@ -82,7 +88,6 @@ class ChatScreen(Screen):
         self.activate(self.panes[0], focus=False)
         self.relayout()
         self.set_interval(1 / TICK_HZ, self.tick)
-        self.set_interval(1 / STATS_HZ, self.refresh_stats)
 
     @property
     def panes(self) -> list[ChatPane]:
@@ -105,13 +110,22 @@ class ChatScreen(Screen):
         self.query_one(StatusBar).show_error(message)
 
     async def tick(self) -> None:
-        for pane in self.panes:
+        panes = self.panes
+        for pane in panes:
             if pane.session.handle is not None:
-                await pane.pull()
+                pane.pull()
+        if not self.render_budget.allows():
+            return
+        for pane in panes:
+            if pane.has_undrawn:
+                await pane.draw()
+        if time.monotonic() - self.stats_shown_at >= 1 / STATS_HZ:
+            self.refresh_stats()
 
     def refresh_stats(self) -> None:
         if self.engine is None:
             return
+        self.stats_shown_at = time.monotonic()
         self.query_one(StatusBar).show(self.engine.stats())
         for pane in self.panes:
             if pane.session.handle is not None:

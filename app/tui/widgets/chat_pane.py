@@ -25,6 +25,8 @@ class ChatPane(Vertical):
         super().__init__()
         self.session = session
         self.set_reactive(ChatPane.number, number)
+        self.undrawn: list[str] = []  # text taken from the engine, not drawn yet
+        self.ended = False  # the reply ended; its final render is not drawn yet
 
     def compose(self) -> ComposeResult:
         yield PaneStats(classes="pane-stats")
@@ -77,13 +79,26 @@ class ChatPane(Vertical):
         if not self.session.busy:  # refused by the engine: show why
             await self.reply_view.finish()
 
-    async def pull(self) -> None:
-        """One tick: everything the engine produced since the last one, appended in one batch."""
+    def pull(self) -> None:
+        """Take what the engine produced since the last tick (cheap: no drawing)."""
         text, finished = self.session.poll()
         if text:
-            await self.reply_view.append(text)
-        if finished:
-            await self.reply_view.finish()
+            self.undrawn.append(text)
+        self.ended = self.ended or finished
+
+    @property
+    def has_undrawn(self) -> bool:
+        return bool(self.undrawn) or self.ended
+
+    async def draw(self) -> None:
+        """Append the text pulled since the last draw in one batch; render the reply in full once it ended."""
+        view = self.reply_view
+        if self.undrawn:
+            text, self.undrawn = "".join(self.undrawn), []
+            await view.append(text)
+        if self.ended:
+            self.ended = False
+            await view.finish()
             self.show_stats()
 
     async def stop(self) -> None:
@@ -97,6 +112,7 @@ class ChatPane(Vertical):
         """Show another conversation (a cleared pane, a reopened one)."""
         self.session.close()
         self.session = session
+        self.undrawn, self.ended = [], False
         await self.transcript.remove_children()
         await self.transcript.mount_all(map(message_view, session.messages))
         self.transcript.anchor()
@@ -105,5 +121,6 @@ class ChatPane(Vertical):
 
     async def drop_forgotten(self) -> None:
         """Remove the views of messages the session rewound."""
+        self.undrawn, self.ended = [], False
         kept = set(map(id, self.session.messages))
         await self.transcript.remove_children([w for w in self.transcript.children if id(w.message) not in kept])

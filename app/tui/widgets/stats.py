@@ -8,15 +8,15 @@ from textual.widgets import Static
 from engine.api import EngineStats, RequestStats
 
 
-def request_line(stats: RequestStats | None, queued: bool) -> str:
+def request_lines(stats: RequestStats | None, queued: bool) -> str:
     if queued:
         return "queued: waiting for the model"
     if stats is None:
         return "ready"
     ttft = "–" if stats.ttft_s is None else f"{stats.ttft_s * 1000:.0f} ms"
     return (
-        f"{stats.tokens_per_s:.1f} tok/s · TTFT {ttft} · {stats.generated_tokens} tok"
-        f" · ctx {stats.context_tokens}/{stats.max_context} · cached {stats.cached_tokens}"
+        f"{stats.tokens_per_s:.1f} tok/s · TTFT {ttft} · {stats.generated_tokens} tok\n"
+        f"ctx {stats.context_tokens}/{stats.max_context} · cached {stats.cached_tokens}"
     )
 
 
@@ -28,21 +28,22 @@ def engine_line(stats: EngineStats) -> str:
 
 
 class PaneStats(Static):
-    """The pane's request: tokens/s now, TTFT, tokens generated, context used / max, cached prefix tokens."""
+    """The pane's request: tokens/s now, TTFT, tokens generated, context used / max, cached prefix tokens.
+    Its size is fixed in the CSS, so an update repaints two lines instead of laying out the whole screen."""
 
     def show(self, stats: RequestStats | None, queued: bool) -> None:
-        self.update(Content(request_line(stats, queued)))  # Content: no markup in the text
+        self.update(Content(request_lines(stats, queued)), layout=False)  # Content: no markup in the text
 
 
 class StatusBar(Static):
-    """The engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device."""
+    """The engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device (one line)."""
 
     def on_mount(self) -> None:
         self.update("loading model…")
 
     def show(self, stats: EngineStats) -> None:
         self.set_class(False, "-error")
-        self.update(Content(engine_line(stats)))
+        self.update(Content(engine_line(stats)), layout=False)
 
     def show_error(self, message: str) -> None:
         self.set_class(True, "-error")
