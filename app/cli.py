@@ -179,12 +179,9 @@ def chat(
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
     if not plain:
-        try:
-            from app.tui.app import run_tui
-        except ImportError:
-            plain = True
-        else:
-            return run_tui(model, sessions, system)
+        from app.tui.app import run_tui
+
+        return run_tui(model, sessions, system)
     params = sampling_params(temperature=temperature, max_tokens=max_tokens)
     engine = load_engine(model, device, kv_tokens=kv_tokens)
     typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True)
