@@ -29,6 +29,7 @@ class QuantWeight:
     shape: tuple[int, int]  # (N, K)
     perm: torch.Tensor | None = None  # int64 [K]
     _dense: dict = field(default_factory=dict, repr=False, compare=False)
+    _prepared: dict = field(default_factory=dict, repr=False, compare=False)  # kernel layouts, made on first use
 
     @staticmethod
     def from_values(
@@ -67,6 +68,12 @@ class QuantWeight:
         if dtype not in self._dense:
             self._dense[dtype] = self.dequantize(dtype)
         return self._dense[dtype]
+
+    def prepared(self, key: str, make) -> torch.Tensor:
+        """A kernel's own layout of this weight, made once by `make(self)` and kept (kernels/qweight_triton.py)."""
+        if key not in self._prepared:
+            self._prepared[key] = make(self)
+        return self._prepared[key]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (embedding lookup) without dequantizing the whole matrix."""

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from kernels.activation import silu_and_mul_ref  # noqa: E402
 from kernels.activation_triton import silu_and_mul_triton  # noqa: E402
 from kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
-from kernels.attention_triton import paged_attention_triton, write_kv_triton  # noqa: E402
+from kernels.attention_triton import AttentionConfig, paged_attention_triton, write_kv_triton  # noqa: E402
 from kernels.linear import linear_ref  # noqa: E402
 from kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
 from kernels.norm import rms_norm_ref  # noqa: E402
@@ -72,13 +72,16 @@ def test_dequantize_rows(bits, group, offsets, perm, dtype):
     assert rel_err(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype)) < TOL[dtype]
 
 
-# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, and several M tiles
-CONFIGS = [Config(16, 16, 64, 3, 4, 2), Config(16, 32, 128, 1, 4, 2), Config(16, 16, 32, 2, 4, 1)]
+# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, and (with the weights as
+# the left operand, as for M >= 64) two M tiles
+CONFIGS = [Config(16, 16, 64, 3, 4, 2), Config(16, 32, 128, 1, 4, 2), Config(64, 16, 32, 2, 4, 1),
+           Config(1, 16, 64, 3, 4, 2), Config(1, 32, 128, 1, 4, 2)]
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (20, CONFIGS[2])])
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (70, CONFIGS[2]), (1, CONFIGS[3]),
+                                      (3, CONFIGS[4])])
 def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
     k = max(group, config.block_k) * 3 if group < 128 else 2 * group
     w = random_qweight(40, k, bits, group, offsets, perm, torch.float32 if bits == 8 else torch.float16)
@@ -115,23 +118,24 @@ def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3):
 
 
 ATTENTION_CASES = [
-    # query lengths, context lengths, q heads, kv heads, head dim, page, forced splits
+    # query lengths, context lengths, q heads, kv heads, head dim, page, config (None: the default)
     ([1, 1, 1, 1], [5, 17, 1, 40], 8, 2, 32, 4, None),  # decode, GQA 4
-    ([1, 1, 1], [50, 3, 77], 4, 4, 64, 16, 3),  # decode split over KV (flash-decoding), MHA
-    ([1, 0, 1], [70, 3, 2], 6, 2, 24, 4, 5),  # an idle sequence, head dim not a power of two
+    ([1, 1, 1], [50, 3, 77], 4, 4, 64, 16, AttentionConfig(1, 16, 4, 2, 3)),  # decode split over KV, MHA
+    ([1, 0, 1], [70, 3, 2], 6, 2, 24, 4, AttentionConfig(1, 32, 4, 2, 5)),  # idle sequence, head dim 24
     ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4, None),  # chunked prefill: whole prompts, prefix + chunk, decode
-    ([40], [75], 4, 1, 16, 16, None),  # one long chunk over a cached prefix, GQA 4 (MQA)
+    ([40], [75], 4, 1, 16, 16, AttentionConfig(8, 16, 4, 2, 1)),  # long chunk over a prefix, MQA, 3 blocks
+    ([5, 1, 6], [5, 30, 6], 8, 2, 32, 4, AttentionConfig(1, 16, 4, 2, 2)),  # prefill in the decode layout, split
 ]
 
 
-@pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,splits", ATTENTION_CASES)
+@pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,config", ATTENTION_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, splits, dtype):
+def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, num_splits=splits)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, config)
     ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
     assert rel_err(out, ref) < TOL[dtype]
 

@@ -1,0 +1,112 @@
+"""The Triton path at real Llama-3-8B shapes, through the public dispatch functions, against the torch references
+(computed in fp32 on the GPU). Skipped without CUDA; the small odd-shape tests are in test_kernels_triton.py."""
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from kernels.embedding import embedding
+from kernels.linear import linear, linear_ref
+from kernels.norm import rms_norm, rms_norm_ref
+from kernels.qweight import QuantWeight
+from kernels.rope import rope, rope_ref
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out, ref) -> float:
+    assert out.shape == ref.shape and not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def random_qweight(n, k, bits, group, offsets=False, perm=False) -> QuantWeight:
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(n, k // group, device="cuda") * 0.01 + 0.001).half()
+    offs = (torch.randn(n, k // group, device="cuda") * 0.01).half() if offsets else None
+    p = torch.randperm(k, device="cuda") if perm else None
+    return QuantWeight.from_values(q, scales, offs, bits, group, p)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("group", [128, 32])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 128, 300])
+def test_linear_llama_shapes(n, k, group, m):
+    w = random_qweight(n, k, 4, group)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(linear(x, w), linear_ref(x.float(), w)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("bits,group,offsets,perm", [(4, 64, True, True), (8, 32, True, False), (8, 16, False, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 24, 64])
+def test_linear_formats(bits, group, offsets, perm, dtype, m):
+    w = random_qweight(4096, 4096, bits, group, offsets, perm)
+    x = torch.randn(m, 4096, device="cuda", dtype=dtype)
+    assert rel_err(linear(x, w), linear_ref(x.float(), w)) < TOL[dtype]
+
+
+def test_embedding_rows():
+    table = random_qweight(128256, 4096, 4, 32, offsets=True)
+    ids = torch.randint(0, 128256, (5, 7), device="cuda")
+    ref = table.rows(ids.flatten(), torch.float32).view(5, 7, -1)
+    assert rel_err(embedding(ids, table, torch.bfloat16), ref) < TOL[torch.bfloat16]
+
+
+def paged(ctxs, page=16, n_kv=8, head_dim=128, dtype=torch.float16):
+    blocks = [-(-c // page) for c in ctxs]
+    k_cache = torch.randn(sum(blocks) + 4, page, n_kv, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    ids = torch.randperm(k_cache.shape[0], device="cuda", dtype=torch.int32)
+    tables = torch.zeros(len(ctxs), max(blocks), dtype=torch.int32, device="cuda")
+    start = 0
+    for b, nb in enumerate(blocks):
+        tables[b, :nb] = ids[start:start + nb]
+        start += nb
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("qlens,ctxs", [
+    ([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]),  # decode batch
+    ([1], [32768]),  # one long decode: flash-decoding splits
+    ([2048], [2048]),  # a whole 2k prompt
+    ([512, 1, 300, 1], [2048, 900, 300, 5000]),  # chunked prefill beside decodes
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_llama(qlens, ctxs, dtype):
+    k_cache, v_cache, tables = paged(ctxs, dtype=dtype)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+    q = torch.randn(int(qsl[-1]), 32, 128, device="cuda", dtype=dtype)
+    out = paged_attention(q, k_cache, v_cache, tables, lens, qsl, 128**-0.5)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, 128**-0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_small_ops_llama(dtype):
+    t = 77
+    x, res = (torch.randn(t, 4096, device="cuda", dtype=dtype) for _ in range(2))
+    weight = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
+    for out, ref in zip(rms_norm(x, weight, 1e-5, res), rms_norm_ref(x, weight, 1e-5, res), strict=True):
+        assert rel_err(out, ref) < TOL[dtype]
+
+    qkv = torch.randn(t, 6144, device="cuda", dtype=dtype)
+    q, k, v = qkv.split([4096, 1024, 1024], dim=-1)
+    q, k, v = q.view(t, 32, 128), k.view(t, 8, 128), v.reshape(t, 8, 128)
+    positions = torch.randint(0, 131072, (t,), device="cuda")
+    inv_freq = 500_000.0 ** -(torch.arange(0, 128, 2, device="cuda").float() / 128)
+    for out, ref in zip(rope(q, k, positions, inv_freq), rope_ref(q, k, positions, inv_freq), strict=True):
+        assert rel_err(out, ref) < TOL[dtype]
+
+    k_cache, v_cache, _ = paged([200], dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:t]
+    slots[3] = -1
+    write_kv(k, v, k_cache, v_cache, slots)
+    write_kv_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+    gate_up = torch.randn(t, 28672, device="cuda", dtype=dtype)
+    assert rel_err(silu_and_mul(gate_up), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
