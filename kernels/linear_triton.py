@@ -1,12 +1,16 @@
-"""y = x @ W^T for a QuantWeight on CUDA: one fused dequantize-and-multiply kernel up to DENSE_M rows, and
-dequantize-then-cuBLAS above.
+"""y = x @ W^T for a QuantWeight on CUDA. Three paths by the number of rows M (pick_config):
 
-At small M the cost is reading the weights once (0.53 B per 4-bit weight with group-128 fp16 scales), so the kernel
-must keep every SM streaming: it computes y^T = W x^T with the weight tile as the wide left operand of the tensor
-core product (the token dimension, padded to 16, is the narrow one) and splits K across programs when N alone
-gives too few of them. Splits are reduced without atomics on the data: each split stores an fp32 partial, and the
-last split of a tile to finish (a counter per tile) sums them in split order and writes y, so results do not
-depend on timing. Above DENSE_M the product is compute-bound and cuBLAS on a dequantized copy wins.
+- M = 1: a GEMV kernel, fp32 FMAs on CUDA cores, one token per program. There is no shared memory, no barrier
+  and no operand re-layout, so its loop is bound by instruction issue alone.
+- M up to DENSE_M: a fused dequantize + tl.dot kernel. It uses mma.sync with the weights as the right operand;
+  from 64 rows it uses wgmma with the weights as the left (register) operand.
+- Above DENSE_M: dequantize to a dense copy, then cuBLAS.
+
+At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. Both kernels
+therefore split K across programs when N alone gives too few of them. Splits are reduced without atomics on the
+data: each split stores an fp32 partial, and the last split of a tile to finish (a counter per tile) sums them in
+split order and writes y, so results do not depend on timing. The weights are read in the tiled GPU layout of
+kernels/qweight_triton.py.
 """
 
 from dataclasses import dataclass
@@ -20,7 +24,9 @@ from kernels.qweight import QuantWeight
 from kernels.qweight_triton import dequantize_rows_triton, load_dequant, magic, tiled_offset, tiled_words
 from kernels.triton_util import arith_dtype, num_sms
 
-DENSE_M = 256  # above this many rows: dequantize to a dense copy and use cuBLAS (see BENCHMARKS.md)
+# Above this many rows: dequantize to a dense copy, then cuBLAS. Not yet measured: an estimate from M = 128, where
+# the fused kernel took 359 us a block and a dequantize pass (548 MB) + cuBLAS would take about 270 us.
+DENSE_M = 256
 
 
 @dataclass(frozen=True)
