@@ -116,10 +116,11 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, perm_ptr, y_ptr, part_ptr, count_p
         if EVEN:
             words = tl.load(word_ptrs, eviction_policy="evict_first")
             scale = tl.load(s_ptr + group).to(tl.float32)
-        else:
+        else:  # groups past k_hi are masked too: past K they would be the next row's, or past the end
             mask = row_mask[:, None, None] & (k_word < k_hi)
+            group_mask = row_mask[:, None, None] & (k0 + g * SPAN < k_hi)
             words = tl.load(word_ptrs, mask=mask, other=0, eviction_policy="evict_first")
-            scale = tl.load(s_ptr + group, mask=row_mask[:, None, None], other=0.0).to(tl.float32)
+            scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
         hi = words >> 16
         t = tl.zeros([BLOCK_N, BLOCK_K // SPAN, SPAN // VPW], dtype=tl.float32)
         x_sum = tl.zeros([1, BLOCK_K // SPAN, SPAN // VPW], dtype=tl.float32)
@@ -137,7 +138,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, perm_ptr, y_ptr, part_ptr, count_p
             if EVEN:
                 offset = tl.load(o_ptr + group).to(tl.float32)
             else:
-                offset = tl.load(o_ptr + group, mask=row_mask[:, None, None], other=0.0).to(tl.float32)
+                offset = tl.load(o_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
             acc += offset * x_sum
 
     y = tl.sum(tl.sum(acc, 2), 1)[None, :]

@@ -91,6 +91,27 @@ def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
     assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]  # split counters were reset
 
 
+def nan_guarded(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose storage continues with NaN: a kernel that reads past the end sees them."""
+    buf = torch.full((t.numel() + 256,), float("nan"), dtype=t.dtype, device=t.device)
+    buf[: t.numel()] = t.flatten()
+    return buf[: t.numel()].view(t.shape)
+
+
+@pytest.mark.parametrize("bits,offsets", [(4, True), (8, False)])
+@pytest.mark.parametrize("m,config", [(1, Config(1, 64, 128, 2, 4, 3)), (1, Config(1, 64, 128, 1, 4, 3)),
+                                      (8, Config(16, 64, 256, 3, 4, 2)), (37, Config(64, 128, 128, 2, 8, 3))])
+def test_qmatmul_reads_nothing_past_k(bits, offsets, m, config):
+    """K = 576 (SmolLM2's hidden size) is no multiple of the tiles, as on the GPU for the default model: the
+    masked tail of the last tile of the last row must not read scales or offsets past the end."""
+    w = random_qweight(70, 576, bits, 32, offsets, False)
+    w.scales = nan_guarded(w.scales)
+    if offsets:
+        w.offsets = nan_guarded(w.offsets)
+    x = torch.randn(m, 576, device=DEVICE).half()
+    assert rel_err(qmatmul_triton(x, w, config), linear_ref(x.float(), w)) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qmatmul_dense_path(dtype):
     """Above DENSE_M rows: dequantize, then a dense matmul; also a 3-D input."""
