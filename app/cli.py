@@ -117,8 +117,7 @@ def run(
         prompts = [read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    engine = load_engine(model, device, kv_tokens=kv_tokens)
-    try:
+    with load_engine(model, device, kv_tokens=kv_tokens) as engine:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [engine.submit(x, params, raw=raw) for x in inputs]
         if each_line:
@@ -134,8 +133,6 @@ def run(
             stream(handle)
             if sys.stderr.isatty():
                 report(handle)
-    finally:
-        engine.shutdown()
 
 
 def collect(handle) -> tuple[str, str | None]:
@@ -183,10 +180,12 @@ def chat(
 
         return run_tui(model, sessions, system)
     params = sampling_params(temperature=temperature, max_tokens=max_tokens)
-    engine = load_engine(model, device, kv_tokens=kv_tokens)
-    typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True)
+    from engine.errors import RequestError
+
     messages = [{"role": "system", "content": system}] if system else []
-    try:
+    with load_engine(model, device, kv_tokens=kv_tokens) as engine:
+        typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.",
+                   err=True)
         while True:
             try:
                 line = input("> ")
@@ -199,8 +198,6 @@ def chat(
                 continue
             if not line.strip():
                 continue
-            from engine.errors import RequestError
-
             try:
                 handle = engine.submit(messages + [{"role": "user", "content": line}], params)
             except RequestError as e:
@@ -209,8 +206,6 @@ def chat(
             reply = stream(handle)
             messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
             report(handle)
-    finally:
-        engine.shutdown()
 
 
 @app.command()

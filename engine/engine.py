@@ -239,10 +239,17 @@ class Engine:
         )
 
     def shutdown(self) -> None:
+        """Stop the loop; requests still in flight finish as cancelled."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
         self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _warm_up(self) -> None:
         """One token through the model before serving, so weight preparation and kernel compilation are paid at

@@ -51,18 +51,14 @@ def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
 
 
 def solo_outputs(tiny, requests) -> list[list[int]]:
-    engine = make_engine(tiny)
-    try:
+    with make_engine(tiny) as engine:
         return [run_alone(engine, p, sp) for p, sp in requests]
-    finally:
-        engine.shutdown()
 
 
 def test_batch_invariance_with_staggered_arrivals(tiny):
     requests = random_requests(8, seed=1)
     expected = solo_outputs(tiny, requests)
-    engine = make_engine(tiny, max_batch_tokens=64)
-    try:
+    with make_engine(tiny, max_batch_tokens=64) as engine:
         handles = []
         for prompt, params in requests:
             handles.append(engine.submit(None, params, prompt_ids=prompt))
@@ -71,8 +67,6 @@ def test_batch_invariance_with_staggered_arrivals(tiny):
             list(h.events())
         assert [h.seq.generated for h in handles] == expected
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    finally:
-        engine.shutdown()
 
 
 def test_small_pool_preempts_and_recomputes(tiny):
@@ -80,8 +74,7 @@ def test_small_pool_preempts_and_recomputes(tiny):
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=i % 2, seed=i))
                 for i, p in enumerate(prompts)]
     expected = solo_outputs(tiny, requests)
-    engine = make_engine(tiny, kv_tokens=16 * 16, block_size=16)  # 16 blocks: ~3 requests at a time
-    try:
+    with make_engine(tiny, kv_tokens=16 * 16, block_size=16) as engine:  # 16 blocks: ~3 requests at a time
         handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in requests]
         for h in handles:
             events = list(h.events())
@@ -89,16 +82,13 @@ def test_small_pool_preempts_and_recomputes(tiny):
         assert [h.seq.generated for h in handles] == expected
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    finally:
-        engine.shutdown()
 
 
 def test_next_turn_reuses_cached_prefix(tiny):
     ckpt, tokenizer = tiny
     turn1 = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    engine = make_engine(tiny)
-    try:
+    with make_engine(tiny) as engine:
         reply, first = engine.generate(turn1, params)
         turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
         _, second = engine.generate(turn2, params)
@@ -106,22 +96,16 @@ def test_next_turn_reuses_cached_prefix(tiny):
         assert second.stats().cached_tokens >= 16 * ((first.stats().prompt_tokens - 1) // 16)
         assert second.stats().cached_tokens > 0
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    finally:
-        engine.shutdown()
-    cold = make_engine(tiny)
-    try:
+    with make_engine(tiny) as cold:
         _, cold_second = cold.generate(turn2, params)
         assert cold_second.stats().cached_tokens == 0
         assert cold_second.seq.generated == second.seq.generated
-    finally:
-        cold.shutdown()
 
 
 def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny):
     others = random_requests(3, seed=3)
     expected = solo_outputs(tiny, others)
-    engine = make_engine(tiny, max_batch_tokens=32)
-    try:
+    with make_engine(tiny, max_batch_tokens=32) as engine:
         long_prompt = list(range(100, 400))  # ten 32-token chunks of prefill
         in_prefill = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=long_prompt)
         in_decode = engine.submit(None, SamplingParams(max_tokens=400, ignore_eos=True), prompt_ids=[5, 6, 7])
@@ -140,8 +124,6 @@ def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny):
         engine.cancel(12345)  # unknown: a no-op
         time.sleep(0.05)
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    finally:
-        engine.shutdown()
 
 
 def test_stress_random_arrivals_cancels_and_stop_strings(tiny):
@@ -163,28 +145,23 @@ def test_stress_random_arrivals_cancels_and_stop_strings(tiny):
             if i in cancelled:
                 engine.cancel(handles[i])
 
-    try:
+    with engine:
         t = threading.Thread(target=submitter)
         t.start()
         t.join()
-        texts = {}
         for i, h in handles.items():
             events = list(h.events())
-            texts[i] = events
             assert events[-1].finished
             if i not in cancelled:
                 assert events[-1].finish_reason in ("stop", "length")
                 assert h.seq.generated == expected[i]
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
         assert not engine.scheduler.running and not engine.scheduler.waiting
-    finally:
-        engine.shutdown()
 
 
 def test_stop_strings_cut_the_text(tiny):
     _, tokenizer = tiny
-    engine = make_engine(tiny)
-    try:
+    with make_engine(tiny) as engine:
         full, _ = engine.generate("Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True), raw=True)
         stop = full[len(full) // 2 : len(full) // 2 + 2]
         assert stop and stop in full
@@ -192,13 +169,10 @@ def test_stop_strings_cut_the_text(tiny):
                                  raw=True)
         assert cut == full[: full.index(stop)]
         assert list(h.poll()) == []
-    finally:
-        engine.shutdown()
 
 
 def test_bad_requests_fail_alone(tiny, monkeypatch):
-    engine = make_engine(tiny, kv_tokens=20 * 16)
-    try:
+    with make_engine(tiny, kv_tokens=20 * 16) as engine:
         with pytest.raises(RequestError, match="empty"):
             engine.submit("", SamplingParams(), raw=True)
         with pytest.raises(RequestError, match="context"):
@@ -226,5 +200,3 @@ def test_bad_requests_fail_alone(tiny, monkeypatch):
         assert bad_events[-1].finish_reason == "error" and "exploded" in bad_events[-1].error
         assert list(good.events())[-1].finish_reason == "length" and good.seq.num_generated == 5
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    finally:
-        engine.shutdown()
