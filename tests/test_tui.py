@@ -274,6 +274,22 @@ def test_escape_stops_and_regenerate_and_edit_resend():
     assert [m.content for m in history.load(conv.id).messages] == ["tell me more", REPLY]
 
 
+def test_replies_stream_on_behind_a_dialog():
+    app = make_app(FakeEngine(tokens_per_s=100))
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        await type_and_send(pilot, "go on")
+        await pilot.press("f1")
+        pane = app.chat.panes[0]
+        await wait_until(pilot, lambda: not pane.session.busy and not pane.has_undrawn)
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert pane.reply_view.query_one(Markdown).source == REPLY
+
+    run(app, scenario)
+
+
 def test_stop_before_the_model_loads():
     release = threading.Event()
     app = ChatApp(lambda: release.wait(10) and FakeEngine())

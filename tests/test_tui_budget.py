@@ -8,7 +8,6 @@ from tui_support import engine_ready, idle, run
 
 from app.tui.app import ChatApp
 from app.tui.budget import RenderBudget
-from app.tui.screens import chat
 from app.tui.widgets.chat_pane import ChatPane
 
 
@@ -39,19 +38,18 @@ def test_text_waits_at_most_max_wait():
 
 def test_a_tight_budget_draws_fewer_larger_batches_and_all_the_text(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
-    monkeypatch.setattr(chat, "RENDER_SHARE", 0.0)
     draws = []
     draw = ChatPane.draw
 
     async def counted(self):
-        draws.append(len("".join(self.undrawn)))
+        draws.append(len(self.reply_view.message.content) - self.reply_view.shown)
         await draw(self)
 
     monkeypatch.setattr(ChatPane, "draw", counted)
     app = ChatApp(lambda: FakeEngine(REPLY * 3, tokens_per_s=200))
 
     async def scenario(pilot):
-        app.chat.render_budget.max_wait_s = 0.3
+        app.chat.render_budget = RenderBudget(share=0.0, burst_s=0.0, max_wait_s=0.3)
         await engine_ready(pilot)
         start = time.monotonic()
         await pilot.press(*"go", "enter")

@@ -40,7 +40,7 @@ def render(text: str, streamed: bool) -> tuple[str, bool | None]:
                 view = app.query_one(ReplyMessage)
                 for i in range(0, len(text), 3):
                     view.message.content += text[i : i + 3]
-                    await view.append(text[i : i + 3])
+                    await view.draw_new_text()
                     await pilot.pause(0)
                 await pilot.pause()
                 matched = streamed_blocks_match(view.query_one(Markdown))

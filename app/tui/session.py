@@ -39,9 +39,7 @@ class ChatSettings:
 
     @classmethod
     def from_dict(cls, data: dict) -> ChatSettings:
-        """Settings from the history; keys this version does not know are dropped."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**known_fields(cls, data))
 
 
 @dataclass(eq=False)
@@ -73,7 +71,7 @@ class Session:
         session.conversation_id = conv.id
         session.messages = [ChatMessage(m.role, m.content, m.id, m.finish_reason) for m in conv.messages]
         if conv.messages and conv.messages[-1].stats:
-            session.stats = RequestStats(**conv.messages[-1].stats)
+            session.stats = RequestStats(**known_fields(RequestStats, conv.messages[-1].stats))
         return session
 
     @property
@@ -191,3 +189,9 @@ class Session:
                 self.conversation_id, "assistant", reply.content, reply.finish_reason, stats
             )
         self._saved_at = time.monotonic()
+
+
+def known_fields(cls, data: dict) -> dict:
+    """What a dataclass takes from a dict saved in the history: keys this version does not know are dropped."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}

@@ -25,8 +25,6 @@ class ChatPane(Vertical):
         super().__init__()
         self.session = session
         self.set_reactive(ChatPane.number, number)
-        self.undrawn: list[str] = []  # text taken from the engine, not drawn yet
-        self.ended = False  # the reply ended; its final render is not drawn yet
 
     def compose(self) -> ComposeResult:
         yield PaneStats(classes="pane-stats")
@@ -45,6 +43,8 @@ class ChatPane(Vertical):
 
     @property
     def reply_view(self) -> ReplyMessage | None:
+        """The last reply's view. (Just after a prompt is asked, until show_asked mounts the new one, the
+        previous reply's.)"""
         replies = self.transcript.query_children(ReplyMessage)
         return replies.last() if replies else None
 
@@ -64,55 +64,52 @@ class ChatPane(Vertical):
     def show_stats(self) -> None:
         self.query_one(PaneStats).show(self.session.stats, self.session.queued)
 
-    async def ask(self, text: str, engine) -> None:
-        """Show the prompt and an empty reply, and submit it if the engine is ready (else it stays queued)."""
-        prompt, reply = self.session.ask(text)
-        await self.transcript.mount_all([message_view(prompt), message_view(reply)])
-        self.transcript.anchor()  # a new question brings the view back to the bottom
+    def ask(self, text: str, engine) -> None:
+        """Save the prompt and send it if the engine is ready (else it stays queued). No drawing here: with a
+        broadcast, every pane's request reaches the engine before any pane spends time on widgets."""
+        self.session.ask(text)
         if engine is not None:
-            await self.submit(engine)
+            self.session.submit(engine)
+
+    async def show_asked(self) -> None:
+        """Show the prompt just asked and its reply (empty, or as far as it got meanwhile)."""
+        if self.has_undrawn:  # the previous reply's last text and final form, still waiting for the budget
+            await self.draw()
+        await self.transcript.mount_all(map(message_view, self.session.messages[-2:]))
+        self.transcript.anchor()  # a new question brings the view back to the bottom
+        self.show_submitted()
         self.show_title()
-        self.show_stats()
 
     async def submit(self, engine) -> None:
+        """Send a prompt that was queued while the model loaded."""
         self.session.submit(engine)
-        if not self.session.busy:  # refused by the engine: show why
-            await self.reply_view.finish()
+        self.show_submitted()
+
+    def show_submitted(self) -> None:
+        self.session.refresh_stats()  # prompt and cached tokens are known at once
+        self.show_stats()
 
     def pull(self) -> None:
-        """Take what the engine produced since the last tick (cheap: no drawing)."""
-        text, finished = self.session.poll()
-        if text:
-            self.undrawn.append(text)
-        self.ended = self.ended or finished
+        """Take what the engine produced since the last tick into the session (cheap: no drawing)."""
+        self.session.poll()
 
     @property
     def has_undrawn(self) -> bool:
-        return bool(self.undrawn) or self.ended
+        view = self.reply_view
+        return view is not None and view.lagging
 
     async def draw(self) -> None:
-        """Append the text pulled since the last draw in one batch; render the reply in full once it ended."""
+        """The reply's new text in one batch; its final form once it ended (refused and stopped ones too)."""
         view = self.reply_view
-        if self.undrawn:
-            text, self.undrawn = "".join(self.undrawn), []
-            await view.append(text)
-        if self.ended:
-            self.ended = False
-            await view.finish()
-            self.show_stats()
-
-    async def stop(self) -> None:
-        was_queued = self.session.queued
-        self.session.stop()
-        if was_queued:  # never reached the engine: it ends here, not in `pull`
-            await self.reply_view.finish()
+        ending = view.message.finish_reason is not None
+        await view.draw()
+        if ending:
             self.show_stats()
 
     async def show_session(self, session: Session) -> None:
         """Show another conversation (a cleared pane, a reopened one)."""
         self.session.close()
         self.session = session
-        self.undrawn, self.ended = [], False
         await self.transcript.remove_children()
         await self.transcript.mount_all(map(message_view, session.messages))
         self.transcript.anchor()
@@ -121,6 +118,5 @@ class ChatPane(Vertical):
 
     async def drop_forgotten(self) -> None:
         """Remove the views of messages the session rewound."""
-        self.undrawn, self.ended = [], False
         kept = set(map(id, self.session.messages))
         await self.transcript.remove_children([w for w in self.transcript.children if id(w.message) not in kept])

@@ -40,23 +40,42 @@ class ReplyMessage(Vertical):
     def __init__(self, message: ChatMessage):
         super().__init__()
         self.message = message
+        self.shown = len(message.content)  # how much of the message the view holds; the rest is to draw
+        self.finished = message.finish_reason is not None  # drawn in its final form
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
-        yield Markdown(self.message.content)
+        yield Markdown(self.message.content[: self.shown])
         note = Static(self._note(), classes="note", markup=False)
         note.display = bool(self._note())
         yield note
 
-    async def append(self, text: str) -> None:
+    @property
+    def lagging(self) -> bool:
+        """Whether the message has text, or an end, that the view does not show yet."""
+        return self.shown < len(self.message.content) or (self.message.finish_reason is not None and not self.finished)
+
+    async def draw_new_text(self) -> None:
+        """Append, in one batch, all the text the message gained since the last draw."""
+        text = self.message.content[self.shown :]
+        self.shown += len(text)
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)
 
+    async def draw(self) -> None:
+        """Catch up with the message: its new text in one batch, then its final form if it ended."""
+        if self.shown < len(self.message.content):
+            await self.draw_new_text()
+        if self.message.finish_reason is not None and not self.finished:
+            await self.finish()
+
     async def finish(self) -> None:
+        self.finished = True
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+        self.shown = len(self.message.content)
         markdown = self.query_one(Markdown)
         if markdown.source != self.message.content or not streamed_blocks_match(markdown):
             await markdown.update(self.message.content)
