@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -131,10 +133,13 @@ def main() -> None:
 
     from app.tui.session import ChatSettings
     from engine.engine import Engine
+    from engine.store import resolve_model
 
-    engine = Engine.from_model(args.model, args.device)
+    model = resolve_model(args.model)
+    os.environ["LLAMATERM_HOME"] = tempfile.mkdtemp(prefix="llamaterm-bench-")  # keep the user's history clean
+    engine = Engine.from_model(str(model), args.device)
     settings = ChatSettings(max_tokens=args.max_tokens)
-    print(f"{engine.model_name} on {engine.device}: {args.sessions} sessions x {args.max_tokens} tokens, greedy")
+    print(f"{model.name} on {engine.device}: {args.sessions} sessions x {args.max_tokens} tokens, greedy")
     headless_run(engine, 1, ChatSettings(max_tokens=8))  # warm-up
     headless, with_tui = [], []
     for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits both alike
