@@ -1,3 +1,4 @@
 from app.cli import main
 
-main()
+if __name__ == "__main__":  # the engine's child process imports this module again (spawn)
+    main()

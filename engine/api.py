@@ -1,5 +1,7 @@
 """What the engine hands its callers (CLI and TUI alike): events per request and statistics."""
 
+import queue
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -39,3 +41,26 @@ class EngineStats:
     kv_blocks_total: int = 0
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
     per_request: dict[int, RequestStats] = field(default_factory=dict)
+
+
+class EventStream:
+    """A request's events as they arrive, from `events_queue` (an unbounded queue the engine side fills)."""
+
+    events_queue: queue.SimpleQueue
+
+    def poll(self) -> list[Event]:
+        """Every event queued since the last call, without blocking."""
+        out = []
+        while True:
+            try:
+                out.append(self.events_queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def events(self) -> Iterator[Event]:
+        """Blocks until each event arrives; ends after the finishing event."""
+        while True:
+            event = self.events_queue.get()
+            yield event
+            if event.finished:
+                return

@@ -14,13 +14,12 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.api import EngineStats, Event, RequestStats
+from engine.api import EngineStats, Event, EventStream, RequestStats
 from engine.errors import RequestError
 from engine.kv_cache import BlockManager
 from engine.model import Model, StepInput
@@ -34,7 +33,7 @@ RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 
 
 @dataclass(eq=False)
-class RequestHandle:
+class RequestHandle(EventStream):
     """The caller's side of a request: its event queue and live stats."""
 
     id: int
@@ -43,23 +42,6 @@ class RequestHandle:
     events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     finished: bool = False
     finish_time: float | None = None
-
-    def poll(self) -> list[Event]:
-        """Every event queued since the last call, without blocking."""
-        out = []
-        while True:
-            try:
-                out.append(self.events_queue.get_nowait())
-            except queue.Empty:
-                return out
-
-    def events(self) -> Iterator[Event]:
-        """Blocks until each event arrives; ends after the finishing event."""
-        while True:
-            event = self.events_queue.get()
-            yield event
-            if event.finished:
-                return
 
     def stats(self) -> RequestStats:
         seq = self.seq
@@ -156,7 +138,8 @@ class Engine:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = Model(ckpt.config, ckpt.tensors, dev, dtype)
-        return cls(model, tokenizer, name=name or Path(path).stem, **kwargs)
+        shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
+        return cls(model, tokenizer, name=shown, **kwargs)
 
     # ---- caller side (any thread) ----
 

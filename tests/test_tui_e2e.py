@@ -15,9 +15,9 @@ def test_two_panes_stream_a_broadcast_question(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
 
     def load_engine():
-        from engine.engine import Engine
+        from engine.process import EngineProcess
 
-        return Engine.from_model(model)
+        return EngineProcess(model)
 
     app = ChatApp(load_engine, sessions=2, system="You are a helpful assistant.")
 

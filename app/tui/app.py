@@ -25,7 +25,7 @@ class ChatApp(App):
     CSS_PATH = [ASSETS / "chat.tcss", ASSETS / "dialogs.tcss"]
 
     def __init__(self, load_engine: Callable[[], object], sessions: int = 1, system: str | None = None):
-        """load_engine runs in a worker thread and returns an engine (engine.engine.Engine or a stand-in)."""
+        """load_engine runs in a worker thread and returns an engine (engine.process.EngineProcess or a stand-in)."""
         super().__init__()
         if not 1 <= sessions <= MAX_PANES:
             raise ValueError(f"sessions must be between 1 and {MAX_PANES}, not {sessions}")
@@ -71,8 +71,8 @@ def run_tui(model: str | None, sessions: int, system: str | None) -> None:
     """`llamaterm chat`: the TUI on `model` (None: the default model) with `sessions` panes."""
 
     def load_engine():
-        from engine.engine import Engine
+        from engine.process import EngineProcess  # the engine loop never shares a GIL with the UI
 
-        return Engine.from_model(model)
+        return EngineProcess(model)
 
     ChatApp(load_engine, sessions=sessions, system=system).run()

@@ -132,12 +132,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from app.tui.session import ChatSettings
-    from engine.engine import Engine
+    from engine.process import EngineProcess
     from engine.store import resolve_model
 
     model = resolve_model(args.model)
     os.environ["LLAMATERM_HOME"] = tempfile.mkdtemp(prefix="llamaterm-bench-")  # keep the user's history clean
-    engine = Engine.from_model(str(model), args.device)
+    engine = EngineProcess(str(model), args.device)
     settings = ChatSettings(max_tokens=args.max_tokens)
     print(f"{model.name} on {engine.device}: {args.sessions} sessions x {args.max_tokens} tokens, greedy")
     headless_run(engine, 1, ChatSettings(max_tokens=8))  # warm-up

@@ -1,0 +1,54 @@
+"""The engine in a child process gives what the in-process engine gives, and its failures reach the caller."""
+
+import time
+
+import pytest
+
+from engine.engine import Engine
+from engine.errors import ModelNotFound, RequestError
+from engine.process import EngineProcess
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("proc") / "tiny.gguf", context_length=256))
+
+
+def test_same_tokens_as_in_process(tiny):
+    prompts = ["Once upon a time", "The quick brown fox", "In a hole in the ground"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+    with Engine.from_model(tiny, device="cpu") as local:
+        expected = [local.generate(p, params, raw=True)[1].seq.generated for p in prompts]
+    with EngineProcess(tiny, device="cpu") as remote:
+        handles = [remote.submit(p, params, raw=True) for p in prompts]
+        for handle, ids in zip(handles, expected, strict=True):
+            events = list(handle.events())
+            assert [t for e in events for t in e.token_ids] == ids
+            assert events[-1].finish_reason == "length"
+            assert handle.stats().finished and handle.stats().generated_tokens == 12
+        assert remote.stats().model == "tiny"
+
+
+def test_cancel_and_errors_cross_the_process(tiny):
+    with EngineProcess(tiny, device="cpu") as remote:
+        with pytest.raises(RequestError, match="empty"):
+            remote.submit("", raw=True)
+        with pytest.raises(RequestError, match="context"):
+            remote.submit("word " * 400, raw=True)
+        handle = remote.submit("Tell me everything", SamplingParams(max_tokens=200, ignore_eos=True), raw=True)
+        while handle.stats().generated_tokens < 2:
+            time.sleep(0.01)
+        remote.cancel(handle)
+        assert list(handle.events())[-1].finish_reason == "cancelled"
+        deadline = time.time() + 5
+        while remote.stats().kv_blocks_used and time.time() < deadline:
+            time.sleep(0.05)
+        assert remote.stats().kv_blocks_used == 0
+
+
+def test_a_missing_model_fails_at_start():
+    with pytest.raises(ModelNotFound):
+        EngineProcess("no-such-model", device="cpu")
+
