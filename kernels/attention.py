@@ -22,10 +22,11 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    if slot_mapping.min() < 0:  # rare: drop the skipped tokens first (boolean indexing costs three more ops)
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
@@ -48,14 +49,12 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         if n == 0:
             continue
         blocks = block_tables[b, : (ctx + block_size - 1) // block_size]
-        k = k_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
-        v = v_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
+        k = k_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)  # [Hk, ctx, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)
         qb = q[s:e].transpose(0, 1)  # [Hq, n, D]
-        if n == 1:
-            o = F.scaled_dot_product_attention(qb, k, v, scale=scale)
-        else:
-            # query i sits at position ctx - n + i and sees keys 0..ctx - n + i
+        mask = None
+        if n > 1:  # query i sits at position ctx - n + i and sees keys 0..ctx - n + i
             mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[s:e] = o.transpose(0, 1)
     return out
