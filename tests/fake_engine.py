@@ -10,10 +10,10 @@ import itertools
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.api import EngineStats, Event, RequestStats
+from engine.api import EngineStats, Event, EventStream, RequestStats
 from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ def words(text: str) -> list[str]:
 
 
 @dataclass(eq=False)
-class FakeHandle:
+class FakeHandle(EventStream):
     id: int
     prompt: list[str]
     reply: list[str]
@@ -44,19 +44,6 @@ class FakeHandle:
     events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     generated: int = 0
     finished: bool = False
-
-    def poll(self) -> list[Event]:
-        out = []
-        while not self.events_queue.empty():
-            out.append(self.events_queue.get_nowait())
-        return out
-
-    def events(self) -> Iterator[Event]:
-        while True:
-            event = self.events_queue.get()
-            yield event
-            if event.finished:
-                return
 
     def stats(self) -> RequestStats:
         rate = self.engine.tokens_per_s
