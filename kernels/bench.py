@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kernels.attention_triton import AttentionConfig, paged_attention_triton
 from kernels.linear_triton import Config, pick_config, qmatmul_triton
 from kernels.qweight import QuantWeight
+from kernels.qweight_triton import gpu_layout
 from kernels.triton_util import num_sms
 
 LLAMA3_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -122,20 +123,20 @@ def linear_table(bw: float, peak: float, group: int, sweep: bool) -> list[str]:
 
 def sweep_linear(weights, xs, m):
     """Times candidate configs per shape beside pick_config's; prints the five fastest."""
-    tiles = [(16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 2), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3)]
-    if m == 1:  # the GEMV kernel
-        tiles += [(1, 64, 256, 4, 2), (1, 128, 128, 4, 2), (1, 64, 128, 4, 3), (1, 128, 256, 8, 2)]
+    tiles = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (16, 32, 2, 3)]
+    if m <= 8:  # the mma.sync tile
+        tiles += [(8, 64, 4, 3), (8, 64, 4, 4), (8, 32, 2, 3), (8, 128, 4, 3)]
     sms = num_sms(torch.device("cuda"))
     for name, w in weights.items():
         n, k = w.shape
         x = xs[name]
-        default = pick_config(m, n, k, sms)
+        steps = gpu_layout(w).values.shape[0]
+        default = pick_config(m, n, k, steps, sms)
         results = [(timed(lambda: qmatmul_triton(x, w, default)), "default", default)]  # noqa: B023
-        for bm, bn, bk, warps, stages in tiles:
+        for bm, bn, warps, stages in tiles:
             for per_sm in (1, 2, 4, 8):
-                tiles_n = -(-n // bn) * (m if bm == 1 else -(-m // bm))
-                split = max(1, min(round(per_sm * sms / tiles_n), k // bk // 2))
-                cfg = Config(bm, bn, bk, split, warps, stages)
+                split = max(1, min(round(per_sm * sms / (-(-n // bn) * -(-m // bm))), steps // 2))
+                cfg = Config(bm, bn, split, warps, stages)
                 results.append((timed(lambda: qmatmul_triton(x, w, cfg)), "", cfg))  # noqa: B023
         results.sort(key=lambda r: r[0])
         print(f"  sweep M={m} {name}: " + "; ".join(f"{us:.1f} {tag}{tuple(c.__dict__.values())}"

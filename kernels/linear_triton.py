@@ -1,16 +1,16 @@
-"""y = x @ W^T for a QuantWeight on CUDA. Three paths by the number of rows M (pick_config):
+"""y = x @ W^T for a QuantWeight on CUDA.
 
-- M = 1: a GEMV kernel, fp32 FMAs on CUDA cores, one token per program. There is no shared memory, no barrier
-  and no operand re-layout, so its loop is bound by instruction issue alone.
-- M up to DENSE_M: a fused dequantize + tl.dot kernel. It uses mma.sync with the weights as the right operand;
-  from 64 rows it uses wgmma with the weights as the left (register) operand.
-- Above DENSE_M: dequantize to a dense copy, then cuBLAS.
+Up to DENSE_M rows, one fused kernel: each program owns BLOCK_N output features and BLOCK_M tokens and walks its
+share of K in steps (kernels/qweight_triton.py: one step = GROUP bytes of each row = two 4-bit groups). The
+weights are tl.dot's left operand, y^T = W x^T, so the dequantized values are made in registers in the MMA operand
+layout (wgmma from BLOCK_N = 64 on Hopper; mma.sync for BLOCK_M = 8) while the activations wait in shared memory.
+Each group's dot is on the centred integers, exact in fp16/bf16, and its scale multiplies the fp32 partial; offsets
+add offset * sum(x over the group). Above DENSE_M rows: dequantize to a dense copy, then cuBLAS.
 
-At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. Both kernels
-therefore split K across programs when N alone gives too few of them. Splits are reduced without atomics on the
-data: each split stores an fp32 partial, and the last split of a tile to finish (a counter per tile) sums them in
-split order and writes y, so results do not depend on timing. The weights are read in the tiled GPU layout of
-kernels/qweight_triton.py.
+At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. K is split
+across programs when N alone gives too few of them. Splits are reduced without atomics on the data: each split
+stores an fp32 partial, and the last split of a tile to finish (a counter per tile) sums them in split order and
+writes y, so results do not depend on timing.
 """
 
 from dataclasses import dataclass
@@ -21,129 +21,68 @@ import triton
 import triton.language as tl
 
 from kernels.qweight import QuantWeight
-from kernels.qweight_triton import dequantize_rows_triton, load_dequant, magic, tiled_offset, tiled_words
+from kernels.qweight_triton import ROW_PAD, centred_values, dequantize_rows_triton, gpu_layout, use_asm
 from kernels.triton_util import arith_dtype, num_sms
 
-# Above this many rows: dequantize to a dense copy, then cuBLAS. Not yet measured: an estimate from M = 128, where
-# the fused kernel took 359 us a block and a dequantize pass (548 MB) + cuBLAS would take about 270 us.
+# Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
 
 
 @dataclass(frozen=True)
 class Config:
-    block_m: int  # tokens per tile: 1 for the GEMV kernel (one token per program), else >= 16 (tl.dot)
+    block_m: int  # tokens per tile: 8 (mma.sync), or 16 and up (wgmma with BLOCK_N >= 64 and 4 warps)
     block_n: int  # output features per tile
-    block_k: int  # K per loop step
-    split_k: int  # programs sharing one tile's K range
+    split_k: int  # programs sharing one tile's steps
     num_warps: int
     num_stages: int
 
 
 @triton.jit
-def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, perm_ptr, y_ptr, part_ptr, count_ptr, magic,
-                    M, N, K, stride_xm, stride_ym, k_per_split, split_k,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, DT: tl.constexpr):
+def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
+                    M, N, K, stride_xm, stride_ym, steps_per_split, split_k,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+                    EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    GPS: tl.constexpr = 8 // BITS  # groups per step
+    n_steps = tl.cdiv(K, GROUP * GPS)
+    n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows >= N read zero padding (n_pad) or are masked out of y
     row_mask = rows < N
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    j = tl.arange(0, GROUP)
+    pad_mask = rows < n_pad
+    s_lo = pid_k * steps_per_split
+    s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
+    byte_ptrs = w_ptr + s_lo.to(tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
 
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = load_dequant(w_ptr, s_ptr, o_ptr, magic, rows, row_mask, k0, k_hi, K,
-                         BITS, GROUP, HAS_OFFSET, BLOCK_K, EVEN_N and EVEN_K, DT)
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_hi
-        kx = k
-        if HAS_PERM:  # GPTQ act-order: y = x[:, perm] @ W^T, gathered from the (small, cached) activations
-            kx = tl.load(perm_ptr + k, mask=k_mask, other=0)
-        if EVEN_K:
-            x = tl.load(x_ptr + m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for s in range(s_lo, s_hi):
+        if EVEN_N:
+            b = tl.load(byte_ptrs, eviction_policy="evict_first")  # read once: leave L2 to the activations
         else:
-            x = tl.load(x_ptr + m[:, None] * stride_xm + kx[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-        if SWAP_AB:  # wgmma (BLOCK_M >= 64) takes the dequantized weights from registers as its left operand
-            acc = tl.dot(w, tl.trans(x.to(DT)), acc)
-        else:  # mma.sync (BLOCK_M < 64) takes them from registers as the right operand, in a few vector moves
-            acc = tl.dot(x.to(DT), tl.trans(w), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc)
-
-    _store(acc, y_ptr, part_ptr, count_ptr, m, m_mask, rows, row_mask, M, N, stride_ym,
-           pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
-
-
-@triton.jit
-def _qgemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, perm_ptr, y_ptr, part_ptr, count_ptr, magic,
-                  M, N, K, stride_xm, stride_ym, k_per_split, split_k,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr):
-    """One token per program (grid axis 1), fp32 FMAs on CUDA cores: no shared memory, no barriers, no operand
-    layout changes, so the loop stays issue-bound. A field of a word is read in place: (word & mask) | 2**23
-    as fp32 is 2**23 + q * 2**(BITS*j); one FADD centres it exactly and the activation it multiplies is
-    pre-scaled by 2**-(BITS*j). Per weight: LOP3, FADD, FFMA. Scales apply once per word."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    VPW: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = VPW // 2  # fields per 16-bit half word
-    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
-    CENTER: tl.constexpr = 0 if HAS_OFFSET else 1 << (BITS - 1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    g = tl.arange(0, BLOCK_K // SPAN)[None, :, None]
-    w = tl.arange(0, SPAN // VPW)[None, None, :]
-    r = rows.to(tl.int64)[:, None, None]
-    x_row = x_ptr + pid_m * stride_xm
-
-    acc = tl.zeros([BLOCK_N, BLOCK_K // SPAN, SPAN // VPW], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_word = k0 + (g * (SPAN // VPW) + w) * VPW  # K of each word's first value
-        word_ptrs = w_ptr + tiled_offset(r, k_word // VPW, K // VPW)
-        group = r * (K // GROUP) + (k0 + g * SPAN) // GROUP
-        if EVEN:
-            words = tl.load(word_ptrs, eviction_policy="evict_first")
-            scale = tl.load(s_ptr + group).to(tl.float32)
-        else:  # groups past k_hi are masked too: past K they would be the next row's, or past the end
-            mask = row_mask[:, None, None] & (k_word < k_hi)
-            group_mask = row_mask[:, None, None] & (k0 + g * SPAN < k_hi)
-            words = tl.load(word_ptrs, mask=mask, other=0, eviction_policy="evict_first")
-            scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
-        hi = words >> 16
-        t = tl.zeros([BLOCK_N, BLOCK_K // SPAN, SPAN // VPW], dtype=tl.float32)
-        x_sum = tl.zeros([1, BLOCK_K // SPAN, SPAN // VPW], dtype=tl.float32)
-        for j in tl.static_range(VPW):
-            k = k_word + j
-            if HAS_PERM:
-                k = tl.load(perm_ptr + k, mask=k < k_hi, other=0)
-            xj = tl.load(x_row + k, mask=k_word < k_hi, other=0.0).to(tl.float32)
-            x_sum += xj
-            field = ((words if j < HALF else hi) & (((1 << BITS) - 1) << (BITS * (j % HALF)))) | magic
-            q = field.to(tl.float32, bitcast=True) - (8388608.0 + CENTER * (1 << (BITS * (j % HALF))))
-            t += q * (xj * (1.0 / (1 << (BITS * (j % HALF)))))
-        acc += t * scale
-        if HAS_OFFSET:
-            if EVEN:
-                offset = tl.load(o_ptr + group).to(tl.float32)
+            b = tl.load(byte_ptrs, mask=pad_mask[:, None], other=0, eviction_policy="evict_first")
+        byte_ptrs += n_pad * GROUP
+        for h in tl.static_range(GPS):
+            g = s * GPS + h
+            k = g * GROUP + j
+            if EVEN_K:
+                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
             else:
-                offset = tl.load(o_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
-            acc += offset * x_sum
+                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
+                            other=0.0)
+            q = centred_values(b, h, BITS, HAS_OFFSET, DT, ASM)
+            p = tl.dot(q, tl.trans(x.to(DT)))
+            scale = tl.load(s_ptr + g * n_pad + rows, mask=pad_mask, other=0.0).to(tl.float32)
+            acc += p * scale[:, None]
+            if HAS_OFFSET:
+                offset = tl.load(o_ptr + g * n_pad + rows, mask=pad_mask, other=0.0).to(tl.float32)
+                acc += offset[:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 
-    y = tl.sum(tl.sum(acc, 2), 1)[None, :]
-    m = pid_m + tl.arange(0, 1)
-    _store(y, y_ptr, part_ptr, count_ptr, m, m < M, rows, row_mask, M, N, stride_ym,
+    _store(tl.trans(acc), y_ptr, part_ptr, count_ptr, m, m_mask, rows, row_mask, M, N, stride_ym,
            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
 
@@ -179,52 +118,46 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return c
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int) -> Config:
-    """Tiles by M bucket, from sweeps on an H200 (BENCHMARKS.md): the GEMV kernel for one token, small tensor-core
-    tiles (several CTAs per SM: the dequantize loop is latency-bound) up to 32, K split until the grid has 4-8
-    programs per SM."""
-    if m == 1:
-        block_m, block_n, block_k, warps, stages, per_sm = 1, 64, 128, 4, 3, 8
-    elif m <= 32:
-        block_m, block_n, block_k, warps, stages, per_sm = max(16, triton.next_power_of_2(m)), 64, 256, 4, 2, 4
+def pick_config(m: int, n: int, k: int, steps: int, num_sms: int) -> Config:
+    """Tiles by M bucket, from sweeps on an H200 (BENCHMARKS.md). Wide layers (gate_up) prefer 128-row tiles from
+    M = 32; K is split until the grid has `per_sm` programs per SM."""
+    if m <= 8:
+        block_m, block_n, warps, per_sm = 8, 64, 4, 4
+    elif m <= 16:
+        block_m, block_n, warps, per_sm = 16, 64, 4, 4
     else:
-        block_m, block_n, block_k, warps, stages, per_sm = 64, 128, 128, 8, 3, 4
+        block_m, per_sm = min(64, triton.next_power_of_2(m)), 2
+        block_n, warps = (128, 4 if block_m <= 32 else 8) if n >= 16384 else (64, 4)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = max(1, min(round(per_sm * num_sms / tiles), triton.cdiv(k, block_k) // 2))
-    return Config(block_m, block_n, block_k, split, warps, stages)
+    split = max(1, min(round(per_sm * num_sms / tiles), steps // 2))
+    return Config(block_m, block_n, split, warps, 3)
 
 
 def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None) -> torch.Tensor:
     n, k = w.shape
     x2 = x.reshape(-1, k)
+    if w.perm is not None:  # GPTQ act-order: y = x[:, perm] @ W^T; gather the (small) activations once
+        x2 = x2[:, w.perm]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m > DENSE_M and config is None:
-        if w.perm is not None:
-            x2 = x2[:, w.perm]
         return F.linear(x2, dequantize_rows_triton(w, None, x.dtype)).view(*x.shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    cfg = config or pick_config(m, n, k, num_sms(x.device))
-    steps_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-    k_per_split = steps_per_split * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    layout = gpu_layout(w)
+    steps = layout.values.shape[0]
+    cfg = config or pick_config(m, n, k, steps, num_sms(x.device))
+    steps_per_split = triton.cdiv(steps, cfg.split_k)
+    split = triton.cdiv(steps, steps_per_split)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    args = (x2, tiled_words(w), w.scales, w.scales if w.offsets is None else w.offsets, y if w.perm is None else w.perm,
-            y, part, _tile_counters(x.device, grid[0] * grid[1]))
-    sizes = (m, n, k, x2.stride(0), y.stride(0), k_per_split, split)
-    fmt = dict(BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, HAS_PERM=w.perm is not None)
-    even_n, even_k = n % cfg.block_n == 0, k % k_per_split == 0
-    if cfg.block_m == 1:
-        _qgemv_kernel[grid](*args, 0x4B000000, *sizes, **fmt, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                            SPLIT=split > 1, EVEN=even_n and even_k,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        dt = arith_dtype(x.dtype)
-        _qmatmul_kernel[grid](*args, magic(w.bits, dt), *sizes, **fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_N=even_n, EVEN_K=even_k,
-                              SWAP_AB=cfg.block_m >= 64, DT=dt, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _qmatmul_kernel[grid](
+        x2, layout.values, layout.scales, layout.scales if layout.offsets is None else layout.offsets, y, part,
+        _tile_counters(x.device, grid[0] * grid[1]), m, n, k, x2.stride(0), y.stride(0), steps_per_split, split,
+        BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, SPLIT=split > 1, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
+        DT=arith_dtype(x.dtype), ASM=use_asm(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     return y.view(*x.shape[:-1], n)

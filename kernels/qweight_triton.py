@@ -1,19 +1,21 @@
-"""Triton dequantization of QuantWeight: the unpack step shared by the quantized kernels, and a kernel that
-dequantizes rows (embedding lookup; the whole matrix before a prefill-size cuBLAS matmul).
+"""The GPU layout of a QuantWeight, the unpack step the quantized kernels share, and a kernel that dequantizes rows
+(embedding lookup; the whole matrix before a prefill-size cuBLAS matmul).
 
-GPU layout (`tiled_words`, made on first use and kept on the QuantWeight): QuantWeight's bytes (4-bit: two values
-per byte, low nibble first) read as little-endian int32 words hold 32 // bits consecutive K values each, value j at
-bits [bits*j, bits*(j+1)), and every group (16 values or more) covers whole words. The words are then interleaved
-by blocks of ROWS rows: word (n, kw) sits at ((n // ROWS) * K_words + kw) * ROWS + n % ROWS, so a block of rows
-streams its whole K range from one contiguous run of memory. In the plain row-major order a program reading a
-[rows, 128] tile touches 64-byte pieces 2 KB apart, and HBM delivered about a quarter of its bandwidth that way.
+Layout (`gpu_layout`, made on first use and kept on the QuantWeight). K is cut into steps of GROUP bytes per row:
+one group of 8-bit values, or two groups of 4-bit values, the first group in the low nibbles and the second in the
+high nibbles of the same GROUP bytes. So a byte tile unpacks into two value tiles of the same shape with one AND or
+one shift: elementwise, with no reshape. That matters because Triton then moves the dot-operand layout conversion
+up to the byte load: the bytes go global -> shared (cp.async, pipelined) -> registers in the MMA operand layout,
+and the values are made there. Steps are stored step-major, [steps, N_pad, GROUP], and the scales (and offsets)
+group-major, [groups_pad, N_pad], zero-padded so that the kernels load them without masks.
 
-Unpacking must keep up with memory (about 32 weights per clock per SM on an H200), and int->float conversion
-instructions run at a quarter of the FMA rate, so values are made with bit tricks, two per 32-bit op: OR-ing
-the fields of `(word >> 4i) & 0x000F000F` into 0x6400 (fp16 1024.0) gives the fp16 pair (1024 + q_i, 1024 + q_i+4)
-exactly; for bf16 activations 0x4300 (bf16 128.0) does the same for 4-bit values. One packed subtract centres the
-pair and one packed multiply (or FMA, with offsets) scales it: about 2 instructions per weight.
+Values are made without int->float conversions (a quarter of the FMA rate): two bytes are spread into the two
+halves of a 32-bit word (PRMT) and their fields OR-ed into the exponent pattern of 1024.0 (fp16) or 128.0 (bf16,
+4-bit only) with one LOP3, giving the exact pair (magic + q_i, magic + q_j); one packed subtract centres it.
 """
+
+import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,121 +25,94 @@ from kernels.qweight import QuantWeight
 from kernels.triton_util import arith_dtype
 
 
+def _spread_asm(shift: bool, magic: str) -> tl.constexpr:
+    """PTX for two bytes (low 16 bits of $1) -> the magic pair of their low (or, with shift, high) nibbles."""
+    shr = "shr.u32 t, t, 4; " if shift else ""
+    return tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, 0x4140; " + shr
+                        + "lop3.b32 $0, t, 0x000F000F, " + magic + ", 0xea; }")  # 0xea: (a & b) | c
+
+
+ASM_BF16_LO, ASM_BF16_HI = _spread_asm(False, "0x43004300"), _spread_asm(True, "0x43004300")
+ASM_F16_LO, ASM_F16_HI = _spread_asm(False, "0x64006400"), _spread_asm(True, "0x64006400")
+
+
 @triton.jit
-def _pair(p, scale, offset, BITS: tl.constexpr, MAGIC_BF16: tl.constexpr, DT: tl.constexpr,
-          HAS_OFFSET: tl.constexpr):
-    """int32 of two 16-bit magic patterns -> [..., 2] dequantized values in DT."""
+def centred_values(b, h: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, DT: tl.constexpr,
+                   ASM: tl.constexpr):
+    """Bytes b (uint8) -> q - centre in DT, exact, for field h of each byte (4-bit: 0 low nibble, 1 high).
+    The centre is 2**(BITS-1) for symmetric weights, 0 with offsets. ASM: the PTX path (not under the CPU
+    interpreter, which computes the same bit patterns with plain integer ops)."""
     CENTER: tl.constexpr = 0 if HAS_OFFSET else 1 << (BITS - 1)
-    if MAGIC_BF16:  # 128 + q, exact in bf16 for q < 128; centred in DT (bf16 on the GPU)
-        lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True).to(DT) - (128.0 + CENTER)
-        hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True).to(DT) - (128.0 + CENTER)
-    else:  # 1024 + q in fp16, centred there (exact), then to DT (exact: |q - center| < 256)
-        lo = (p.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)).to(DT)
-        hi = ((p >> 16).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)).to(DT)
-    if HAS_OFFSET:
-        return tl.join(lo * scale + offset, hi * scale + offset)
-    else:
-        return tl.join(lo * scale, hi * scale)
+    if BITS == 4 and DT == tl.bfloat16:  # 128 + q: exact in bf16 for q < 128
+        if ASM:
+            v = tl.inline_asm_elementwise(ASM_BF16_HI if h == 1 else ASM_BF16_LO, "=r,r", [b], dtype=tl.int16,
+                                          is_pure=True, pack=2)
+        else:
+            v = ((b >> 4) if h == 1 else (b & 0xF)).to(tl.int16) | 0x4300
+        return v.to(tl.bfloat16, bitcast=True) - (128.0 + CENTER)
+    if BITS == 4 and ASM:
+        v = tl.inline_asm_elementwise(ASM_F16_HI if h == 1 else ASM_F16_LO, "=r,r", [b], dtype=tl.int16,
+                                      is_pure=True, pack=2)
+    elif BITS == 4:
+        v = ((b >> 4) if h == 1 else (b & 0xF)).to(tl.int16) | 0x6400
+    else:  # 1024 + q is exact in fp16 for q < 1024; then to DT, exact for |q - centre| < 256
+        v = b.to(tl.int16) | 0x6400
+    return (v.to(tl.float16, bitcast=True) - (1024.0 + CENTER)).to(DT)
+
+
+class GpuLayout(NamedTuple):
+    values: torch.Tensor  # uint8 [steps, N_pad, GROUP]
+    scales: torch.Tensor  # [steps * groups per step, N_pad]
+    offsets: torch.Tensor | None  # like scales, or None (symmetric)
+
+
+ROW_PAD = tl.constexpr(16)  # N is padded to a multiple of this
+
+
+def _make_layout(w: QuantWeight) -> GpuLayout:
+    n, k = w.shape
+    g = w.group_size
+    per_step = 8 // w.bits  # groups per step
+    steps = -(-k // (g * per_step))
+    n_pad = -(-n // ROW_PAD.value) * ROW_PAD.value
+    q = torch.nn.functional.pad(w.values(), (0, steps * g * per_step - k, 0, n_pad - n)).view(n_pad, steps, per_step, g)
+    b = q[:, :, 0] | (q[:, :, 1] << 4) if w.bits == 4 else q[:, :, 0]
+    pad = lambda t: torch.nn.functional.pad(t.t(), (0, n_pad - n, 0, steps * per_step - k // g)).contiguous()
+    return GpuLayout(b.transpose(0, 1).contiguous(), pad(w.scales), None if w.offsets is None else pad(w.offsets))
+
+
+def gpu_layout(w: QuantWeight) -> GpuLayout:
+    """w in the GPU layout (see the module docstring), made on first use and kept on w."""
+    return w.prepared("gpu_layout", _make_layout)
+
+
+def use_asm() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
-def _dequant_words(words, scale, offset, magic, BITS: tl.constexpr, DT: tl.constexpr, HAS_OFFSET: tl.constexpr):
-    """words int32 [...]; scale, offset (DT) broadcastable to it -> DT [..., 2, 2(, 2)]: each word's values in K
-    order along the new minor dims. tl.join adds a minor dimension held by the same thread: no data moves."""
-    MAGIC_BF16: tl.constexpr = BITS == 4 and DT != tl.float16
-    if BITS == 4:  # pair i holds values (i, i + 4); the joins order them 4h + 2*j1 + j0
-        MASK: tl.constexpr = 0x000F000F
-        p0 = _pair((words & MASK) | magic, scale, offset, BITS, MAGIC_BF16, DT, HAS_OFFSET)
-        p1 = _pair(((words >> 4) & MASK) | magic, scale, offset, BITS, MAGIC_BF16, DT, HAS_OFFSET)
-        p2 = _pair(((words >> 8) & MASK) | magic, scale, offset, BITS, MAGIC_BF16, DT, HAS_OFFSET)
-        p3 = _pair(((words >> 12) & MASK) | magic, scale, offset, BITS, MAGIC_BF16, DT, HAS_OFFSET)
-        return tl.join(tl.join(p0, p2), tl.join(p1, p3))
-    else:  # 8 bits: pair i holds values (i, i + 2); order 2h + i
-        MASK: tl.constexpr = 0x00FF00FF
-        p0 = _pair((words & MASK) | magic, scale, offset, BITS, MAGIC_BF16, DT, HAS_OFFSET)
-        p1 = _pair(((words >> 8) & MASK) | magic, scale, offset, BITS, MAGIC_BF16, DT, HAS_OFFSET)
-        return tl.join(p0, p1)
-
-
-ROWS = tl.constexpr(16)  # rows interleaved per word column in the GPU layout
-
-
-@triton.jit
-def tiled_offset(row, word, K_WORDS):
-    """Offset of word `word` of row `row` in the tiled GPU layout (see the module docstring)."""
-    return (row // ROWS * K_WORDS + word) * ROWS + row % ROWS
-
-
-@triton.jit
-def load_dequant(w_ptr, s_ptr, o_ptr, magic, rows, row_mask, k0, k_end, K,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr):
-    """Weights rows x [k0, k0 + BLOCK_K), dequantized -> DT [len(rows), BLOCK_K].
-
-    The tile is read as [rows, groups, words per group] so that scales load once per group and broadcast, and the
-    word loads vectorize. EVEN: every row < N and k0 + BLOCK_K <= k_end, so nothing is masked (masks at
-    element granularity would stop 16-byte loads). Otherwise masked rows and K >= k_end read as zero weights.
-    """
-    VPW: tl.constexpr = 32 // BITS
-    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # K covered by one scale within the tile
-    g = tl.arange(0, BLOCK_K // SPAN)[None, :, None]
-    w = tl.arange(0, SPAN // VPW)[None, None, :]
-    r = rows.to(tl.int64)[:, None, None]
-    word_ptrs = w_ptr + tiled_offset(r, k0 // VPW + g * (SPAN // VPW) + w, K // VPW)
-    group = r * (K // GROUP) + (k0 + g * SPAN) // GROUP
-    if EVEN:
-        words = tl.load(word_ptrs, eviction_policy="evict_first")  # read once: leave L2 to the activations
-        scale = tl.load(s_ptr + group).to(DT)
-        offset = scale  # unused without offsets
-        if HAS_OFFSET:
-            offset = tl.load(o_ptr + group).to(DT)
-    else:
-        k_mask = (k0 + g * SPAN + w * VPW) < k_end
-        rmask = row_mask[:, None, None]
-        words = tl.load(word_ptrs, mask=rmask & k_mask, other=0, eviction_policy="evict_first")
-        group_mask = rmask & (k0 + g * SPAN < k_end)
-        scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(DT)
-        offset = scale
-        if HAS_OFFSET:
-            offset = tl.load(o_ptr + group, mask=group_mask, other=0.0).to(DT)
-    values = _dequant_words(words, scale, offset, magic, BITS, DT, HAS_OFFSET)
-    return tl.reshape(values, [rows.shape[0], BLOCK_K])
-
-
-@triton.jit
-def _dequant_rows_kernel(w_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, magic, n_rows, K,
+def _dequant_rows_kernel(w_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, n_rows, N, K,
                          BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_IDS: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+                         BLOCK_R: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    GPS: tl.constexpr = 8 // BITS
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k0 = tl.program_id(1) * BLOCK_K
+    s = tl.program_id(1)
     row_mask = r < n_rows
     rows = r
     if HAS_IDS:
         rows = tl.load(ids_ptr + r, mask=row_mask, other=0)
-    w = load_dequant(w_ptr, s_ptr, o_ptr, magic, rows, row_mask, k0, K, K, BITS, GROUP, HAS_OFFSET, BLOCK_K, False, DT)
-    k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r[:, None].to(tl.int64) * K + k[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & (k < K)[None, :])
-
-
-def magic(bits: int, dt: tl.dtype) -> int:
-    """The exponent pattern OR-ed into each 16-bit field (see _dequant_words). The kernels take it as an argument,
-    not a constant, so that ptxas keeps it in one register instead of re-materializing it for every LOP3."""
-    return 0x43004300 if bits == 4 and dt != tl.float16 else 0x64006400
-
-
-def _tile(w: QuantWeight) -> torch.Tensor:
-    n, k_words = w.shape[0], w.shape[1] * w.bits // 32
-    plain = w.packed.view(torch.int32)
-    n_pad = -(-n // ROWS) * ROWS
-    if n_pad != n:
-        plain = torch.cat([plain, plain.new_zeros(n_pad - n, k_words)])
-    return plain.view(n_pad // ROWS, ROWS, k_words).transpose(1, 2).contiguous().view(-1)
-
-
-def tiled_words(w: QuantWeight) -> torch.Tensor:
-    """The values in the GPU layout (see the module docstring), made on first use and kept on w."""
-    return w.prepared("tiled_words", _tile)
+    n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
+    j = tl.arange(0, GROUP)
+    b = tl.load(w_ptr + (s * n_pad + rows.to(tl.int64))[:, None] * GROUP + j[None, :], mask=row_mask[:, None], other=0)
+    for h in tl.static_range(GPS):
+        g = s * GPS + h
+        v = centred_values(b, h, BITS, HAS_OFFSET, DT, ASM).to(tl.float32)
+        w = v * tl.load(s_ptr + g * n_pad + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_OFFSET:
+            w += tl.load(o_ptr + g * n_pad + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        k = g * GROUP + j
+        tl.store(out_ptr + r[:, None].to(tl.int64) * K + k[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (k < K)[None, :])
 
 
 def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -147,14 +122,13 @@ def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torc
     out = torch.empty(n_rows, k, dtype=dtype, device=w.packed.device)
     if n_rows == 0:
         return out
-    block_k = min(1024, triton.next_power_of_2(k))
-    block_r = max(1, 4096 // block_k)  # ~4k values per program: 32 per thread
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(k, block_k))
-    offsets = w.scales if w.offsets is None else w.offsets
-    dt = arith_dtype(dtype)
+    layout = gpu_layout(w)
+    block_r = max(1, 4096 // w.group_size)  # ~4k bytes per program
+    grid = (triton.cdiv(n_rows, block_r), layout.values.shape[0])
     _dequant_rows_kernel[grid](
-        tiled_words(w), w.scales, offsets, out if ids is None else ids.reshape(-1), out, magic(w.bits, dt), n_rows, k,
+        layout.values, layout.scales, layout.scales if layout.offsets is None else layout.offsets,
+        out if ids is None else ids.reshape(-1), out, n_rows, n, k,
         BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, HAS_IDS=ids is not None,
-        BLOCK_R=block_r, BLOCK_K=block_k, DT=dt, num_warps=4,
+        BLOCK_R=block_r, DT=arith_dtype(dtype), ASM=use_asm(), num_warps=4,
     )
     return out

@@ -72,10 +72,10 @@ def test_dequantize_rows(bits, group, offsets, perm, dtype):
     assert rel_err(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype)) < TOL[dtype]
 
 
-# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, and (with the weights as
-# the left operand, as for M >= 64) two M tiles
-CONFIGS = [Config(16, 16, 64, 3, 4, 2), Config(16, 32, 128, 1, 4, 2), Config(64, 16, 32, 2, 4, 1),
-           Config(1, 16, 64, 3, 4, 2), Config(1, 32, 128, 1, 4, 2)]
+# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, the 8-token tile and two
+# M tiles
+CONFIGS = [Config(16, 16, 3, 4, 2), Config(16, 32, 1, 4, 2), Config(64, 16, 2, 4, 1),
+           Config(8, 16, 3, 4, 2), Config(8, 32, 1, 4, 2)]
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
@@ -83,7 +83,7 @@ CONFIGS = [Config(16, 16, 64, 3, 4, 2), Config(16, 32, 128, 1, 4, 2), Config(64,
 @pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (70, CONFIGS[2]), (1, CONFIGS[3]),
                                       (3, CONFIGS[4])])
 def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
-    k = max(group, config.block_k) * 3 if group < 128 else 2 * group
+    k = 3 * group if group < 128 else 2 * group  # 4-bit: 1.5 steps of two groups, or one
     w = random_qweight(40, k, bits, group, offsets, perm, torch.float32 if bits == 8 else torch.float16)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     ref = linear_ref(x.float(), w)
@@ -99,11 +99,11 @@ def nan_guarded(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,offsets", [(4, True), (8, False)])
-@pytest.mark.parametrize("m,config", [(1, Config(1, 64, 128, 2, 4, 3)), (1, Config(1, 64, 128, 1, 4, 3)),
-                                      (8, Config(16, 64, 256, 3, 4, 2)), (37, Config(64, 128, 128, 2, 8, 3))])
+@pytest.mark.parametrize("m,config", [(1, Config(8, 64, 2, 4, 3)), (1, Config(8, 64, 1, 4, 3)),
+                                      (8, Config(16, 64, 3, 4, 2)), (37, Config(64, 128, 2, 8, 3))])
 def test_qmatmul_reads_nothing_past_k(bits, offsets, m, config):
-    """K = 576 (SmolLM2's hidden size) is no multiple of the tiles, as on the GPU for the default model: the
-    masked tail of the last tile of the last row must not read scales or offsets past the end."""
+    """K = 576 (SmolLM2's hidden size) is no multiple of the steps, as on the GPU for the default model: the
+    partial last step must not read scales or offsets past the end."""
     w = random_qweight(70, 576, bits, 32, offsets, False)
     w.scales = nan_guarded(w.scales)
     if offsets:
