@@ -69,7 +69,7 @@ class QuantWeight:
             self._dense[dtype] = self.dequantize(dtype)
         return self._dense[dtype]
 
-    def prepared(self, key: str, make) -> torch.Tensor:
+    def prepared(self, key: str, make):
         """A kernel's own layout of this weight, made once by `make(self)` and kept (kernels/qweight_triton.py)."""
         if key not in self._prepared:
             self._prepared[key] = make(self)
