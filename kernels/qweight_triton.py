@@ -87,6 +87,7 @@ def gpu_layout(w: QuantWeight) -> GpuLayout:
 
 
 def use_asm() -> bool:
+    """Inline PTX for the unpack, except under TRITON_INTERPRET (the CPU interpreter cannot run PTX)."""
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
