@@ -131,12 +131,12 @@ def sweep_linear(weights, xs, m):
         n, k = w.shape
         x = xs[name]
         steps = gpu_layout(w).values.shape[0]
-        default = pick_config(m, n, k, steps, sms)
+        default = pick_config(m, n, k, w.group_size, steps, sms)
         results = [(timed(lambda: qmatmul_triton(x, w, default)), "default", default)]  # noqa: B023
         for bm, bn, warps, stages in tiles:
             for per_sm in (1, 2, 4, 8):
                 split = max(1, min(round(per_sm * sms / (-(-n // bn) * -(-m // bm))), steps // 2))
-                cfg = Config(bm, bn, split, warps, stages)
+                cfg = Config(bm, bn, split, warps, stages, default.scales_ahead)
                 results.append((timed(lambda: qmatmul_triton(x, w, cfg)), "", cfg))  # noqa: B023
         results.sort(key=lambda r: r[0])
         print(f"  sweep M={m} {name}: " + "; ".join(f"{us:.1f} {tag}{tuple(c.__dict__.values())}"

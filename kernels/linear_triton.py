@@ -5,7 +5,9 @@ share of K in steps (kernels/qweight_triton.py: one step = GROUP bytes of each r
 weights are tl.dot's left operand, y^T = W x^T, so the dequantized values are made in registers in the MMA operand
 layout (wgmma from BLOCK_N = 64 on Hopper; mma.sync for BLOCK_M = 8) while the activations wait in shared memory.
 Each group's dot is on the centred integers, exact in fp16/bf16, and its scale multiplies the fp32 partial; offsets
-add offset * sum(x over the group). Above DENSE_M rows: dequantize to a dense copy, then cuBLAS.
+add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two groups); too narrow for
+Triton's cp.async pipeliner, so short steps and wgmma tiles load them a step ahead by hand (Config.scales_ahead).
+Above DENSE_M rows: dequantize to a dense copy, then cuBLAS.
 
 At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. K is split
 across programs when N alone gives too few of them. Splits are reduced without atomics on the data: each split
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.qweight import QuantWeight
-from kernels.qweight_triton import ROW_PAD, centred_values, dequantize_rows_triton, gpu_layout, use_asm
+from kernels.qweight_triton import ROW_PAD, centred_values, dequantize_rows_triton, gpu_layout, step_params, use_asm
 from kernels.triton_util import arith_dtype, num_sms
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
@@ -35,6 +37,7 @@ class Config:
     split_k: int  # programs sharing one tile's steps
     num_warps: int
     num_stages: int
+    scales_ahead: bool = False  # load a step's scales one step early (short steps, or wgmma tiles)
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
                     M, N, K, stride_xm, stride_ym, steps_per_split, split_k,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+                    EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, SCALES_AHEAD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -60,12 +63,21 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
     byte_ptrs = w_ptr + s_lo.to(tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    sc_lo, sc_hi = step_params(s_ptr, s_lo, n_pad, rows, pad_mask, GPS)
     for s in range(s_lo, s_hi):
         if EVEN_N:
             b = tl.load(byte_ptrs, eviction_policy="evict_first")  # read once: leave L2 to the activations
         else:
             b = tl.load(byte_ptrs, mask=pad_mask[:, None], other=0, eviction_policy="evict_first")
         byte_ptrs += n_pad * GROUP
+        lo, hi = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4 if BLOCK_M <= 8 else 2)
+        if SCALES_AHEAD:  # the scale loads are too narrow for Triton's pipeliner: prefetch them by hand
+            ahead = pad_mask & (tl.zeros_like(rows) + s + 1 < s_hi)  # a tensor: the interpreter needs it
+            nx_lo, nx_hi = step_params(s_ptr, s + 1, n_pad, rows, ahead, GPS)
+        else:
+            sc_lo, sc_hi = step_params(s_ptr, s, n_pad, rows, pad_mask, GPS)
+        if HAS_OFFSET:
+            offsets = step_params(o_ptr, s, n_pad, rows, pad_mask, GPS)
         for h in tl.static_range(GPS):
             g = s * GPS + h
             k = g * GROUP + j
@@ -74,14 +86,13 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
             else:
                 x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
                             other=0.0)
-            q = centred_values(b, h, BITS, HAS_OFFSET, DT, ASM)
-            p = tl.dot(q, tl.trans(x.to(DT)))
-            scale = tl.load(s_ptr + g * n_pad + rows, mask=pad_mask, other=0.0).to(tl.float32)
-            acc += p * scale[:, None]
+            p = tl.dot(hi if h == 1 else lo, tl.trans(x.to(DT)))
+            acc += p * (sc_hi if h == 1 else sc_lo)[:, None]
             if HAS_OFFSET:
-                offset = tl.load(o_ptr + g * n_pad + rows, mask=pad_mask, other=0.0).to(tl.float32)
-                acc += offset[:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
+                acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 
+        if SCALES_AHEAD:
+            sc_lo, sc_hi = nx_lo, nx_hi
     _store(tl.trans(acc), y_ptr, part_ptr, count_ptr, m, m_mask, rows, row_mask, M, N, stride_ym,
            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
@@ -118,19 +129,23 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return c
 
 
-def pick_config(m: int, n: int, k: int, steps: int, num_sms: int) -> Config:
-    """Tiles by M bucket, from sweeps on an H200 (BENCHMARKS.md). Wide layers (gate_up) prefer 128-row tiles from
-    M = 32; K is split until the grid has `per_sm` programs per SM."""
-    if m <= 8:
-        block_m, block_n, warps, per_sm = 8, 64, 4, 4
-    elif m <= 16:
-        block_m, block_n, warps, per_sm = 16, 64, 4, 4
+def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) -> Config:
+    """Tiles by M bucket, from sweeps on an H200 (BENCHMARKS.md). K is split until the grid has `per_sm`
+    programs per SM. Groups under 128 make short steps (few bytes per row): they want 128-row tiles, more
+    programs, and their scales loaded a step ahead."""
+    short = group < 128
+    if m <= 16:  # 8 tokens: mma.sync; 16: wgmma
+        block_m, block_n, warps, per_sm = (8 if m <= 8 else 16), (128 if short else 64), 4, 4
     else:
-        block_m, per_sm = min(64, triton.next_power_of_2(m)), 2
-        block_n, warps = (128, 4 if block_m <= 32 else 8) if n >= 16384 else (64, 4)
+        block_m = min(64, triton.next_power_of_2(m))
+        if block_m == 64 and not short:
+            block_n, warps, per_sm = 128, 8, 1
+        else:
+            block_n, warps = (128, 4 if block_m <= 32 else 8) if n >= 16384 else (64, 4)
+            per_sm = 4 if short else 2
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = max(1, min(round(per_sm * num_sms / tiles), steps // 2))
-    return Config(block_m, block_n, split, warps, 3)
+    return Config(block_m, block_n, split, warps, 3, scales_ahead=short or block_m > 8)
 
 
 def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None) -> torch.Tensor:
@@ -148,7 +163,7 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         return y.view(*x.shape[:-1], n)
     layout = gpu_layout(w)
     steps = layout.values.shape[0]
-    cfg = config or pick_config(m, n, k, steps, num_sms(x.device))
+    cfg = config or pick_config(m, n, k, w.group_size, steps, num_sms(x.device))
     steps_per_split = triton.cdiv(steps, cfg.split_k)
     split = triton.cdiv(steps, steps_per_split)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
@@ -159,5 +174,6 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, SPLIT=split > 1, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
         DT=arith_dtype(x.dtype), ASM=use_asm(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_AHEAD=cfg.scales_ahead,
     )
     return y.view(*x.shape[:-1], n)
