@@ -136,7 +136,7 @@ def sweep_linear(weights, xs, m):
         for bm, bn, warps, stages in tiles:
             for per_sm in (1, 2, 4, 8):
                 split = max(1, min(round(per_sm * sms / (-(-n // bn) * -(-m // bm))), steps // 2))
-                cfg = Config(bm, bn, split, warps, stages, default.scales_ahead)
+                cfg = Config(bm, bn, split, warps, stages)
                 results.append((timed(lambda: qmatmul_triton(x, w, cfg)), "", cfg))  # noqa: B023
         results.sort(key=lambda r: r[0])
         print(f"  sweep M={m} {name}: " + "; ".join(f"{us:.1f} {tag}{tuple(c.__dict__.values())}"

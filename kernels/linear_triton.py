@@ -5,8 +5,8 @@ share of K in steps (kernels/qweight_triton.py: one step = GROUP bytes of each r
 weights are tl.dot's left operand, y^T = W x^T, so the dequantized values are made in registers in the MMA operand
 layout (wgmma from BLOCK_N = 64 on Hopper; mma.sync for BLOCK_M = 8) while the activations wait in shared memory.
 Each group's dot is on the centred integers, exact in fp16/bf16, and its scale multiplies the fp32 partial; offsets
-add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two groups); too narrow for
-Triton's cp.async pipeliner, so short steps and wgmma tiles load them a step ahead by hand (Config.scales_ahead).
+add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two groups), wide enough for
+cp.async, so the pipelined loop prefetches them with the bytes.
 Above DENSE_M rows: dequantize to a dense copy, then cuBLAS.
 
 At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. K is split
@@ -37,7 +37,6 @@ class Config:
     split_k: int  # programs sharing one tile's steps
     num_warps: int
     num_stages: int
-    scales_ahead: bool = False  # load a step's scales one step early (short steps, or wgmma tiles)
 
 
 @triton.jit
@@ -45,7 +44,7 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
                     M, N, K, stride_xm, stride_ym, steps_per_split, split_k,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, SCALES_AHEAD: tl.constexpr):
+                    EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -63,19 +62,15 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
     byte_ptrs = w_ptr + s_lo.to(tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    sc_lo, sc_hi = step_params(s_ptr, s_lo, n_pad, rows, pad_mask, GPS)
-    for s in range(s_lo, s_hi):
+    # num_stages on the loop (not only on the launch) makes Triton pipeline every load in it, the scales too
+    for s in tl.range(s_lo, s_hi, num_stages=STAGES):
         if EVEN_N:
             b = tl.load(byte_ptrs, eviction_policy="evict_first")  # read once: leave L2 to the activations
         else:
             b = tl.load(byte_ptrs, mask=pad_mask[:, None], other=0, eviction_policy="evict_first")
         byte_ptrs += n_pad * GROUP
         lo, hi = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4 if BLOCK_M <= 8 else 2)
-        if SCALES_AHEAD:  # the scale loads are too narrow for Triton's pipeliner: prefetch them by hand
-            ahead = pad_mask & (tl.zeros_like(rows) + s + 1 < s_hi)  # a tensor: the interpreter needs it
-            nx_lo, nx_hi = step_params(s_ptr, s + 1, n_pad, rows, ahead, GPS)
-        else:
-            sc_lo, sc_hi = step_params(s_ptr, s, n_pad, rows, pad_mask, GPS)
+        sc_lo, sc_hi = step_params(s_ptr, s, n_pad, rows, pad_mask, GPS)
         if HAS_OFFSET:
             offsets = step_params(o_ptr, s, n_pad, rows, pad_mask, GPS)
         for h in tl.static_range(GPS):
@@ -91,8 +86,6 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
             if HAS_OFFSET:
                 acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 
-        if SCALES_AHEAD:
-            sc_lo, sc_hi = nx_lo, nx_hi
     _store(tl.trans(acc), y_ptr, part_ptr, count_ptr, m, m_mask, rows, row_mask, M, N, stride_ym,
            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
@@ -131,8 +124,8 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) -> Config:
     """Tiles by M bucket, from sweeps on an H200 (BENCHMARKS.md). K is split until the grid has `per_sm`
-    programs per SM. Groups under 128 make short steps (few bytes per row): they want 128-row tiles, more
-    programs, and their scales loaded a step ahead."""
+    programs per SM. Groups under 128 make short steps (few bytes per row): they want 128-row tiles and more
+    programs."""
     short = group < 128
     if m <= 16:  # 8 tokens: mma.sync; 16: wgmma
         block_m, block_n, warps, per_sm = (8 if m <= 8 else 16), (128 if short else 64), 4, 4
@@ -145,7 +138,7 @@ def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) ->
             per_sm = 4 if short else 2
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = max(1, min(round(per_sm * num_sms / tiles), steps // 2))
-    return Config(block_m, block_n, split, warps, 3, scales_ahead=short or block_m > 8)
+    return Config(block_m, block_n, split, warps, 3)
 
 
 def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None) -> torch.Tensor:
@@ -174,6 +167,6 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, SPLIT=split > 1, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
         DT=arith_dtype(x.dtype), ASM=use_asm(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        SCALES_AHEAD=cfg.scales_ahead,
+        STAGES=cfg.num_stages,
     )
     return y.view(*x.shape[:-1], n)

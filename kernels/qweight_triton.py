@@ -115,7 +115,7 @@ def _make_layout(w: QuantWeight) -> GpuLayout:
 def step_params(p_ptr, s, n_pad, rows, mask, GPS: tl.constexpr):
     """Scales (or offsets) of step s for `rows`, in fp32: groups (2s, 2s + 1) for 4-bit, (s, s) for 8-bit. A pair
     of fp16 is read as one 32-bit word: wide enough for cp.async, so Triton's pipeliner prefetches it with the
-    bytes (a 16-bit load it leaves in the loop, where each step would wait for its latency)."""
+    bytes (it leaves 16-bit loads in the loop, where each step would wait for their latency)."""
     if GPS == 2 and p_ptr.dtype.element_ty == tl.float16:
         word = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + s * n_pad + rows, mask=mask, other=0)
         lo = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)

@@ -72,10 +72,10 @@ def test_dequantize_rows(bits, group, offsets, perm, dtype):
     assert rel_err(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype)) < TOL[dtype]
 
 
-# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, the 8-token tile, two
-# M tiles, and scales loaded a step ahead (with and without a split)
-CONFIGS = [Config(16, 16, 3, 4, 2, scales_ahead=True), Config(16, 32, 1, 4, 2), Config(64, 16, 2, 4, 1),
-           Config(8, 16, 3, 4, 2), Config(8, 32, 1, 4, 2, scales_ahead=True)]
+# Tile configs that exercise a split K with a partial last split, uneven N, full tiles, the 8-token tile and two
+# M tiles
+CONFIGS = [Config(16, 16, 3, 4, 2), Config(16, 32, 1, 4, 2), Config(64, 16, 2, 4, 1),
+           Config(8, 16, 3, 4, 2), Config(8, 32, 1, 4, 2)]
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
@@ -99,8 +99,8 @@ def nan_guarded(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,offsets", [(4, True), (8, False)])
-@pytest.mark.parametrize("m,config", [(1, Config(8, 64, 2, 4, 3)), (1, Config(8, 64, 1, 4, 3, scales_ahead=True)),
-                                      (8, Config(16, 64, 3, 4, 2, scales_ahead=True)), (37, Config(64, 128, 2, 8, 3))])
+@pytest.mark.parametrize("m,config", [(1, Config(8, 64, 2, 4, 3)), (1, Config(8, 64, 1, 4, 3)),
+                                      (8, Config(16, 64, 3, 4, 2)), (37, Config(64, 128, 2, 8, 3))])
 def test_qmatmul_reads_nothing_past_k(bits, offsets, m, config):
     """K = 576 (SmolLM2's hidden size) is no multiple of the steps, as on the GPU for the default model: the
     partial last step must not read scales or offsets past the end."""
