@@ -122,7 +122,9 @@ def step_params(p_ptr, s, n_pad, rows, mask, GPS: tl.constexpr):
         hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     else:
         lo = tl.load(p_ptr + (s * n_pad + rows) * GPS, mask=mask, other=0)
-        hi = tl.load(p_ptr + (s * n_pad + rows) * GPS + GPS - 1, mask=mask, other=0)
+        hi = lo
+        if GPS == 2:
+            hi = tl.load(p_ptr + (s * n_pad + rows) * GPS + 1, mask=mask, other=0)
     return lo.to(tl.float32), hi.to(tl.float32)
 
 
