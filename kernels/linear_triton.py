@@ -69,8 +69,8 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
         else:
             b = tl.load(byte_ptrs, mask=pad_mask[:, None], other=0, eviction_policy="evict_first")
         byte_ptrs += n_pad * GROUP
-        lo, hi = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4 if BLOCK_M <= 8 else 2)
-        sc_lo, sc_hi = step_params(s_ptr, s, n_pad, rows, pad_mask, GPS)
+        values = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4 if BLOCK_M <= 8 else 2)
+        scales = step_params(s_ptr, s, n_pad, rows, pad_mask, GPS)
         if HAS_OFFSET:
             offsets = step_params(o_ptr, s, n_pad, rows, pad_mask, GPS)
         for h in tl.static_range(GPS):
@@ -81,8 +81,8 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
             else:
                 x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
                             other=0.0)
-            p = tl.dot(hi if h == 1 else lo, tl.trans(x.to(DT)))
-            acc += p * (sc_hi if h == 1 else sc_lo)[:, None]
+            p = tl.dot(values[h], tl.trans(x.to(DT)))
+            acc += p * scales[h][:, None]
             if HAS_OFFSET:
                 acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 

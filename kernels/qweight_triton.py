@@ -152,12 +152,12 @@ def _dequant_rows_kernel(w_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, n_rows, N, K,
     n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
     j = tl.arange(0, GROUP)
     b = tl.load(w_ptr + (s * n_pad + rows.to(tl.int64))[:, None] * GROUP + j[None, :], mask=row_mask[:, None], other=0)
-    lo, hi = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4)
+    values = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4)
     scales = step_params(s_ptr, s, n_pad, rows, row_mask, GPS)
     if HAS_OFFSET:
         offsets = step_params(o_ptr, s, n_pad, rows, row_mask, GPS)
     for h in tl.static_range(GPS):
-        w = (hi if h == 1 else lo).to(tl.float32) * scales[h][:, None]
+        w = values[h].to(tl.float32) * scales[h][:, None]
         if HAS_OFFSET:
             w += offsets[h][:, None]
         k = (s * GPS + h) * GROUP + j
