@@ -95,7 +95,8 @@ class ChatScreen(Screen):
 
     @property
     def panes(self) -> list[ChatPane]:
-        return list(self.query_one("#panes", Grid).query_children(ChatPane))
+        # a closing pane is left out: the tick runs while its removal is awaited
+        return [p for p in self.query_one("#panes", Grid).query_children(ChatPane) if not p.closing]
 
     @property
     def active(self) -> ChatPane:
@@ -238,6 +239,7 @@ class ChatScreen(Screen):
             return
         pane = self.active
         index = panes.index(pane)
+        pane.closing = True
         await pane.remove()
         panes = self.panes
         for number, other in enumerate(panes, 1):

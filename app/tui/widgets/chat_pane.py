@@ -20,6 +20,7 @@ from app.tui.widgets.transcript import ReplyMessage, message_view
 class ChatPane(Vertical):
     selected = reactive(True)  # receives prompts from the broadcast input
     number = reactive(1)
+    closing = False  # being removed: its children may already be gone
 
     def __init__(self, session: Session, number: int):
         super().__init__()
