@@ -163,17 +163,18 @@ class AttentionConfig:
     splits: int  # programs sharing one query block's KV range (flash-decoding)
 
 
-def pick_config(num_tokens: int, num_seqs: int, n_kv: int, group: int, max_context: int, sms: int) -> AttentionConfig:
+def pick_config(num_tokens: int, num_seqs: int, n_kv: int, group: int, head_dim: int, max_context: int,
+                sms: int) -> AttentionConfig:
+    """Tiles from sweeps on an H200 (BENCHMARKS.md). Decode: with fewer programs than SMs, split the KV range so
+    that about two programs run per SM, each over at least 256 keys (more splits add merge work; fewer leave
+    bandwidth unused); below two programs per SM, 128-key steps (above, 64: more programs fit in shared memory)."""
     if num_tokens <= 2 * num_seqs:  # decode-heavy: one query token per program, its GROUP rows padded to 16
-        block_q, block_n, warps, stages = 1, 64, 4, 3
         programs = num_tokens * n_kv
-    else:  # prefill chunks: 64 (token, head) rows per program (swept: 128 rows were 20% slower at 2k tokens)
-        block_q, block_n, warps, stages = max(1, 64 // group), 64, 4, 3
-        programs = (num_tokens // block_q + num_seqs) * n_kv
-    splits = 1
-    if block_q == 1 and programs < 2 * sms:  # too few programs to fill the GPU: split the KV range too
-        splits = min(triton.cdiv(4 * sms, programs), triton.cdiv(max_context, 256))
-    return AttentionConfig(block_q, block_n, warps, stages, splits)
+        block_n = 128 if programs < 2 * sms and head_dim <= 128 else 64
+        splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max_context, 256)) if programs < sms else 1
+        return AttentionConfig(1, block_n, 4, 3, splits)
+    # prefill chunks: 64 (token, head) rows per program (swept: 128 rows were 20% slower at 2k tokens)
+    return AttentionConfig(max(1, 64 // group), 64, 4, 3, 1)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
@@ -187,7 +188,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         return out
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     max_context = block_tables.shape[1] * page  # an upper bound known without a device sync
-    cfg = config or pick_config(num_tokens, num_seqs, n_kv, group, max_context, num_sms(q.device))
+    cfg = config or pick_config(num_tokens, num_seqs, n_kv, group, head_dim, max_context, num_sms(q.device))
     n_blocks = num_tokens if cfg.block_q == 1 else num_tokens // cfg.block_q + num_seqs
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, cfg.splits), cfg.block_n) * cfg.block_n
     splits = triton.cdiv(max_context, tokens_per_split)

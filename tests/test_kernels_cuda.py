@@ -68,7 +68,8 @@ def paged(ctxs, page=16, n_kv=8, head_dim=128, dtype=torch.float16):
 
 
 @pytest.mark.parametrize("qlens,ctxs", [
-    ([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]),  # decode batch
+    ([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]),  # decode batch: KV split, 128-key steps
+    ([1] * 20, [1000 + 97 * i for i in range(20)]),  # 160 programs: no split, 128-key steps (H200)
     ([1], [32768]),  # one long decode: flash-decoding splits
     ([2048], [2048]),  # a whole 2k prompt
     ([512, 1, 300, 1], [2048, 900, 300, 5000]),  # chunked prefill beside decodes
