@@ -16,6 +16,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels.attention_triton import AttentionConfig, paged_attention_triton
 from kernels.linear_triton import Config, pick_config, qmatmul_triton
@@ -85,8 +87,36 @@ def tinygemm_weight(n, k, group):
     return weight, scales_zeros
 
 
+@triton.jit
+def _read_kernel(src, out, n_words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """XOR of CHUNK int32 words per program: a kernel that reads its bytes and does nothing else."""
+    base = tl.program_id(0).to(tl.int64) * CHUNK
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, CHUNK, BLOCK):
+        acc ^= tl.load(src + base + i + offs, mask=base + i + offs < n_words, other=0)
+    tl.store(out + tl.program_id(0) * BLOCK + offs, acc)
+
+
+def read_floor_us(weights: dict[str, QuantWeight]) -> float:
+    """Time to read each weight's GPU-layout bytes (values and scales) in one launch per weight, in one graph: the
+    floor for any kernel that must read them. Chunk and block: the fastest of 16 configs in a sweep."""
+    chunk, block = 8192, 1024  # int32 words: 32 KB per program, 4 KB per load
+    launches = []
+    for w in weights.values():
+        layout = gpu_layout(w)
+        words = (layout.values.numel() + layout.scales.numel() * layout.scales.element_size()) // 4
+        src = torch.empty(words, dtype=torch.int32, device="cuda")
+        out = torch.empty(triton.cdiv(words, chunk) * block, dtype=torch.int32, device="cuda")
+        launches.append((src, out, words))
+    return timed(lambda: [_read_kernel[(triton.cdiv(n, chunk),)](src, out, n, CHUNK=chunk, BLOCK=block, num_warps=8)
+                          for src, out, n in launches])
+
+
 def linear_table(bw: float, peak: float, group: int, sweep: bool) -> list[str]:
     weights = {name: random_qweight(n, k, group=group) for name, (n, k) in LLAMA3_8B_LINEARS.items()}
+    floor = read_floor_us(weights)
+    floor_bytes = sum(w.shape[0] * w.shape[1] // 2 + w.shape[0] * w.shape[1] // group * 2 for w in weights.values())
     dense = {name: torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
              for name, (n, k) in LLAMA3_8B_LINEARS.items()}
     try:
@@ -94,7 +124,9 @@ def linear_table(bw: float, peak: float, group: int, sweep: bool) -> list[str]:
     except RuntimeError as e:  # tinygemm supports groups 32..256 on sm80+; say so if this build does not
         print(f"tinygemm unavailable for group {group}: {e}")
         tiny = None
-    rows = [f"| M | ours us | ours GB/s | % of copy BW | fp16 cuBLAS us | ours / cuBLAS speed | target | "
+    rows = [f"Read-only floor (a kernel that only reads the same weight bytes, one launch per layer, one graph): "
+            f"{floor:.1f} us, {100 * floor_bytes / floor / 1e-6 / bw:.0f}% of copy BW",
+            f"| M | ours us | ours GB/s | % of copy BW | fp16 cuBLAS us | ours / cuBLAS speed | target | "
             f"tinygemm g{group} us | limit us |", "|" + "---|" * 9]
     for m in BATCHES:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in
