@@ -9,7 +9,8 @@ program finds its sequence by binary search, so varlen batches need no host-side
 Decode-heavy steps (about one query token per sequence) use BLOCK_Q = 1; when that grid is too small to fill
 the GPU, the KV range is also split across programs (flash-decoding): each split writes its normalized partial
 output and log-sum-exp, and a second kernel merges them. The split count comes from the block table's width,
-an upper bound on context length known on the host.
+an upper bound on context length known on the host; each sequence's keys are shared among the splits in the
+kernel, so a batch of short sequences (or a CUDA graph captured for the longest context) splits their real length.
 """
 
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr,
-    part_o_ptr, part_lse_ptr, qk_scale, num_seqs, num_tokens, tokens_per_split,
+    part_o_ptr, part_lse_ptr, qk_scale, num_seqs, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
@@ -97,8 +98,10 @@ def _paged_attention_kernel(
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
         kv_end = ctx - n_q + tl.minimum(i0 + BLOCK_Q, n_q)  # one past the last key any row of the block sees
-        kv_lo = split * tokens_per_split
-        kv_hi = tl.minimum(kv_lo + tokens_per_split, kv_end)
+        # splits share this sequence's own keys (not the batch's longest): whole BLOCK_N steps each
+        per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -190,8 +193,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     max_context = block_tables.shape[1] * page  # an upper bound known without a device sync
     cfg = config or pick_config(num_tokens, num_seqs, n_kv, group, head_dim, max_context, num_sms(q.device))
     n_blocks = num_tokens if cfg.block_q == 1 else num_tokens // cfg.block_q + num_seqs
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, cfg.splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(max_context, tokens_per_split)
+    splits = cfg.splits
     if splits > 1:
         part_o = torch.empty(splits, num_tokens, n_heads, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, num_tokens, n_heads, dtype=torch.float32, device=q.device)
@@ -200,7 +202,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
 
     _paged_attention_kernel[(n_blocks, n_kv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_o, part_lse,
-        scale * _LOG2E, num_seqs, num_tokens, tokens_per_split,
+        scale * _LOG2E, num_seqs, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
