@@ -96,13 +96,14 @@ def bench_cpu(tokens: int) -> None:
     print(f"same tokens as transformers: {ours_tokens == hf_tokens}")
 
 
-def bench_batch(sessions: list[int], tokens: int, device: str | None, model: str | None) -> None:
-    engine = Engine.from_model(model, device=device)
+def bench_batch(sessions: list[int], tokens: int, device: str | None, model: str | None, eager: bool) -> None:
+    engine = Engine.from_model(model, device=device, cuda_graphs=not eager)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     prompts = [[{"role": "user", "content": f"Story number {i}: tell me about a lighthouse keeper."}]
                for i in range(max(sessions))]
     engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    print(f"Aggregate decode tok/s, {engine.model_name} on {engine.device}, {tokens} new tokens per session")
+    mode = " (CUDA graphs)" if engine.graphs else ""
+    print(f"Aggregate decode tok/s, {engine.model_name} on {engine.device}{mode}, {tokens} new tokens per session")
     print(f"{'sessions':>8} {'static':>10} {'dynamic':>10} {'static/1':>9}")
     base = None
     rng = random.Random(0)
@@ -130,11 +131,12 @@ def main() -> None:
     ap.add_argument("--sessions", default="1,2,4,8")
     ap.add_argument("--device")
     ap.add_argument("--model")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs: launch every decode step's kernels")
     args = ap.parse_args()
     if args.what == "cpu":
         bench_cpu(args.tokens)
     else:
-        bench_batch([int(s) for s in args.sessions.split(",")], args.tokens, args.device, args.model)
+        bench_batch([int(s) for s in args.sessions.split(",")], args.tokens, args.device, args.model, args.eager)
 
 
 if __name__ == "__main__":

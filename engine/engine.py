@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.api import EngineStats, Event, EventStream, RequestStats
+from engine.cuda_graph import DecodeGraphs
 from engine.errors import RequestError
 from engine.kv_cache import BlockManager
 from engine.model import Model, StepInput
@@ -28,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from kernels.dispatch import use_triton
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 
@@ -107,6 +109,7 @@ class Engine:
         block_size: int = 16,
         max_batch_tokens: int | None = None,
         max_running: int = 64,
+        cuda_graphs: bool = True,
     ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.device = str(model.device)
@@ -118,6 +121,9 @@ class Engine:
             max_batch_tokens = 2048 if model.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_running)
         self._warm_up()
+        self.graphs = None
+        if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
+            self.graphs = DecodeGraphs(model, self.kv_cache, max_running, -(-self.max_context // block_size))
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -276,7 +282,10 @@ class Engine:
         self._last_batch = len(chunks)
         try:
             step = build_step_input(chunks, self.block_manager.block_size, self.model.device)
-            logits = self.model.forward(step, self.kv_cache)
+            if self.graphs and self.graphs.fits(step):
+                logits = self.graphs.forward(step)
+            else:
+                logits = self.model.forward(step, self.kv_cache)
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
                 self._finish(self._handles[c.seq.id], "error", f"{type(e).__name__}: {e}")
