@@ -2,6 +2,8 @@
 
   python -m engine.bench cpu     single-stream decode on the default model vs Hugging Face transformers (fp32)
   python -m engine.bench batch   aggregate decode tok/s for 1, 2, 4, 8 sessions, static batch vs dynamic arrivals
+  python -m engine.bench random  the same on CUDA for random 4-bit weights in Llama-3-8B's shapes, with and
+                                 without CUDA graphs, beside the weight-read limit
 """
 
 import argparse
@@ -10,9 +12,12 @@ import time
 
 import torch
 
+from engine.config import ModelConfig
 from engine.engine import Engine
+from engine.model import Model
 from engine.sampling_params import SamplingParams
 from engine.store import default_model_path
+from kernels.qweight import QuantWeight
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
@@ -34,8 +39,6 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def weight_bytes(engine: Engine) -> int:
     """Bytes of weights one decode step reads on this engine's path (dense copies on the CPU reference path)."""
-    from kernels.qweight import QuantWeight
-
     total = 0
     model = engine.model
     parts = [model.lm_head, model.output_norm]
@@ -43,8 +46,9 @@ def weight_bytes(engine: Engine) -> int:
         parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
     for w in parts:
         if isinstance(w, QuantWeight):
+            params = (w.scales,) if w.offsets is None else (w.scales, w.offsets)
             total += sum(d.numel() * d.element_size() for d in w._dense.values()) if w._dense else (
-                w.packed.numel() + w.scales.numel() * w.scales.element_size() * 2)
+                w.packed.numel() + sum(t.numel() * t.element_size() for t in params))
         else:
             total += w.numel() * w.element_size()
     return total
@@ -124,9 +128,85 @@ def bench_batch(sessions: list[int], tokens: int, device: str | None, model: str
     engine.shutdown()
 
 
+LLAMA3_8B = ModelConfig(arch="llama", name="random weights in Llama-3-8B shapes", n_layers=32, hidden_size=4096,
+                        intermediate_size=14336, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=128256,
+                        context_length=8192, rms_norm_eps=1e-5, rope_theta=500000.0)
+
+
+def random_model(c: ModelConfig, device: torch.device) -> Model:
+    """4-bit group-128 symmetric weights with random values, made on the device: speed does not depend on them."""
+    def q4(n: int, k: int) -> QuantWeight:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=device)
+        return QuantWeight.from_values(q, torch.rand(n, k // 128, device=device).half() * 2e-3 + 1e-3, None, 4, 128)
+
+    kv, ones = c.n_kv_heads * c.head_dim, lambda: torch.ones(c.hidden_size, device=device)
+    t = {"token_embd.weight": q4(c.vocab_size, c.hidden_size), "output.weight": q4(c.vocab_size, c.hidden_size),
+         "output_norm.weight": ones()}
+    for i in range(c.n_layers):
+        shapes = {"attn_q": (c.n_heads * c.head_dim, c.hidden_size), "attn_k": (kv, c.hidden_size),
+                  "attn_v": (kv, c.hidden_size), "attn_output": (c.hidden_size, c.n_heads * c.head_dim),
+                  "ffn_gate": (c.intermediate_size, c.hidden_size), "ffn_up": (c.intermediate_size, c.hidden_size),
+                  "ffn_down": (c.hidden_size, c.intermediate_size)}
+        t |= {f"blk.{i}.{name}.weight": q4(n, k) for name, (n, k) in shapes.items()}
+        t |= {f"blk.{i}.attn_norm.weight": ones(), f"blk.{i}.ffn_norm.weight": ones()}
+    return Model(c, t, device, torch.float16)
+
+
+class NoText:
+    """A tokenizer stand-in for token-id prompts: no stop tokens, no text out."""
+
+    stop_ids = ()
+
+    def detokenizer(self) -> "NoText":
+        return self
+
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def bench_random(sessions: list[int], tokens: int) -> None:
+    """Static batches of 64-token prompts; the rate is taken over each run's last 31 decode steps (steady state)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = random_model(LLAMA3_8B, device)
+    bw = copy_bandwidth(device)
+    engine = Engine(model, NoText(), kv_tokens=64 * 1024, cuda_graphs=False)
+    read = weight_bytes(engine)
+    print(f"Aggregate decode tok/s, {LLAMA3_8B.name}, fp16 activations, {tokens} new tokens per session")
+    print(f"weights read per step {read / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s: at most "
+          f"{bw / read:.0f} steps/s")
+    rates = {}
+    for graphs in (False, True):
+        if graphs:
+            engine.shutdown()
+            engine = Engine(model, NoText(), kv_tokens=64 * 1024)
+        warm = [engine.submit(None, SamplingParams(max_tokens=8, ignore_eos=True), prompt_ids=[1] * 64)
+                for _ in range(max(sessions))]
+        for h in warm:  # every prefill and decode shape compiled before timing
+            list(h.events())
+        for n in sessions:
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+            handles = [engine.submit(None, params, prompt_ids=[(7 * i + j) % 50000 + 100 for j in range(64)])
+                       for i in range(n)]
+            for h in handles:
+                list(h.events())
+            start = max(h.seq.token_times[0] for h in handles)  # token_times keeps each sequence's last 32
+            end = max(h.seq.token_times[-1] for h in handles)
+            rates[graphs, n] = sum(sum(t > start for t in h.seq.token_times) for h in handles) / (end - start)
+    engine.shutdown()
+    print(f"{'sessions':>8} {'graphs':>10} {'eager':>10} {'graphs/1':>9} {'step ms':>8} {'% of limit':>10}")
+    for n in sessions:
+        r = rates[True, n]
+        print(f"{n:8d} {r:10.1f} {rates[False, n]:10.1f} {r / rates[True, sessions[0]]:8.2f}x "
+              f"{n / r * 1e3:8.2f} {100 * r / n / (bw / read):9.0f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["cpu", "batch"])
+    ap.add_argument("what", choices=["cpu", "batch", "random"])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sessions", default="1,2,4,8")
     ap.add_argument("--device")
@@ -135,6 +215,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "cpu":
         bench_cpu(args.tokens)
+    elif args.what == "random":
+        bench_random([int(s) for s in args.sessions.split(",")], args.tokens)
     else:
         bench_batch([int(s) for s in args.sessions.split(",")], args.tokens, args.device, args.model, args.eager)
 
