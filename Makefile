@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 .PHONY: setup chat test bench-cpu lint
 
 setup: $(VENV)/.installed
-	@$(BIN)/python -m engine.default_model
+	@$(BIN)/python -m llamaterm.engine.store.default_model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench-cpu: setup
-	$(BIN)/python -m engine.bench cpu
+	$(BIN)/python -m llamaterm.engine.bench cpu
 
 lint: setup
 	$(BIN)/ruff check app engine kernels tests

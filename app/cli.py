@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from app import models_cli
+from llamaterm.app import models_cli
 
 app = typer.Typer(
     name="llamaterm",
@@ -35,8 +34,8 @@ def fail(message: str, code: int = 1) -> None:
 
 
 def sampling_params(**values):
-    from engine.errors import RequestError
-    from engine.sampling_params import SamplingParams
+    from llamaterm.engine.errors import RequestError
+    from llamaterm.engine.serving.sampling_params import SamplingParams
 
     try:
         return SamplingParams(**values)
@@ -45,7 +44,7 @@ def sampling_params(**values):
 
 
 def load_engine(model: str | None, device: str | None, **kwargs):
-    from engine.engine import Engine
+    from llamaterm.engine.serving.engine import Engine
 
     return Engine.from_model(model, device=device, **kwargs)
 
@@ -176,11 +175,11 @@ def chat(
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
     if not plain:
-        from app.tui.app import run_tui
+        from llamaterm.app.tui.app import run_tui
 
         return run_tui(model, sessions, system)
     params = sampling_params(temperature=temperature, max_tokens=max_tokens)
-    from engine.errors import RequestError
+    from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
     with load_engine(model, device, kv_tokens=kv_tokens) as engine:
@@ -216,7 +215,7 @@ def tokenize(
     as_json: Annotated[bool, typer.Option("--json", help="Print ids and token texts as JSON.")] = False,
 ):
     """Print the token ids of TEXT (for debugging prompts)."""
-    from engine.loader import load_tokenizer
+    from llamaterm.engine.store.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     text = read_prompt(text)
@@ -231,7 +230,7 @@ models_cli.register(app)  # pull, ls, rm, info
 
 
 def main() -> None:
-    from engine.errors import LlamatermError
+    from llamaterm.engine.errors import LlamatermError
 
     try:
         app()

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.store import data_dir
+from llamaterm.engine.store.model_store import data_dir
 
 # MIGRATIONS[i] takes the schema from version i to version i + 1; append, never edit a released step.
 MIGRATIONS = [

@@ -1,9 +1,9 @@
 """Benchmarks of the whole engine. Each prints our figure beside a peer measured in the same run and the limit.
 
-  python -m engine.bench cpu     single-stream decode on the default model vs Hugging Face transformers (fp32)
-  python -m engine.bench batch   aggregate decode tok/s for 1, 2, 4, 8 sessions, static batch vs dynamic arrivals
-  python -m engine.bench random  the same on CUDA for random 4-bit weights in Llama-3-8B's shapes, with and
-                                 without CUDA graphs, beside the weight-read limit
+  python -m llamaterm.engine.bench cpu     single-stream decode on the default model vs transformers (fp32)
+  python -m llamaterm.engine.bench batch   aggregate decode tok/s for 1, 2, 4, 8 sessions, static vs dynamic arrivals
+  python -m llamaterm.engine.bench random  the same on CUDA for random 4-bit weights in Llama-3-8B's shapes, with
+                                           and without CUDA graphs, beside the weight-read limit
 """
 
 import argparse
@@ -11,13 +11,12 @@ import random
 import time
 
 import torch
-
-from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.model import Model
-from engine.sampling_params import SamplingParams
-from engine.store import default_model_path
-from kernels.qweight import QuantWeight
+from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.store.model_store import default_model_path
+from llamaterm.kernels.qweight import QuantWeight
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 

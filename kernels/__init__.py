@@ -1,2 +1,2 @@
 """Compute ops for the engine. Each op has a torch reference (the CPU path and the test oracle) and, where it
-pays, a Triton implementation for CUDA; `kernels.dispatch` picks one per call."""
+pays, a Triton implementation for CUDA; `llamaterm.kernels.dispatch` picks one per call."""

@@ -2,13 +2,12 @@
 
 import torch
 import torch.nn.functional as F
-
-from kernels.dispatch import use_triton
+from llamaterm.kernels.dispatch import use_triton
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up):
-        from kernels.activation_triton import silu_and_mul_triton
+        from llamaterm.kernels.activation_triton import silu_and_mul_triton
 
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)

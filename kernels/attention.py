@@ -8,14 +8,13 @@ Prefill chunks and decode steps (one query token) share this one description, so
 
 import torch
 import torch.nn.functional as F
-
-from kernels.dispatch import use_triton
+from llamaterm.kernels.dispatch import use_triton
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Store k, v [T, Hk, D] at flat cache slots (block * block_size + offset); slot -1 means skip."""
     if use_triton(k):
-        from kernels.attention_triton import write_kv_triton
+        from llamaterm.kernels.attention_triton import write_kv_triton
 
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
@@ -32,7 +31,7 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
     """q [T, Hq, D] -> out [T, Hq, D], causal within each sequence, grouped-query aware."""
     if use_triton(q):
-        from kernels.attention_triton import paged_attention_triton
+        from llamaterm.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)

@@ -2,16 +2,15 @@
 
 import torch
 import torch.nn.functional as F
-
-from kernels.dispatch import use_triton
-from kernels.qweight import QuantWeight
+from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.qweight import QuantWeight
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     if use_triton(x):
-        from kernels.linear_triton import qmatmul_triton
+        from llamaterm.kernels.linear_triton import qmatmul_triton
 
         return qmatmul_triton(x, w)
     return linear_ref(x, w)

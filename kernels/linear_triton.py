@@ -21,10 +21,16 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.qweight import QuantWeight
-from kernels.qweight_triton import ROW_PAD, centred_values, dequantize_rows_triton, gpu_layout, step_params, use_asm
-from kernels.triton_util import arith_dtype, num_sms
+from llamaterm.kernels.qweight import QuantWeight
+from llamaterm.kernels.qweight_triton import (
+    ROW_PAD,
+    centred_values,
+    dequantize_rows_triton,
+    gpu_layout,
+    step_params,
+    use_asm,
+)
+from llamaterm.kernels.triton_util import arith_dtype, num_sms
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256

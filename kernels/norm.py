@@ -1,8 +1,7 @@
 """RMSNorm, optionally fused with the residual add that precedes it."""
 
 import torch
-
-from kernels.dispatch import use_triton
+from llamaterm.kernels.dispatch import use_triton
 
 
 def rms_norm(
@@ -10,7 +9,7 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (norm(x + residual) * weight, x + residual); with no residual, the second is x."""
     if use_triton(x):
-        from kernels.norm_triton import rms_norm_triton
+        from llamaterm.kernels.norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

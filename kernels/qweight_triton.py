@@ -24,9 +24,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-from kernels.qweight import QuantWeight
-from kernels.triton_util import arith_dtype
+from llamaterm.kernels.qweight import QuantWeight
+from llamaterm.kernels.triton_util import arith_dtype
 
 
 @triton.constexpr_function

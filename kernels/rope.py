@@ -1,18 +1,17 @@
 """Rotary position embedding, half-split (NeoX / Hugging Face) convention.
 
-GGUF q/k rows are un-permuted at load (engine/gguf.py), so every source uses this one convention.
+GGUF q/k rows are un-permuted at load (engine/checkpoints/gguf.py), so every source uses this one convention.
 `inv_freq` already holds any frequency scaling (Llama-3 rope_freqs / rope_scaling).
 """
 
 import torch
-
-from kernels.dispatch import use_triton
+from llamaterm.kernels.dispatch import use_triton
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
     """q [T, Hq, D], k [T, Hk, D], positions [T]; returns rotated (q, k)."""
     if use_triton(q):
-        from kernels.rope_triton import rope_triton
+        from llamaterm.kernels.rope_triton import rope_triton
 
         return rope_triton(q, k, positions, inv_freq)
     return rope_ref(q, k, positions, inv_freq)

@@ -1,4 +1,4 @@
-"""A stand-in for engine.engine.Engine with the same API: it streams canned text from its own thread.
+"""A stand-in for llamaterm.engine.serving.engine.Engine with the same API: it streams canned text from its own thread.
 
 Each running request gets one word-sized token of its reply per step, at `tokens_per_s` steps a second. The
 stats are the nominal ones (rate = tokens_per_s, TTFT = one step), so screens that show them are deterministic.
@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.api import EngineStats, Event, EventStream, RequestStats
-from engine.errors import RequestError
-from engine.sampling_params import SamplingParams
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
+from llamaterm.engine.errors import RequestError
+from llamaterm.engine.serving.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 REPLY = """Here is a small example in **Python**:

@@ -27,7 +27,7 @@ def test_help_is_instant_and_torch_free():
     out = llamaterm("--help")
     assert out.returncode == 0 and "run" in out.stdout
     assert time.perf_counter() - t < 5
-    probe = subprocess.run([sys.executable, "-c", "import sys, app.cli; print('torch' in sys.modules)"],
+    probe = subprocess.run([sys.executable, "-c", "import sys, llamaterm.app.cli; print('torch' in sys.modules)"],
                            capture_output=True, text=True)
     assert probe.stdout.strip() == "False"
 
@@ -63,7 +63,7 @@ def test_plain_chat_keeps_the_conversation():
 
 def test_tokenize(tiny):
     out = llamaterm("tokenize", "--json", "Hello world")
-    assert json.loads(out.stdout)["ids"] == [19556, 905]  # shared/vectors: llama.cpp's ids
+    assert json.loads(out.stdout)["ids"] == [19556, 905]  # tests/data/smollm2_tokenizer.json: llama.cpp's ids
     special = llamaterm("tokenize", "--special", "<|im_start|>user")
     assert special.stdout.split()[0] == "1"
 

@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
+from llamaterm.engine.checkpoints.gguf import load_gguf
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import RequestError
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.sampling_params import SamplingParams
 
-from engine.engine import Engine
-from engine.errors import RequestError
-from engine.gguf import load_gguf
-from engine.model import Model
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from tests.tiny_models import write_tiny_llama
 
 
@@ -184,7 +184,7 @@ def test_bad_requests_fail_alone(tiny, monkeypatch):
         events = list(h.events())
         assert events[-1].finish_reason == "length" and h.seq.num_generated == 320 - 300
         # an exception while serving one request fails that request alone
-        from engine import engine as engine_module
+        from llamaterm.engine.serving import engine as engine_module
 
         real_push = engine_module.OutputState.push
 

@@ -3,11 +3,11 @@
 import time
 
 import pytest
+from llamaterm.engine.errors import ModelNotFound, RequestError
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.process import EngineProcess
+from llamaterm.engine.serving.sampling_params import SamplingParams
 
-from engine.engine import Engine
-from engine.errors import ModelNotFound, RequestError
-from engine.process import EngineProcess
-from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_llama
 
 

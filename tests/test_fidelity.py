@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.engine import Engine
-from engine.model import StepInput
-from engine.sampling_params import SamplingParams
-from engine.store import default_model_path
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import StepInput
+from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.store.model_store import default_model_path
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
+from llamaterm.engine.checkpoints.gguf import RawTensor, convert_tensor, load_gguf, read_gguf_file, read_gguf_info
+from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.store.model_store import resolve_model
+from llamaterm.kernels.qweight import QuantWeight
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
 
-from engine.errors import ModelFormatError
-from engine.gguf import RawTensor, convert_tensor, load_gguf, read_gguf_file, read_gguf_info
-from engine.store import resolve_model
-from kernels.qweight import QuantWeight
 from tests.tiny_models import FP16_FIELDS, random_blocks, write_tiny_llama
 
 EXACT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (8, 32, False), "Q5_1": (8, 32, True),
-         "Q8_0": (8, 32, False)}  # qtype -> QuantWeight bits, group size, has offsets (formats.md §2.3)
+         "Q8_0": (8, 32, False)}  # qtype -> QuantWeight bits, group size, has offsets (block layouts in ggml-common.h)
 K_QUANTS = {"Q4_K": (4, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
 K_QUANT_BYTES = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}  # qh and qs: zeroed, w = the group offset
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from llamaterm.engine.serving.cuda_graph import DecodeGraphs
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import StepInput
+from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.store.model_store import resolve_model
 
-from engine.cuda_graph import DecodeGraphs
-from engine.engine import Engine
-from engine.model import StepInput
-from engine.sampling_params import SamplingParams
-from engine.store import resolve_model
 from tests.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.cuda

@@ -8,9 +8,8 @@ import textwrap
 import time
 
 import pytest
-
-from app import history
-from app.history import SCHEMA_VERSION, History, to_json, to_markdown
+from llamaterm.app import history
+from llamaterm.app.history import SCHEMA_VERSION, History, to_json, to_markdown
 
 
 @pytest.fixture
@@ -133,7 +132,7 @@ def test_kill_mid_reply_loses_no_earlier_message(db_path):
     writer = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from app.history import History
+        from llamaterm.app.history import History
         h = History.open(Path({str(db_path)!r}))
         cid = h.create_conversation("crash", {{}})
         for i in range(20):

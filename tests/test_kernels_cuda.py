@@ -3,14 +3,13 @@
 
 import pytest
 import torch
-
-from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
-from kernels.embedding import embedding
-from kernels.linear import linear, linear_ref
-from kernels.norm import rms_norm, rms_norm_ref
-from kernels.qweight import QuantWeight
-from kernels.rope import rope, rope_ref
+from llamaterm.kernels.activation import silu_and_mul, silu_and_mul_ref
+from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from llamaterm.kernels.embedding import embedding
+from llamaterm.kernels.linear import linear, linear_ref
+from llamaterm.kernels.norm import rms_norm, rms_norm_ref
+from llamaterm.kernels.qweight import QuantWeight
+from llamaterm.kernels.rope import rope, rope_ref
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}

@@ -15,18 +15,18 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul_ref  # noqa: E402
-from kernels.activation_triton import silu_and_mul_triton  # noqa: E402
-from kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
-from kernels.attention_triton import AttentionConfig, paged_attention_triton, write_kv_triton  # noqa: E402
-from kernels.linear import linear_ref  # noqa: E402
-from kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
-from kernels.norm import rms_norm_ref  # noqa: E402
-from kernels.norm_triton import rms_norm_triton  # noqa: E402
-from kernels.qweight import QuantWeight  # noqa: E402
-from kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
-from kernels.rope import rope_ref  # noqa: E402
-from kernels.rope_triton import rope_triton  # noqa: E402
+from llamaterm.kernels.activation import silu_and_mul_ref  # noqa: E402
+from llamaterm.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
+from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton, write_kv_triton  # noqa: E402
+from llamaterm.kernels.linear import linear_ref  # noqa: E402
+from llamaterm.kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
+from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
+from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
+from llamaterm.kernels.qweight import QuantWeight  # noqa: E402
+from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
+from llamaterm.kernels.rope import rope_ref  # noqa: E402
+from llamaterm.kernels.rope_triton import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}

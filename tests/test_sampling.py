@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-
-from engine.errors import RequestError
-from engine.sampling import filter_logits, sample
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from llamaterm.engine.errors import RequestError
+from llamaterm.engine.serving.sampling import filter_logits, sample
+from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.serving.sequence import Sequence
 
 
 def make_seq(params: SamplingParams, prompt=(1, 2, 3), generated=(), seed=0) -> Sequence:

@@ -1,4 +1,5 @@
-"""Tokenizer tests. The oracles: llama.cpp's ids for the default model (shared/vectors), transformers (its chat
+"""Tokenizer tests. The oracles: llama.cpp's ids for the default model (tests/data/smollm2_tokenizer.json, made
+with llama-cpp-python 0.3.36's tokenizer on the same GGUF), transformers (its chat
 template rendering, its tokenizers converted from GGUF), and ids worked out by hand from llama.cpp's
 SentencePiece rules where llama.cpp and transformers differ."""
 
@@ -9,16 +10,15 @@ from pathlib import Path
 import gguf
 import jinja2
 import pytest
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import ModelFormatError, RequestError
+from llamaterm.engine.store.model_store import resolve_model
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from engine.errors import ModelFormatError, RequestError
-from engine.store import resolve_model
-from engine.tokenizer import Tokenizer
-
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-VECTORS = json.loads((SHARED / "vectors" / "smollm2_tokenizer.json").read_text(encoding="utf-8"))["cases"]
+DATA = Path(__file__).resolve().parent / "data"
+VECTORS = json.loads((DATA / "smollm2_tokenizer.json").read_text(encoding="utf-8"))["cases"]
 
 
 def gguf_metadata(path: Path) -> dict:
@@ -48,7 +48,7 @@ def test_llama_cpp_vectors(smollm, case):
 
 
 def test_default_model_special_tokens(smollm):
-    # formats.md §7.2: <|endoftext|> 0, <|im_start|> 1 (bos), <|im_end|> 2 (eos); §3.1: the GGUF says no BOS
+    # the GGUF's own metadata: <|endoftext|> 0, <|im_start|> 1 (bos), <|im_end|> 2 (eos); add_bos_token is false
     assert (smollm.bos_id, smollm.eos_id, smollm.add_bos, smollm.vocab_size) == (1, 2, False, 49152)
     assert smollm.stop_ids == {0, 2}  # eos, and <|endoftext|>: llama.cpp ends generation on both
     assert smollm.token_text(1) == "<|im_start|>"
@@ -93,7 +93,7 @@ def test_default_template_renders_like_transformers(smollm, smollm_meta, message
 
 
 def test_default_template_is_chatml(smollm):
-    # The literal strings of formats.md §7.2
+    # The literal special-token strings of SmolLM2's tokenizer_config.json
     system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     assert smollm.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
         system + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -339,7 +339,7 @@ def test_sentencepiece_specials():
     assert no_prefix.decode([SP["▁world"]]) == " world"  # no prefix was added, so none is dropped
 
 
-# ---- byte-level pre-types (regexes of formats.md §3.2) on a tiny vocabulary ----
+# ---- byte-level pre-types (regexes of llama.cpp's src/llama-vocab.cpp) on a tiny vocabulary ----
 
 # Merges that would cross a pre-token boundary if the regex did not cut there (Ġ is a space, Ċ a newline)
 BYTE_LEVEL_MERGES = ["1 2", "12 3", "123 4", "' S", "' s", "Ġ Ġ", "ĠĠ Ġ", "Ċ Ċ", "h i", "Ġ hi", "! Ċ", "Ġ !"]

@@ -5,24 +5,23 @@ import sys
 import threading
 
 import pytest
+from benchmarks.tui_bench import key_latencies
 from fake_engine import REPLY, FakeEngine
+from llamaterm.app.history import History
+from llamaterm.app.tui import clipboard
+from llamaterm.app.tui.app import ChatApp
+from llamaterm.app.tui.screens import chat
+from llamaterm.app.tui.screens.chat import ChatScreen
+from llamaterm.app.tui.screens.help import HelpScreen
+from llamaterm.app.tui.screens.history import HistoryScreen
+from llamaterm.app.tui.screens.settings import SettingsScreen
+from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
+from llamaterm.app.tui.widgets.stats import StatusBar
+from llamaterm.engine.errors import ModelNotFound
 from textual import events
 from textual.widgets import Input, Markdown
 from textual.widgets.markdown import MarkdownFence
 from tui_support import engine_ready, idle, run, wait_until
-
-from app.history import History
-from app.tui import clipboard
-from app.tui.app import ChatApp
-from app.tui.bench import key_latencies
-from app.tui.screens import chat
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.help import HelpScreen
-from app.tui.screens.history import HistoryScreen
-from app.tui.screens.settings import SettingsScreen
-from app.tui.screens.text_prompt import TextPromptScreen
-from app.tui.widgets.stats import StatusBar
-from engine.errors import ModelNotFound
 
 LONG_REPLY = "".join(f"Line {i} of a long answer.\n\n" for i in range(1000))
 
@@ -52,7 +51,7 @@ async def type_and_send(pilot, text: str) -> None:
 
 
 def test_importing_the_tui_does_not_import_torch():
-    code = "import sys, app.tui.app; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, llamaterm.app.tui.app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

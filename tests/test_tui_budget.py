@@ -3,12 +3,11 @@
 import time
 
 from fake_engine import REPLY, FakeEngine
+from llamaterm.app.tui.app import ChatApp
+from llamaterm.app.tui.budget import RenderBudget
+from llamaterm.app.tui.widgets.chat_pane import ChatPane
 from textual.widgets import Markdown
 from tui_support import engine_ready, idle, run
-
-from app.tui.app import ChatApp
-from app.tui.budget import RenderBudget
-from app.tui.widgets.chat_pane import ChatPane
 
 
 def spin(seconds: float) -> None:

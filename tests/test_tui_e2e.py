@@ -1,12 +1,11 @@
 """End to end on the real default model (CPU): two panes, one broadcast prompt, both answers stream, stats move."""
 
 import pytest
+from llamaterm.app.tui.app import ChatApp
+from llamaterm.app.tui.session import ChatSettings
+from llamaterm.engine.store.model_store import resolve_model
 from textual.widgets import Markdown
 from tui_support import idle, run, wait_until
-
-from app.tui.app import ChatApp
-from app.tui.session import ChatSettings
-from engine.store import resolve_model
 
 
 @pytest.mark.slow
@@ -15,7 +14,7 @@ def test_two_panes_stream_a_broadcast_question(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
 
     def load_engine():
-        from engine.process import EngineProcess
+        from llamaterm.engine.serving.process import EngineProcess
 
         return EngineProcess(model)
 

@@ -16,16 +16,15 @@ import numpy as np
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, RopeScalingType
 from gguf.quants import quantize
+from llamaterm.engine.checkpoints.gguf import read_gguf_info
+from llamaterm.engine.store.model_store import resolve_model
 
-from engine.gguf import read_gguf_info
-from engine.store import resolve_model
-
-# The fp16 scale fields of each block layout (byte offsets, formats.md §2); random bytes elsewhere are valid.
+# The fp16 scale fields of each block layout (byte offsets, ggml-common.h); random bytes elsewhere are valid.
 FP16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
 }
-# What llama.cpp's quantizer substitutes when rows are not whole 256-value blocks (formats.md §1.4).
+# What llama.cpp's quantizer substitutes when rows are not whole 256-value blocks (ggml-quants.c).
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # Writer methods for the tokenizer keys a GGUF carries, so each value keeps its GGUF type.
 _TOKENIZER_KEYS = {

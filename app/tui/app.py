@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from llamaterm.app.history import History
+from llamaterm.app.tui.screens.chat import MAX_PANES, ChatScreen
+from llamaterm.app.tui.session import ChatSettings, Session
 from textual import work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
-
-from app.history import History
-from app.tui.screens.chat import MAX_PANES, ChatScreen
-from app.tui.session import ChatSettings, Session
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
@@ -25,7 +24,7 @@ class ChatApp(App):
     CSS_PATH = [ASSETS / "chat.tcss", ASSETS / "dialogs.tcss"]
 
     def __init__(self, load_engine: Callable[[], object], sessions: int = 1, system: str | None = None):
-        """load_engine runs in a worker thread and returns an engine (engine.process.EngineProcess or a stand-in)."""
+        """load_engine runs in a worker thread and returns an engine (serving.process.EngineProcess or a stand-in)."""
         super().__init__()
         if not 1 <= sessions <= MAX_PANES:
             raise ValueError(f"sessions must be between 1 and {MAX_PANES}, not {sessions}")
@@ -71,7 +70,7 @@ def run_tui(model: str | None, sessions: int, system: str | None) -> None:
     """`llamaterm chat`: the TUI on `model` (None: the default model) with `sessions` panes."""
 
     def load_engine():
-        from engine.process import EngineProcess  # the engine loop never shares a GIL with the UI
+        from llamaterm.engine.serving.process import EngineProcess  # the engine loop never shares a GIL with the UI
 
         return EngineProcess(model)
 

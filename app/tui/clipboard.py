@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llamaterm.engine.store.model_store import data_dir
 from textual.app import App
-
-from engine.store import data_dir
 
 
 def fallback_path() -> Path:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 
-from app.history import Conversation, History
-from engine.api import RequestStats
-from engine.errors import RequestError
-from engine.sampling_params import SamplingParams
+from llamaterm.app.history import Conversation, History
+from llamaterm.engine.api import RequestStats
+from llamaterm.engine.errors import RequestError
+from llamaterm.engine.serving.sampling_params import SamplingParams
 
 SAVE_EVERY_S = 1.0
 TOPIC_CHARS = 48

@@ -13,6 +13,17 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
 
+from llamaterm.app.history import History, export_file
+from llamaterm.app.tui import clipboard
+from llamaterm.app.tui.budget import RenderBudget
+from llamaterm.app.tui.screens.help import HelpScreen
+from llamaterm.app.tui.screens.history import HistoryScreen
+from llamaterm.app.tui.screens.settings import SettingsScreen
+from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
+from llamaterm.app.tui.session import Session
+from llamaterm.app.tui.widgets.chat_pane import ChatPane
+from llamaterm.app.tui.widgets.stats import StatusBar
+from llamaterm.app.tui.widgets.transcript import CopyRequested
 from textual import on
 from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -21,24 +32,12 @@ from textual.events import DescendantFocus
 from textual.screen import Screen
 from textual.widgets import Footer, Input
 
-from app.history import History, export_file
-from app.tui import clipboard
-from app.tui.budget import RenderBudget
-from app.tui.screens.help import HelpScreen
-from app.tui.screens.history import HistoryScreen
-from app.tui.screens.settings import SettingsScreen
-from app.tui.screens.text_prompt import TextPromptScreen
-from app.tui.session import Session
-from app.tui.widgets.chat_pane import ChatPane
-from app.tui.widgets.stats import StatusBar
-from app.tui.widgets.transcript import CopyRequested
-
 MAX_PANES = 8
 TICK_HZ = 20
 STATS_HZ = 1
 # The UI thread's share of the wall time; past it, streamed text waits, at most RENDER_MAX_WAIT_S (see RenderBudget).
-# Chosen with app/tui/bench.py on the 2-core CPU machine, where a draw of 8 panes costs 0.1-0.5 s of UI thread:
-# a smaller share or a longer wait bought no throughput there that the noise did not hide, only staler panes.
+# Chosen with tests/benchmarks/tui_bench.py on the 2-core CPU machine, where a draw of 8 panes costs 0.1-0.5 s of
+# UI thread: a smaller share or a longer wait bought no throughput there that the noise did not hide, only staler panes.
 RENDER_SHARE = 0.05
 RENDER_MAX_WAIT_S = 4.0
 

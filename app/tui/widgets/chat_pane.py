@@ -6,15 +6,14 @@ engine (the screen's timer calls `pull`, which only drains what is already queue
 
 from __future__ import annotations
 
+from llamaterm.app.tui.session import Session
+from llamaterm.app.tui.widgets.stats import PaneStats
+from llamaterm.app.tui.widgets.transcript import ReplyMessage, message_view
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widgets import Input
-
-from app.tui.session import Session
-from app.tui.widgets.stats import PaneStats
-from app.tui.widgets.transcript import ReplyMessage, message_view
 
 
 class ChatPane(Vertical):

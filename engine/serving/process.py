@@ -1,4 +1,4 @@
-"""The engine in a child process, behind the calls the TUI makes on engine.engine.Engine.
+"""The engine in a child process, behind the calls the TUI makes on serving.engine.Engine.
 
 In one process a UI shares the GIL with the engine loop: every frame Textual lays out is time the loop's Python
 waits, and 8 streaming panes cost the engine about a tenth of its throughput. Here the loop runs in a process of
@@ -16,9 +16,9 @@ import threading
 import time
 from dataclasses import replace
 
-from engine.api import EngineStats, Event, EventStream, RequestStats
-from engine.errors import LlamatermError
-from engine.sampling_params import SamplingParams
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
+from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.serving.sampling_params import SamplingParams
 
 TICK_S = 0.02  # how often the child forwards events: 50 Hz is smoother than any terminal redraws
 IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
@@ -139,7 +139,7 @@ def start_with_real_stderr(process) -> None:
 
 def serve(conn, model: str | None, device: str | None, kwargs: dict) -> None:
     """The child: load the engine, then forward events and stats each tick until told to stop."""
-    from engine.engine import Engine
+    from llamaterm.engine.serving.engine import Engine
 
     try:
         engine = Engine.from_model(model, device=device, **kwargs)

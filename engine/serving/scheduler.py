@@ -9,8 +9,8 @@ may still be cached). Sequences join and leave between steps.
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_cache import BlockManager
-from engine.sequence import Sequence, Status
+from llamaterm.engine.serving.block_manager import BlockManager
+from llamaterm.engine.serving.sequence import Sequence, Status
 
 
 @dataclass

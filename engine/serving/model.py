@@ -8,16 +8,15 @@ kernels/, which runs Triton on CUDA and the torch references elsewhere.
 from dataclasses import dataclass
 
 import torch
-
-from engine.config import ModelConfig
-from engine.errors import ModelFormatError
-from kernels.activation import silu_and_mul
-from kernels.attention import paged_attention, write_kv
-from kernels.embedding import embedding
-from kernels.linear import linear
-from kernels.norm import rms_norm
-from kernels.qweight import QuantWeight
-from kernels.rope import rope
+from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.errors import ModelFormatError
+from llamaterm.kernels.activation import silu_and_mul
+from llamaterm.kernels.attention import paged_attention, write_kv
+from llamaterm.kernels.embedding import embedding
+from llamaterm.kernels.linear import linear
+from llamaterm.kernels.norm import rms_norm
+from llamaterm.kernels.qweight import QuantWeight
+from llamaterm.kernels.rope import rope
 
 Weight = torch.Tensor | QuantWeight
 

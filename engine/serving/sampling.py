@@ -6,8 +6,7 @@ request's own generator), which picks token i with probability p_i.
 """
 
 import torch
-
-from engine.sequence import Sequence
+from llamaterm.engine.serving.sequence import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -2,21 +2,21 @@
 
 from pathlib import Path
 
-from engine.errors import ModelFormatError
-from engine.store import resolve_model
-from engine.tokenizer import Tokenizer
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.store.model_store import resolve_model
 
 
 def load_checkpoint(name: str | None):
     """Returns (Checkpoint, Tokenizer, path). A .gguf file loads as GGUF; a folder as a safetensors repo."""
     path = resolve_model(name)
     if path.is_dir():
-        from engine.safetensors_loader import load_safetensors
+        from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors
 
         return load_safetensors(path), Tokenizer.from_hf_dir(path), path
     if path.suffix != ".gguf":
         raise ModelFormatError(f"{path}: not a .gguf file or a model folder; llamaterm loads GGUF and safetensors")
-    from engine.gguf import load_gguf
+    from llamaterm.engine.checkpoints.gguf import load_gguf
 
     ckpt = load_gguf(path)
     return ckpt, Tokenizer.from_gguf_metadata(ckpt.metadata), Path(path)
@@ -27,6 +27,6 @@ def load_tokenizer(name: str | None) -> Tokenizer:
     path = resolve_model(name)
     if path.is_dir():
         return Tokenizer.from_hf_dir(path)
-    from engine.gguf import read_gguf_info
+    from llamaterm.engine.checkpoints.gguf import read_gguf_info
 
     return Tokenizer.from_gguf_metadata(read_gguf_info(path)["metadata"])

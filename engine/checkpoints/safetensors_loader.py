@@ -1,7 +1,7 @@
 """Load a Hugging Face checkpoint directory (config.json + *.safetensors) into a Checkpoint.
 
 Covers dense fp16 / bf16 / fp32 weights, GPTQ (4/8-bit, v1 and v2 zero points, act-order g_idx) and AWQ GEMM
-4-bit (shared/research/formats.md §4, §5). Quantized linears become QuantWeight (w = scale * q + offset, with
+4-bit (AutoGPTQ's and AutoAWQ's packers). Quantized linears become QuantWeight (w = scale * q + offset, with
 offset = -scale * zero rounded once to fp16, or no offset when every zero is 2**(bits-1), which is exact);
 everything else stays a torch tensor in the dtype it was stored in. Tensors are renamed to the GGUF names the
 model uses; Hugging Face q/k rows are already in the half-split (NeoX) RoPE order the model expects.
@@ -15,12 +15,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from llamaterm.engine.checkpoints.checkpoint import Checkpoint
+from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.errors import ModelFormatError, ModelNotFound
+from llamaterm.kernels.qweight import QuantWeight
 from safetensors import SafetensorError, safe_open
-
-from engine.checkpoint import Checkpoint
-from engine.config import ModelConfig
-from engine.errors import ModelFormatError, ModelNotFound
-from kernels.qweight import QuantWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,7 +48,7 @@ class QuantScheme:
     method: str  # "gptq" or "awq"
     bits: int
     group_size: int  # -1: one group spanning the whole input dimension
-    zero_shift: int  # added to stored zeros: GPTQ v1 stores zero - 1 (formats.md §4.2), v2 and AWQ store zero
+    zero_shift: int  # added to stored zeros: GPTQ v1 stores zero - 1 (AutoGPTQ's pack), v2 and AWQ store zero
 
 
 def load_safetensors(model_dir: Path) -> Checkpoint:
@@ -143,8 +142,8 @@ def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None
     except KeyError as err:
         raise ModelFormatError(f"llama3 rope scaling lacks {err}") from None
     old_context = float(params.get("original_max_position_embeddings") or config.context_length)
-    # Divisors of the inverse frequencies, as llama.cpp's rope_freqs (formats.md §7.1): keep the short
-    # wavelengths, divide the long ones by `factor`, blend in between.
+    # Divisors of the inverse frequencies, as llama.cpp's rope_freqs (its llm_build_rope_factors): keep the
+    # short wavelengths, divide the long ones by `factor`, blend in between.
     factors = []
     for inv_freq in config.inv_freq().tolist():
         wavelen = 2 * math.pi / inv_freq

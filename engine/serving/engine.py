@@ -18,18 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from engine.api import EngineStats, Event, EventStream, RequestStats
-from engine.cuda_graph import DecodeGraphs
-from engine.errors import RequestError
-from engine.kv_cache import BlockManager
-from engine.model import Model, StepInput
-from engine.sampling import sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
-from engine.sequence import Sequence
-from engine.tokenizer import Tokenizer
-from kernels.dispatch import use_triton
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import RequestError
+from llamaterm.engine.serving.block_manager import BlockManager
+from llamaterm.engine.serving.cuda_graph import DecodeGraphs
+from llamaterm.engine.serving.model import Model, StepInput
+from llamaterm.engine.serving.sampling import sample
+from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.serving.scheduler import ScheduledChunk, Scheduler
+from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.kernels.dispatch import use_triton
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 
@@ -138,7 +137,7 @@ class Engine:
 
     @classmethod
     def from_model(cls, name: str | None = None, device: str | None = None, **kwargs) -> Engine:
-        from engine.loader import load_checkpoint
+        from llamaterm.engine.store.loader import load_checkpoint
 
         ckpt, tokenizer, path = load_checkpoint(name)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -2,8 +2,8 @@
 
 huggingface_hub lists the repo (sizes, LFS sha256, the commit), builds URLs and headers (HF_ENDPOINT, the
 token from HF_TOKEN or `hf auth login`) and maps HTTP errors. The download itself is ours: since
-huggingface_hub 1.18 an interrupted hf_hub_download is not resumed by the next process (formats.md §6), and
-resuming is the point.
+huggingface_hub 1.18 an interrupted hf_hub_download is not resumed by the next process (its file_download.py),
+and resuming is the point.
 
 Each file streams into `<file>.part` in a hidden staging folder, resuming with a Range request; it is checked
 against the Hub's hash (sha256 for LFS files, the git blob id for small ones) and only then renamed. When
@@ -34,10 +34,9 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils import tqdm as hf_tqdm
-
-from engine.checkpoint_info import SPLIT_GGUF
-from engine.errors import LlamatermError
-from engine.store import (
+from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
+from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.store.model_store import (
     VALID_NAME,
     StoredModel,
     describe_checkpoint,
@@ -51,7 +50,7 @@ from engine.store import (
 
 # Without a quant in the request, the first of these that the repo has: Q4_K_M, else the closest 4-bit.
 PREFERRED_QUANTS = ("Q4_K_M", "Q4_K_S", "Q4_K_L", "Q4_K_XL", "IQ4_XS", "IQ4_NL", "Q4_1", "Q4_0")
-# A quant label in a GGUF file name (formats.md §1.6): Q4_K_M, IQ4_XS, Q8_0, TQ1_0, MXFP4, F16, BF16, ...
+# A quant label in a GGUF file name (the GGUF spec's naming convention): Q4_K_M, IQ4_XS, Q8_0, TQ1_0, MXFP4, BF16...
 QUANT_LABEL = re.compile(r"^(I?Q\d+(_[A-Z0-9]+)*|TQ\d_\d|MXFP4(_MOE)?|BF16|F16|F32)$", re.IGNORECASE)
 # What a safetensors model needs beside its *.safetensors: config and tokenizer files. Never pickles.
 SAFETENSORS_EXTRAS = re.compile(

@@ -6,9 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.kv_cache import BlockTableEntry
-from engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.block_manager import BlockTableEntry
+from llamaterm.engine.serving.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

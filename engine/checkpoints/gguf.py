@@ -4,8 +4,8 @@ The container is parsed here rather than with gguf.GGUFReader: GGUFReader trusts
 the file (an absurd array length makes it loop for ever, a short file gives silently short arrays) and
 takes seconds to decode a 49k-token vocabulary. This parser checks every read against the end of the file and
 decodes numeric arrays in one numpy call. The gguf package still supplies the type ids and block sizes; its
-dequantizers are the tests' oracle. Byte layouts and the mapping onto QuantWeight: shared/research/formats.md
-§1 and §2.
+dequantizers are the tests' oracle. The container: the GGUF spec (ggml's docs/gguf.md); block layouts: ggml's
+ggml-common.h and ggml-quants.c.
 
 Quantized tensors become QuantWeight: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly; Q4_K, Q5_K (group 32) and Q6_K
 (group 16) with each super-block scale times sub-block scale rounded once to fp16. The converter's q/k row
@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-
-from engine.checkpoint import Checkpoint
-from engine.config import ModelConfig
-from engine.errors import ModelFormatError
-from kernels.qweight import QuantWeight
+from llamaterm.engine.checkpoints.checkpoint import Checkpoint
+from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.errors import ModelFormatError
+from llamaterm.kernels.qweight import QuantWeight
 
 SUPPORTED_ARCHS = ("llama",)
 REDOWNLOAD = "Re-download it (or re-convert it with a current llama.cpp)."
@@ -434,7 +433,8 @@ def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
 
 def hf_row_order(n_rows: int, n_head: int) -> np.ndarray:
     """For each Hugging Face q/k row, the GGUF row holding it: the converter interleaved the two halves of
-    every head, so HF row j*h/2 + i of a head is GGUF row 2i + j (formats.md §1.7)."""
+    every head, so HF row j*h/2 + i of a head is GGUF row 2i + j (LlamaModel.permute in llama.cpp's
+    convert_hf_to_gguf.py)."""
     return np.arange(n_rows).reshape(n_head, -1, 2).swapaxes(1, 2).reshape(-1)
 
 

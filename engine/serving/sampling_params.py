@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from engine.errors import RequestError
+from llamaterm.engine.errors import RequestError
 
 
 @dataclass(frozen=True)

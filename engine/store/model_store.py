@@ -2,7 +2,7 @@
 
 Layout of models_dir():
     <name>/                 one folder per model: its files and a manifest, llamaterm.json
-    .partial/<name>@<commit>/  downloads in progress (engine.hub); invisible to ls and resolve
+    .partial/<name>@<commit>/  downloads in progress (hub.py); invisible to ls and resolve
     .locks/<name>.lock      held while a model is pulled or removed: concurrent pulls leave one good copy
     .trash/                 folders on their way out: renamed here first so they vanish from the store at once
 """
@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
+from llamaterm.engine.checkpoints.checkpoint_info import is_first_gguf, read_checkpoint
+from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from platformdirs import user_data_dir
-
-from engine.checkpoint_info import is_first_gguf, read_checkpoint
-from engine.errors import ModelFormatError, ModelNotFound
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,7 +162,7 @@ def resolve_model(name: str | None) -> Path:
         if not path.exists():
             raise ModelNotFound(
                 f"the default model is not installed (expected {path}).\n"
-                "Run `make setup` (or `python -m engine.default_model`) to download it."
+                "Run `make setup` (or `python -m llamaterm.engine.store.default_model`) to download it."
             )
         return path
     candidate = Path(name).expanduser()

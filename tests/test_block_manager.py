@@ -1,6 +1,6 @@
 """Block manager: allocation, ref counts, prefix caching and LRU eviction."""
 
-from engine.kv_cache import BlockManager, BlockTableEntry
+from llamaterm.engine.serving.block_manager import BlockManager, BlockTableEntry
 
 
 def test_allocate_and_release_returns_every_block():

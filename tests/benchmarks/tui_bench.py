@@ -2,7 +2,7 @@
 headless TUI (every pane rendering Markdown), compared by aggregate tokens/s; plus keystroke latency while
 the panes stream.
 
-    python -m app.tui.bench [--model M] [--device D] [--sessions 8] [--max-tokens 128] [--repeats 3]
+    python -m tests.benchmarks.tui_bench [--model M] [--device D] [--sessions 8] [--max-tokens 128] [--repeats 3]
 
 Both runs submit the same greedy request, so they generate the same tokens. Aggregate tokens/s = all generated
 tokens / (last finish - first submit), from the engine's request stats, so UI timing plays no part in it.
@@ -88,7 +88,7 @@ def headless_run(engine, sessions: int, settings) -> float:
 def tui_run(engine, sessions: int, settings, typing: bool = False) -> tuple[float, float, list[float]]:
     """The same requests sent from the TUI's broadcast input. Returns (aggregate tokens/s, the UI thread's busy
     share while the replies streamed, key latencies in s: with `typing`, keys go to a pane's input meanwhile)."""
-    from app.tui.app import ChatApp
+    from llamaterm.app.tui.app import ChatApp
 
     recorder = Recorder(engine)
     app = ChatApp(lambda: recorder, sessions=sessions)
@@ -131,9 +131,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from app.tui.session import ChatSettings
-    from engine.process import EngineProcess
-    from engine.store import resolve_model
+    from llamaterm.app.tui.session import ChatSettings
+    from llamaterm.engine.serving.process import EngineProcess
+    from llamaterm.engine.store.model_store import resolve_model
 
     model = resolve_model(args.model)
     os.environ["LLAMATERM_HOME"] = tempfile.mkdtemp(prefix="llamaterm-bench-")  # keep the user's history clean

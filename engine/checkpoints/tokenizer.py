@@ -1,7 +1,7 @@
 """The tokenizer: text <-> token ids, chat prompts, and streaming detokenization.
 
 Encoding runs in the `tokenizers` library. For GGUF files it is rebuilt from the metadata the way llama.cpp
-tokenizes (shared/research/formats.md §3): byte-level BPE (`gpt2`) with the pre-tokenizer regexes of the
+tokenizes (llama.cpp's src/llama-vocab.cpp): byte-level BPE (`gpt2`) with the pre-tokenizer regexes of the
 file's pre type, or SentencePiece BPE (`llama`) with scores and byte fallback. Folders bring tokenizer.json.
 
 Decoding is ours: every token maps once to the bytes it stands for, so decode and the incremental detokenizer
@@ -16,10 +16,9 @@ from functools import cached_property
 from pathlib import Path
 
 import tokenizers
+from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
+from llamaterm.engine.errors import ModelFormatError
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
-
-from engine.chat_template import CHATML_TEMPLATE, ChatTemplate
-from engine.errors import ModelFormatError
 
 # llama.cpp token types (gguf-py TokenType), as stored in tokenizer.ggml.token_type
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -4,9 +4,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from engine.config import ModelConfig
-from kernels.qweight import QuantWeight
+from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.kernels.qweight import QuantWeight
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What `llamaterm ls` and `llamaterm info` show about a checkpoint, read from its files without loading it.
 
-GGUF: the metadata key-values and tensor infos, through engine.gguf. Safetensors: config.json, the JSON header
+GGUF: the metadata key-values and tensor infos, through checkpoints/gguf.py. Safetensors: config.json, the JSON header
 of each *.safetensors file and tokenizer_config.json; nothing here unpickles.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelFormatError
+from llamaterm.engine.errors import ModelFormatError
 
-# Native GGUF shards: `<prefix>-00001-of-00003.gguf`, numbered from 1 (formats.md §1.5).
+# Native GGUF shards: `<prefix>-00001-of-00003.gguf`, numbered from 1 (llama.cpp's gguf-split).
 SPLIT_GGUF = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # Arrays longer than this (token lists, merges) are summarised as "[N items]" in `info`.
 MAX_LISTED_ITEMS = 16
@@ -40,8 +40,7 @@ def is_first_gguf(path: str) -> bool:
 
 def read_gguf(first: Path) -> CheckpointInfo:
     from gguf import LlamaFileType
-
-    from engine.gguf import read_gguf_info
+    from llamaterm.engine.checkpoints.gguf import read_gguf_info
 
     info = read_gguf_info(first)  # the engine's own parser: checked reads, every part of a split file
     metadata = {

@@ -1,7 +1,7 @@
 """Kernel benchmarks on CUDA, beside their peers and the device's limits, measured in the same run.
 
-    python -m kernels.bench            # the tables recorded in BENCHMARKS.md
-    python -m kernels.bench --sweep    # also time candidate tile configs (tuning pick_config)
+    python -m tests.benchmarks.kernels_bench            # the tables recorded in BENCHMARKS.md
+    python -m tests.benchmarks.kernels_bench --sweep    # also time candidate tile configs (tuning pick_config)
 
 Timing: each measured region is captured in a CUDA graph (the engine's decode path launches the same way) and
 replayed after an L2 flush, timed with CUDA events; the figure is the median. The flush reads 256 MB rather than
@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.attention_triton import AttentionConfig, paged_attention_triton
-from kernels.linear_triton import Config, pick_config, qmatmul_triton
-from kernels.qweight import QuantWeight
-from kernels.qweight_triton import gpu_layout
-from kernels.triton_util import num_sms
+from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton
+from llamaterm.kernels.linear_triton import Config, pick_config, qmatmul_triton
+from llamaterm.kernels.qweight import QuantWeight
+from llamaterm.kernels.qweight_triton import gpu_layout
+from llamaterm.kernels.triton_util import num_sms
 
 LLAMA3_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
