@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from llamaterm.app import models_cli
 
 app = typer.Typer(
@@ -35,7 +37,7 @@ def fail(message: str, code: int = 1) -> None:
 
 def sampling_params(**values):
     from llamaterm.engine.errors import RequestError
-    from llamaterm.engine.serving.sampling_params import SamplingParams
+    from llamaterm.engine.sampling_params import SamplingParams
 
     try:
         return SamplingParams(**values)
@@ -43,10 +45,11 @@ def sampling_params(**values):
         fail(str(e), 2)
 
 
-def load_engine(model: str | None, device: str | None, **kwargs):
+def load_engine(model: str | None, device: str | None, kv_tokens: int | None):
+    from llamaterm.engine.api import EngineConfig
     from llamaterm.engine.serving.engine import Engine
 
-    return Engine.from_model(model, device=device, **kwargs)
+    return Engine.from_model(EngineConfig(model=model, device=device, kv_tokens=kv_tokens))
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -61,16 +64,16 @@ def messages_for(prompt: str, system: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
-def result_json(model_name: str, text: str, handle, finish_reason: str | None) -> dict:
+def result_json(model_name: str, reply: Reply, handle) -> dict:
     st = handle.stats()
     return {
         "model": model_name,
-        "text": text,
-        "finish_reason": finish_reason,
+        "text": reply.text,
+        "finish_reason": reply.finish_reason,
         "prompt_tokens": st.prompt_tokens,
         "cached_tokens": st.cached_tokens,
         "generated_tokens": st.generated_tokens,
-        "token_ids": handle.seq.generated,
+        "token_ids": reply.token_ids,
         "ttft_s": st.ttft_s,
         "tokens_per_s": st.tokens_per_s,
     }
@@ -116,44 +119,45 @@ def run(
         prompts = [read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens=kv_tokens) as engine:
+    with load_engine(model, device, kv_tokens) as engine:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [engine.submit(x, params, raw=raw) for x in inputs]
         if each_line:
             for handle in handles:  # input order, though all run at once
-                text, reason = collect(handle)
-                typer.echo(json.dumps(result_json(engine.model_name, text, handle, reason)) if as_json else text)
+                reply = collect(handle)
+                typer.echo(json.dumps(result_json(engine.model_name, reply, handle)) if as_json else reply.text)
             return
         handle = handles[0]
         if as_json:
-            text, reason = collect(handle)
-            typer.echo(json.dumps(result_json(engine.model_name, text, handle, reason), indent=2))
+            typer.echo(json.dumps(result_json(engine.model_name, collect(handle), handle), indent=2))
         else:
-            stream(handle)
+            collect(handle, echo=True)
             if sys.stderr.isatty():
                 report(handle)
 
 
-def collect(handle) -> tuple[str, str | None]:
-    parts, reason = [], None
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def collect(handle, echo: bool = False) -> Reply:
+    """Read a request's events to the end; with echo, stream the text to stdout as it arrives."""
+    reply = Reply("", [], None)
     for event in handle.events():
         if event.error:
             fail(f"generation failed: {event.error}")
-        parts.append(event.text)
-        reason = event.finish_reason
-    return "".join(parts), reason
-
-
-def stream(handle) -> str:
-    parts = []
-    for event in handle.events():
-        if event.error:
-            fail(f"generation failed: {event.error}")
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-        parts.append(event.text)
-    sys.stdout.write("\n")
-    return "".join(parts)
+        reply.text += event.text
+        reply.token_ids += event.token_ids
+        reply.finish_reason = event.finish_reason
+        if echo:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    if echo:
+        sys.stdout.write("\n")
+    return reply
 
 
 def report(handle) -> None:
@@ -182,7 +186,7 @@ def chat(
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
-    with load_engine(model, device, kv_tokens=kv_tokens) as engine:
+    with load_engine(model, device, kv_tokens) as engine:
         typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.",
                    err=True)
         while True:
@@ -202,7 +206,7 @@ def chat(
             except RequestError as e:
                 typer.echo(f"llamaterm: {e}", err=True)
                 continue
-            reply = stream(handle)
+            reply = collect(handle, echo=True).text
             messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
             report(handle)
 

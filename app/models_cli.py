@@ -106,6 +106,7 @@ def rm(
 ):
     """Remove a model from the store and free its disk space."""
     from filelock import Timeout
+
     from llamaterm.engine.errors import LlamatermError
     from llamaterm.engine.store.model_store import find_model, format_size, model_lock, remove_model
 

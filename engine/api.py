@@ -1,8 +1,27 @@
-"""What the engine hands its callers (CLI and TUI alike): events per request and statistics."""
+"""The engine contract: what callers (CLI, TUI, server) give an engine and get back, whichever engine it is —
+in this process, in a child process, a test's fake, or a remote server. Imports no room of the engine."""
+
+from __future__ import annotations
 
 import queue
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol, Self, runtime_checkable
+
+from llamaterm.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine: the choices `llamaterm` flags and the TUI make, in one place."""
+
+    model: str | None = None  # a store name or a path; None: the default model
+    device: str | None = None  # "cpu" or "cuda"; None: cuda when available
+    kv_tokens: int | None = None  # KV pool size in tokens; None: from free memory
+    block_size: int = 16  # tokens per KV block
+    max_batch_tokens: int | None = None  # tokens per step; None: 2048 on CUDA, 256 on the CPU
+    max_running: int = 64  # sequences decoding at once
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -40,7 +59,6 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
-    per_request: dict[int, RequestStats] = field(default_factory=dict)
 
 
 class EventStream:
@@ -64,3 +82,39 @@ class EventStream:
             yield event
             if event.finished:
                 return
+
+
+@runtime_checkable
+class RequestStream(Protocol):
+    """The caller's side of one request."""
+
+    id: int
+
+    def poll(self) -> list[Event]: ...
+
+    def events(self) -> Iterator[Event]: ...
+
+    def stats(self) -> RequestStats: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What every engine offers its callers. submit and cancel return at once from any thread; events arrive on
+    the returned stream; a request the engine refuses raises RequestError in submit."""
+
+    model_name: str
+    device: str
+    max_context: int
+
+    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False
+               ) -> RequestStream: ...
+
+    def cancel(self, handle: RequestStream | int) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc) -> None: ...

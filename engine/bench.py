@@ -11,10 +11,12 @@ import random
 import time
 
 import torch
-from llamaterm.engine.checkpoints.config import ModelConfig
+
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving.sampling_params import SamplingParams
 from llamaterm.engine.store.model_store import default_model_path
 from llamaterm.kernels.qweight import QuantWeight
 
@@ -62,7 +64,7 @@ def bench_cpu(tokens: int) -> None:
     import transformers
 
     torch.manual_seed(0)
-    engine = Engine.from_model(None, device="cpu")
+    engine = Engine.from_model(EngineConfig(device="cpu"))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     rates = []
@@ -100,12 +102,12 @@ def bench_cpu(tokens: int) -> None:
 
 
 def bench_batch(sessions: list[int], tokens: int, device: str | None, model: str | None, eager: bool) -> None:
-    engine = Engine.from_model(model, device=device, cuda_graphs=not eager)
+    engine = Engine.from_model(EngineConfig(model=model, device=device, cuda_graphs=not eager))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     prompts = [[{"role": "user", "content": f"Story number {i}: tell me about a lighthouse keeper."}]
                for i in range(max(sessions))]
     engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    mode = " (CUDA graphs)" if engine.graphs else ""
+    mode = " (CUDA graphs)" if engine.runner.graphs else ""
     print(f"Aggregate decode tok/s, {engine.model_name} on {engine.device}{mode}, {tokens} new tokens per session")
     print(f"{'sessions':>8} {'static':>10} {'dynamic':>10} {'static/1':>9}")
     base = None
@@ -138,16 +140,8 @@ def random_model(c: ModelConfig, device: torch.device) -> Model:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=device)
         return QuantWeight.from_values(q, torch.rand(n, k // 128, device=device).half() * 2e-3 + 1e-3, None, 4, 128)
 
-    kv, ones = c.n_kv_heads * c.head_dim, lambda: torch.ones(c.hidden_size, device=device)
-    t = {"token_embd.weight": q4(c.vocab_size, c.hidden_size), "output.weight": q4(c.vocab_size, c.hidden_size),
-         "output_norm.weight": ones()}
-    for i in range(c.n_layers):
-        shapes = {"attn_q": (c.n_heads * c.head_dim, c.hidden_size), "attn_k": (kv, c.hidden_size),
-                  "attn_v": (kv, c.hidden_size), "attn_output": (c.hidden_size, c.n_heads * c.head_dim),
-                  "ffn_gate": (c.intermediate_size, c.hidden_size), "ffn_up": (c.intermediate_size, c.hidden_size),
-                  "ffn_down": (c.hidden_size, c.intermediate_size)}
-        t |= {f"blk.{i}.{name}.weight": q4(n, k) for name, (n, k) in shapes.items()}
-        t |= {f"blk.{i}.attn_norm.weight": ones(), f"blk.{i}.ffn_norm.weight": ones()}
+    t = {f"{name}.weight": q4(*shape) if len(shape) == 2 else torch.ones(shape, device=device)
+         for name, shape in weight_shapes(c).items()}
     return Model(c, t, device, torch.float16)
 
 

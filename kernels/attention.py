@@ -8,6 +8,7 @@ Prefill chunks and decode steps (one query token) share this one description, so
 
 import torch
 import torch.nn.functional as F
+
 from llamaterm.kernels.dispatch import use_triton
 
 

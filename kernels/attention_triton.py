@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from llamaterm.kernels.triton_util import arith_dtype, num_sms
 
 _LOG2E = 1.4426950408889634

@@ -11,11 +11,5 @@ import torch
 _force_reference = os.environ.get("LLAMATERM_KERNELS", "").lower() == "torch"
 
 
-def force_reference(on: bool = True) -> None:
-    """Use the torch references even on CUDA (for A/B comparisons in tests and benchmarks)."""
-    global _force_reference
-    _force_reference = on
-
-
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and not _force_reference

@@ -1,6 +1,7 @@
 """Token embedding lookup; quantized tables dequantize only the rows looked up."""
 
 import torch
+
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.qweight import QuantWeight
 

@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn.functional as F
+
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.qweight import QuantWeight
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.qweight_triton import (
     ROW_PAD,

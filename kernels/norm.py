@@ -1,6 +1,7 @@
 """RMSNorm, optionally fused with the residual add that precedes it."""
 
 import torch
+
 from llamaterm.kernels.dispatch import use_triton
 
 

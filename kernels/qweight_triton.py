@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.triton_util import arith_dtype
 

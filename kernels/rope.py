@@ -5,6 +5,7 @@ GGUF q/k rows are un-permuted at load (engine/checkpoints/gguf.py), so every sou
 """
 
 import torch
+
 from llamaterm.kernels.dispatch import use_triton
 
 

@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream
 from llamaterm.engine.errors import RequestError
-from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 REPLY = """Here is a small example in **Python**:
@@ -97,10 +97,11 @@ class FakeEngine:
             self._cv.notify()
         return handle
 
-    def cancel(self, handle: FakeHandle) -> None:
+    def cancel(self, handle: RequestStream | int) -> None:
+        request_id = handle if isinstance(handle, int) else handle.id
         with self._cv:
-            if handle in self._live:
-                self._finish(handle, "cancelled")
+            for live in [h for h in self._live if h.id == request_id]:
+                self._finish(live, "cancelled")
 
     def stats(self) -> EngineStats:
         with self._cv:
@@ -114,7 +115,6 @@ class FakeEngine:
             kv_blocks_used=sum(-(-(len(h.prompt) + h.generated) // BLOCK_SIZE) for h in live),
             kv_blocks_total=1024,
             tokens_per_s=self.tokens_per_s * len(live),
-            per_request={h.id: h.stats() for h in live},
         )
 
     def shutdown(self) -> None:
@@ -124,6 +124,12 @@ class FakeEngine:
                 self._finish(handle, "cancelled")
             self._cv.notify()
         self._thread.join()
+
+    def __enter__(self) -> FakeEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _loop(self) -> None:
         with self._cv:

@@ -7,13 +7,14 @@ import time
 
 import pytest
 import torch
+
+from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving.sampling_params import SamplingParams
-
 from tests.tiny_models import write_tiny_llama
 
 
@@ -26,7 +27,8 @@ def tiny(tmp_path_factory):
 
 def make_engine(tiny, **kwargs) -> Engine:
     ckpt, tokenizer = tiny
-    return Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), tokenizer, **kwargs)
+    model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
+    return Engine(model, tokenizer, EngineConfig(**kwargs))
 
 
 def run_alone(engine: Engine, prompt_ids, params) -> list[int]:
@@ -75,12 +77,15 @@ def test_small_pool_preempts_and_recomputes(tiny):
                 for i, p in enumerate(prompts)]
     expected = solo_outputs(tiny, requests)
     with make_engine(tiny, kv_tokens=16 * 16, block_size=16) as engine:  # 16 blocks: ~3 requests at a time
+        preempted = []
+        preempt = engine.scheduler.preempt
+        engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
         handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in requests]
         for h in handles:
             events = list(h.events())
             assert events[-1].finish_reason == "length"
         assert [h.seq.generated for h in handles] == expected
-        assert engine.scheduler.num_preemptions > 0
+        assert preempted  # the pool was too small: some sequences were recomputed
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 

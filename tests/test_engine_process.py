@@ -3,11 +3,12 @@
 import time
 
 import pytest
+
+from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.errors import ModelNotFound, RequestError
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.process import EngineProcess
-from llamaterm.engine.serving.sampling_params import SamplingParams
-
 from tests.tiny_models import write_tiny_llama
 
 
@@ -19,9 +20,9 @@ def tiny(tmp_path_factory) -> str:
 def test_same_tokens_as_in_process(tiny):
     prompts = ["Once upon a time", "The quick brown fox", "In a hole in the ground"]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
-    with Engine.from_model(tiny, device="cpu") as local:
+    with Engine.from_model(EngineConfig(model=tiny, device="cpu")) as local:
         expected = [local.generate(p, params, raw=True)[1].seq.generated for p in prompts]
-    with EngineProcess(tiny, device="cpu") as remote:
+    with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         handles = [remote.submit(p, params, raw=True) for p in prompts]
         for handle, ids in zip(handles, expected, strict=True):
             events = list(handle.events())
@@ -32,7 +33,7 @@ def test_same_tokens_as_in_process(tiny):
 
 
 def test_cancel_and_errors_cross_the_process(tiny):
-    with EngineProcess(tiny, device="cpu") as remote:
+    with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         with pytest.raises(RequestError, match="empty"):
             remote.submit("", raw=True)
         with pytest.raises(RequestError, match="context"):
@@ -50,5 +51,5 @@ def test_cancel_and_errors_cross_the_process(tiny):
 
 def test_a_missing_model_fails_at_start():
     with pytest.raises(ModelNotFound):
-        EngineProcess("no-such-model", device="cpu")
+        EngineProcess(EngineConfig(model="no-such-model", device="cpu"))
 

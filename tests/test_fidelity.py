@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import StepInput
-from llamaterm.engine.serving.sampling_params import SamplingParams
 from llamaterm.engine.store.model_store import default_model_path
 
 CHATS = [
@@ -23,7 +25,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine.from_model(None, device="cpu")
+    e = Engine.from_model(EngineConfig(device="cpu"))
     yield e
     e.shutdown()
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
+
 from llamaterm.engine.checkpoints.gguf import RawTensor, convert_tensor, load_gguf, read_gguf_file, read_gguf_info
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.store.model_store import resolve_model
 from llamaterm.kernels.qweight import QuantWeight
-from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
-
 from tests.tiny_models import FP16_FIELDS, random_blocks, write_tiny_llama
 
 EXACT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (8, 32, False), "Q5_1": (8, 32, True),

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
+
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import DecodeGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import StepInput
-from llamaterm.engine.serving.sampling_params import SamplingParams
 from llamaterm.engine.store.model_store import resolve_model
-
 from tests.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.cuda
@@ -49,7 +50,7 @@ def engines(request, tmp_path_factory):
                                     n_heads=8, n_kv_heads=2, intermediate=512, context_length=512, seed=3))
     else:
         path = str(resolve_model(None))
-    cpu, gpu = Engine.from_model(path, device="cpu"), Engine.from_model(path, device="cuda")
+    cpu, gpu = (Engine.from_model(EngineConfig(model=path, device=d)) for d in ("cpu", "cuda"))
     yield cpu, gpu
     cpu.shutdown()
     gpu.shutdown()
@@ -91,7 +92,7 @@ def test_decode_graph_matches_eager(engines):
     buffers, gives the eager forward pass's logits and writes the same K/V. The engines above decode through
     graphs (Engine's default), so the tests before this one check graph decoding against the fp32 reference."""
     _, gpu = engines
-    assert gpu.graphs is not None
+    assert gpu.runner.graphs is not None
     model, dev, bs = gpu.model, gpu.model.device, 16
     lens = [37, 5, 100, 64, 17]  # context after this step; sequence i owns blocks 8i .. 8i + 7
     caches = [model.allocate_kv_cache(8 * len(lens), bs).normal_() for _ in range(2)]

@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import pytest
+
 from llamaterm.app import history
 from llamaterm.app.history import SCHEMA_VERSION, History, to_json, to_markdown
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_model
-
 from tests.hub_server import HubServer
 from tests.tiny_models import write_tiny_llama
 

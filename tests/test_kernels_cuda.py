@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+
 from llamaterm.kernels.activation import silu_and_mul, silu_and_mul_ref
 from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from llamaterm.kernels.embedding import embedding

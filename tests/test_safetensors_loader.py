@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
 from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors, model_config
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.qweight import QuantWeight
-from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # Hugging Face names -> GGUF names, spelled out as the oracle for the loader's renaming.
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+
 from llamaterm.engine.errors import RequestError
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.sampling import filter_logits, sample
-from llamaterm.engine.serving.sampling_params import SamplingParams
 from llamaterm.engine.serving.sequence import Sequence
 
 

@@ -10,12 +10,13 @@ from pathlib import Path
 import gguf
 import jinja2
 import pytest
-from llamaterm.engine.checkpoints.tokenizer import Tokenizer
-from llamaterm.engine.errors import ModelFormatError, RequestError
-from llamaterm.engine.store.model_store import resolve_model
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
+
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import ModelFormatError, RequestError
+from llamaterm.engine.store.model_store import resolve_model
 
 DATA = Path(__file__).resolve().parent / "data"
 VECTORS = json.loads((DATA / "smollm2_tokenizer.json").read_text(encoding="utf-8"))["cases"]

@@ -5,8 +5,12 @@ import sys
 import threading
 
 import pytest
-from benchmarks.tui_bench import key_latencies
 from fake_engine import REPLY, FakeEngine
+from textual import events
+from textual.widgets import Input, Markdown
+from textual.widgets.markdown import MarkdownFence
+from tui_support import engine_ready, idle, run, wait_until
+
 from llamaterm.app.history import History
 from llamaterm.app.tui import clipboard
 from llamaterm.app.tui.app import ChatApp
@@ -18,10 +22,7 @@ from llamaterm.app.tui.screens.settings import SettingsScreen
 from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.engine.errors import ModelNotFound
-from textual import events
-from textual.widgets import Input, Markdown
-from textual.widgets.markdown import MarkdownFence
-from tui_support import engine_ready, idle, run, wait_until
+from tests.benchmarks.tui_bench import key_latencies
 
 LONG_REPLY = "".join(f"Line {i} of a long answer.\n\n" for i in range(1000))
 

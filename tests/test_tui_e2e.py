@@ -1,11 +1,12 @@
 """End to end on the real default model (CPU): two panes, one broadcast prompt, both answers stream, stats move."""
 
 import pytest
+from textual.widgets import Markdown
+from tui_support import idle, run, wait_until
+
 from llamaterm.app.tui.app import ChatApp
 from llamaterm.app.tui.session import ChatSettings
 from llamaterm.engine.store.model_store import resolve_model
-from textual.widgets import Markdown
-from tui_support import idle, run, wait_until
 
 
 @pytest.mark.slow
@@ -14,9 +15,10 @@ def test_two_panes_stream_a_broadcast_question(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
 
     def load_engine():
+        from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess
 
-        return EngineProcess(model)
+        return EngineProcess(EngineConfig(model=model))
 
     app = ChatApp(load_engine, sessions=2, system="You are a helpful assistant.")
 

@@ -8,12 +8,13 @@ import time
 
 import pytest
 from fake_engine import REPLY, FakeEngine
+from textual.widgets import Input, TextArea
+from tui_support import engine_ready, idle, wait_until
+
 from llamaterm.app.history import History
 from llamaterm.app.tui.app import ChatApp
 from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.session import ChatSettings
-from textual.widgets import Input, TextArea
-from tui_support import engine_ready, idle, wait_until
 
 QUESTION = "How do I write fib in Python?"
 PERSONAS = {

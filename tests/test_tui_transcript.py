@@ -4,10 +4,11 @@ import asyncio
 
 import pytest
 from fake_engine import REPLY
-from llamaterm.app.tui.session import ChatMessage
-from llamaterm.app.tui.widgets.transcript import ReplyMessage, streamed_blocks_match
 from textual.app import App, ComposeResult
 from textual.widgets import Markdown
+
+from llamaterm.app.tui.session import ChatMessage
+from llamaterm.app.tui.widgets.transcript import ReplyMessage, streamed_blocks_match
 
 DOCUMENTS = {
     "code": REPLY,

@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, RopeScalingType
 from gguf.quants import quantize
+
 from llamaterm.engine.checkpoints.gguf import read_gguf_info
 from llamaterm.engine.store.model_store import resolve_model
 

@@ -4,8 +4,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from llamaterm.app.tui.app import ChatApp
 from textual.pilot import Pilot
+
+from llamaterm.app.tui.app import ChatApp
 
 
 def run(app: ChatApp, scenario: Callable[[Pilot], Awaitable[None]], size: tuple[int, int] = (120, 36)) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from llamaterm.app.history import History
-from llamaterm.app.tui.screens.chat import MAX_PANES, ChatScreen
-from llamaterm.app.tui.session import ChatSettings, Session
 from textual import work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
+
+from llamaterm.app.history import History
+from llamaterm.app.tui.screens.chat import MAX_PANES, ChatScreen
+from llamaterm.app.tui.session import ChatSettings, Session
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
@@ -70,8 +71,9 @@ def run_tui(model: str | None, sessions: int, system: str | None) -> None:
     """`llamaterm chat`: the TUI on `model` (None: the default model) with `sessions` panes."""
 
     def load_engine():
+        from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess  # the engine loop never shares a GIL with the UI
 
-        return EngineProcess(model)
+        return EngineProcess(EngineConfig(model=model))
 
     ChatApp(load_engine, sessions=sessions, system=system).run()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llamaterm.engine.store.model_store import data_dir
 from textual.app import App
+
+from llamaterm.engine.store.model_store import data_dir
 
 
 def fallback_path() -> Path:

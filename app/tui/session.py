@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from llamaterm.app.history import Conversation, History
 from llamaterm.engine.api import RequestStats
 from llamaterm.engine.errors import RequestError
-from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import SamplingParams
 
 SAVE_EVERY_S = 1.0
 TOPIC_CHARS = 48

@@ -13,6 +13,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from llamaterm.engine.errors import ModelFormatError, RequestError
 
 # Used when a model ships no template: ChatML, the format of transformers' old default template. A model not

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from llamaterm.engine.checkpoints.config import ModelConfig
 from llamaterm.kernels.qweight import QuantWeight
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llamaterm.engine.checkpoints.hf_files import chat_template_source
 from llamaterm.engine.errors import ModelFormatError
 
 # Native GGUF shards: `<prefix>-00001-of-00003.gguf`, numbered from 1 (llama.cpp's gguf-split).
@@ -40,6 +41,7 @@ def is_first_gguf(path: str) -> bool:
 
 def read_gguf(first: Path) -> CheckpointInfo:
     from gguf import LlamaFileType
+
     from llamaterm.engine.checkpoints.gguf import read_gguf_info
 
     info = read_gguf_info(first)  # the engine's own parser: checked reads, every part of a split file
@@ -108,23 +110,9 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
         parameters=parameters,
         context_length=config.get("max_position_embeddings"),
         tensor_types=dict(types),
-        chat_template=_chat_template(folder),
+        chat_template=chat_template_source(folder),
         metadata=config,
     )
-
-
-def _chat_template(folder: Path) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    try:
-        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
-        return named.get("default") or next(iter(named.values()), None)
-    return template
 
 
 def read_checkpoint(path: Path) -> CheckpointInfo:

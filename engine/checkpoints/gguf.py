@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -24,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
+from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
 
@@ -38,7 +39,6 @@ _SCALAR_FORMATS = {
     _V.UINT64: "<Q", _V.INT64: "<q", _V.FLOAT32: "<f", _V.FLOAT64: "<d", _V.BOOL: "<?",
 }
 _MAX_ARRAY_NESTING = 4  # the spec allows arrays of arrays; real files use none
-_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
 def _bad(path: Path, problem: str, advice: str = REDOWNLOAD) -> ModelFormatError:
@@ -189,11 +189,11 @@ def read_gguf_parts(path: Path) -> GGUFFile:
     count = first.metadata.get("split.count", 1)
     if count == 1:
         return first
-    no, shard = first.metadata.get("split.no"), _SHARD_NAME.fullmatch(path.name)
+    no, shard = first.metadata.get("split.no"), SPLIT_GGUF.fullmatch(path.name)
     if no != 0 or not shard or int(shard["no"]) != 1 or int(shard["count"]) != count:
         raise _bad(path, f"this is part {no!r} (counting from 0) of a model split into {count!r} files",
                    "Load the first part, the file named like <name>-00001-of-000NN.gguf.")
-    parts = [path.with_name(f"{shard['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
+    parts = [path.with_name(f"{shard['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
     missing = [p.name for p in parts if not p.exists()]
     if missing:
         raise ModelFormatError(f"{path}: the model is split into {count} files and these are missing: "
@@ -252,8 +252,6 @@ def _config(f: GGUFFile) -> ModelConfig:
     hidden, n_heads = get("embedding_length"), get("attention.head_count")
     n_kv_heads = get("attention.head_count_kv", n_heads)
     head_dim = get("attention.key_length", get("rope.dimension_count", max(hidden // n_heads, 1)))
-    if n_heads % n_kv_heads or head_dim % 2:
-        raise _bad(path, f"{n_heads} heads, {n_kv_heads} kv heads and head_dim {head_dim} do not fit")
     for key in ("attention.value_length", "rope.dimension_count"):  # differing values: a variant we don't run
         if get(key, head_dim) != head_dim:
             raise _bad(path, f"{arch}.{key} differs from head_dim {head_dim}, which llamaterm does not run",
@@ -262,7 +260,7 @@ def _config(f: GGUFFile) -> ModelConfig:
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
 
     freq_factors = _rope_freq_factors(f, arch, head_dim, get)
-    return ModelConfig(
+    fields = dict(
         arch=arch,
         name=str(meta.get("general.name") or path.stem),
         n_layers=get("block_count"),
@@ -278,6 +276,10 @@ def _config(f: GGUFFile) -> ModelConfig:
         rope_freq_factors=freq_factors,
         tie_word_embeddings="output.weight" not in f.tensors,
     )
+    try:
+        return ModelConfig(**fields)
+    except ModelFormatError as e:  # the checks every reader shares
+        raise _bad(path, str(e)) from None
 
 
 def _rope_freq_factors(f: GGUFFile, arch: str, head_dim: int, get) -> tuple[float, ...] | None:
@@ -303,22 +305,13 @@ def _rope_freq_factors(f: GGUFFile, arch: str, head_dim: int, get) -> tuple[floa
 
 def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Every tensor a llama GGUF may hold, with its numpy shape; and the names that must be there."""
-    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {"token_embd.weight": (c.vocab_size, c.hidden_size), "output_norm.weight": (c.hidden_size,),
-              "output.weight": (c.vocab_size, c.hidden_size), "rope_freqs.weight": (c.head_dim // 2,)}
-    required = {"token_embd.weight", "output_norm.weight"}
-    for i in range(c.n_layers):
-        layer = {"attn_norm": (c.hidden_size,), "attn_q": (q_rows, c.hidden_size),
-                 "attn_k": (kv_rows, c.hidden_size), "attn_v": (kv_rows, c.hidden_size),
-                 "attn_output": (c.hidden_size, q_rows), "ffn_norm": (c.hidden_size,),
-                 "ffn_gate": (c.intermediate_size, c.hidden_size),
-                 "ffn_up": (c.intermediate_size, c.hidden_size),
-                 "ffn_down": (c.hidden_size, c.intermediate_size)}
-        shapes |= {f"blk.{i}.{name}.weight": shape for name, shape in layer.items()}
-        required |= {f"blk.{i}.{name}.weight" for name in layer}
-        # optional biases (Llama's attention_bias / mlp_bias)
-        shapes |= {f"blk.{i}.{name}.bias": shape[:1] for name, shape in layer.items() if len(shape) == 2}
-    return shapes, required
+    modules = weight_shapes(c)
+    shapes = {f"{name}.weight": shape for name, shape in modules.items()}
+    # optional biases of the blocks' linears (Llama's attention_bias / mlp_bias)
+    shapes |= {f"{name}.bias": shape[:1] for name, shape in modules.items()
+               if name.startswith("blk.") and len(shape) == 2}
+    required = {f"{name}.weight" for name in modules} - {"output.weight"}  # no output: tied to the embedding
+    return shapes | {"rope_freqs.weight": (c.head_dim // 2,)}, required
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:

@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
-from safetensors import SafetensorError, safe_open
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -111,11 +112,6 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         rope_theta=float(rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    if config.n_heads % config.n_kv_heads or config.head_dim % 2:
-        raise ModelFormatError(
-            f"inconsistent attention shape: {config.n_heads} heads, {config.n_kv_heads} kv heads, "
-            f"head_dim {config.head_dim}"
-        )
     return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
 
 
@@ -227,22 +223,6 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 # --- names and shapes ------------------------------------------------------------------------------------
 
 
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF module name -> weight shape ([out, in] for linears) implied by the config."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    h, ffn = c.hidden_size, c.intermediate_size
-    shapes = {"token_embd": (c.vocab_size, h), "output_norm": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["output"] = (c.vocab_size, h)
-    for i in range(c.n_layers):
-        layer = {
-            "attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
-            "ffn_norm": (h,), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn),
-        }
-        shapes.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
-    return shapes
-
-
 def gguf_module(hf_module: str) -> str | None:
     if hf_module in TOP_MODULES:
         return TOP_MODULES[hf_module]
@@ -267,7 +247,9 @@ def convert_tensors(
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
     if config.tie_word_embeddings:
         modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
-    shapes = expected_shapes(config)
+    shapes = weight_shapes(config)
+    if config.tie_word_embeddings:
+        del shapes["output"]
     if missing := [name for name in shapes if name not in modules]:
         raise ModelFormatError(f"the checkpoint lacks tensors for {missing[:5]} (from config.json)")
     tensors: dict[str, torch.Tensor | QuantWeight] = {}

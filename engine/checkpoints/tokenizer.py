@@ -16,9 +16,11 @@ from functools import cached_property
 from pathlib import Path
 
 import tokenizers
-from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
-from llamaterm.engine.errors import ModelFormatError
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+
+from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
+from llamaterm.engine.checkpoints.hf_files import chat_template_source, read_json, read_text
+from llamaterm.engine.errors import ModelFormatError
 
 # llama.cpp token types (gguf-py TokenType), as stored in tokenizer.ggml.token_type
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -183,7 +185,7 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
         folder = Path(path)
-        spec_text = _read_text(folder / "tokenizer.json")
+        spec_text = read_text(folder / "tokenizer.json")
         if spec_text is None:
             raise ModelFormatError(f"{folder}: no tokenizer.json (llamaterm needs the fast-tokenizer file)")
         try:
@@ -191,8 +193,8 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_str(spec_text)
         except Exception as err:  # the library raises plain Exceptions on a malformed file
             raise ModelFormatError(f"{folder / 'tokenizer.json'}: cannot be read: {err}") from err
-        config = _read_json(folder / "tokenizer_config.json")
-        generation = _read_json(folder / "generation_config.json")
+        config = read_json(folder / "tokenizer_config.json")
+        generation = read_json(folder / "generation_config.json")
 
         decoders = _flatten_decoders(spec.get("decoder"))
         kinds = {d.get("type") for d in decoders}
@@ -238,9 +240,6 @@ class Tokenizer:
             generation_eos = []
         extra_stops = tuple(generation_eos if isinstance(generation_eos, list) else [generation_eos])
 
-        template = _read_text(folder / "chat_template.jinja") or config.get("chat_template")
-        if isinstance(template, list):  # named variants: [{"name": ..., "template": ...}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(
             backend,
             tokens,
@@ -252,7 +251,7 @@ class Tokenizer:
             add_bos=bool(add_bos),
             add_eos=bool(add_eos),
             extra_stop_ids=extra_stops,
-            chat_template=template,
+            chat_template=chat_template_source(folder),
         )
 
     # ---- encoding ----
@@ -402,19 +401,3 @@ def _flatten_decoders(decoder: dict | None) -> list[dict]:
         return [d for sub in decoder.get("decoders", []) for d in _flatten_decoders(sub)]
     return [decoder]
 
-
-def _read_text(path: Path) -> str | None:
-    return path.read_text(encoding="utf-8") if path.is_file() else None
-
-
-def _read_json(path: Path) -> dict:
-    text = _read_text(path)
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ModelFormatError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{path}: expected a JSON object")
-    return value

@@ -9,6 +9,7 @@ serves every context length (the attention kernel splits each sequence's own key
 """
 
 import torch
+
 from llamaterm.engine.serving.model import Model, StepInput
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

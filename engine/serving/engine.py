@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
+
+from llamaterm.engine.api import EngineConfig, EngineStats, Event, EventStream, RequestStats, RequestStream
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager
-from llamaterm.engine.serving.cuda_graph import DecodeGraphs
-from llamaterm.engine.serving.model import Model, StepInput
+from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.model_runner import ModelRunner
 from llamaterm.engine.serving.sampling import sample
-from llamaterm.engine.serving.sampling_params import SamplingParams
-from llamaterm.engine.serving.scheduler import ScheduledChunk, Scheduler
+from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence
-from llamaterm.kernels.dispatch import use_triton
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 
@@ -98,31 +98,18 @@ class OutputState:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: Model,
-        tokenizer: Tokenizer,
-        *,
-        name: str = "",
-        kv_tokens: int | None = None,
-        block_size: int = 16,
-        max_batch_tokens: int | None = None,
-        max_running: int = 64,
-        cuda_graphs: bool = True,
-    ):
+    """Satisfies engine.api.EngineClient in the caller's process."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(), name: str = ""):
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.device = str(model.device)
         self.max_context = model.config.context_length
-        num_blocks = max(1, (kv_tokens or default_kv_tokens(model)) // block_size)
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        if max_batch_tokens is None:
-            max_batch_tokens = 2048 if model.device.type == "cuda" else 256
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_running)
-        self._warm_up()
-        self.graphs = None
-        if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
-            self.graphs = DecodeGraphs(model, self.kv_cache, max_running, -(-self.max_context // block_size))
+        c = config
+        num_blocks = max(1, (c.kv_tokens or default_kv_tokens(model)) // c.block_size)
+        self.block_manager = BlockManager(num_blocks, c.block_size)
+        max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
+        self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, c.cuda_graphs)
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -136,15 +123,17 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def from_model(cls, name: str | None = None, device: str | None = None, **kwargs) -> Engine:
+    def from_model(cls, config: EngineConfig = EngineConfig()) -> Engine:
+        """Load config.model (a store name or a path; None: the default model) onto config.device."""
         from llamaterm.engine.store.loader import load_checkpoint
 
+        name = config.model
         ckpt, tokenizer, path = load_checkpoint(name)
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
-        return cls(model, tokenizer, name=shown, **kwargs)
+        return cls(model, tokenizer, config, name=shown)
 
     # ---- caller side (any thread) ----
 
@@ -193,7 +182,7 @@ class Engine:
             self._cv.notify()
         return handle
 
-    def cancel(self, handle: RequestHandle | int) -> None:
+    def cancel(self, handle: RequestStream | int) -> None:
         """Stop a request at once and free its blocks; a no-op for unknown or finished requests."""
         with self._cv:
             self._cancels.append(handle if isinstance(handle, int) else handle.id)
@@ -213,7 +202,6 @@ class Engine:
         now = time.perf_counter()
         window = [(t, n) for t, n in list(self._step_tokens) if now - t <= RATE_WINDOW_S]
         span = (now - window[0][0]) if window else 0.0
-        handles = list(self._handles.values())
         return EngineStats(
             model=self.model_name,
             device=self.device,
@@ -223,7 +211,6 @@ class Engine:
             kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free,
             kv_blocks_total=self.block_manager.num_blocks,
             tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
-            per_request={h.id: h.stats() for h in handles},
         )
 
     def shutdown(self) -> None:
@@ -238,13 +225,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    def _warm_up(self) -> None:
-        """One token through the model before serving, so weight preparation and kernel compilation are paid at
-        load time rather than by the first request's TTFT. It writes slot 0 of a free block: no one reads it."""
-        one = lambda *v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=self.model.device)
-        step = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
-        self.model.forward(step, self.kv_cache)
 
     def _generator(self, seed: int | None) -> torch.Generator:
         g = torch.Generator(device=self.model.device)
@@ -280,11 +260,7 @@ class Engine:
             return
         self._last_batch = len(chunks)
         try:
-            step = build_step_input(chunks, self.block_manager.block_size, self.model.device)
-            if self.graphs and self.graphs.fits(step):
-                logits = self.graphs.forward(step)
-            else:
-                logits = self.model.forward(step, self.kv_cache)
+            logits = self.runner.run(chunks)
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
                 self._finish(self._handles[c.seq.id], "error", f"{type(e).__name__}: {e}")
@@ -329,32 +305,6 @@ class Engine:
         del self._handles[handle.id]
         handle.finished, handle.finish_time = True, time.perf_counter()
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
-
-
-def build_step_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInput:
-    ids, positions, slots, context_lens, starts, logits_indices = [], [], [], [], [0], []
-    for c in chunks:
-        seq, end = c.seq, c.start + c.length
-        table = seq.table.block_ids
-        ids += seq.token_ids[c.start : end]
-        positions += range(c.start, end)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
-        context_lens.append(end)
-        starts.append(starts[-1] + c.length)
-        if c.samples:
-            logits_indices.append(starts[-1] - 1)
-    width = max(len(c.seq.table.block_ids) for c in chunks)
-    tables = [c.seq.table.block_ids + [0] * (width - len(c.seq.table.block_ids)) for c in chunks]
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32 if x is tables else torch.int64, device=device)
-    return StepInput(
-        input_ids=as_tensor(ids),
-        positions=as_tensor(positions),
-        slot_mapping=as_tensor(slots),
-        block_tables=as_tensor(tables),
-        context_lens=as_tensor(context_lens),
-        query_start_loc=as_tensor(starts),
-        logits_indices=as_tensor(logits_indices),
-    )
 
 
 def default_kv_tokens(model: Model) -> int:

@@ -8,6 +8,7 @@ kernels/, which runs Triton on CUDA and the torch references elsewhere.
 from dataclasses import dataclass
 
 import torch
+
 from llamaterm.engine.checkpoints.config import ModelConfig
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.activation import silu_and_mul

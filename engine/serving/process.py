@@ -14,14 +14,69 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
+from llamaterm.engine.api import EngineConfig, EngineStats, Event, EventStream, RequestStats, RequestStream
 from llamaterm.engine.errors import LlamatermError
-from llamaterm.engine.serving.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import SamplingParams
 
 TICK_S = 0.02  # how often the child forwards events: 50 Hz is smoother than any terminal redraws
 IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
+
+
+# ---- messages, parent -> child ----
+
+@dataclass(frozen=True)
+class Submit:
+    request_id: int
+    prompt: list[dict] | str
+    params: SamplingParams
+    raw: bool
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- messages, child -> parent ----
+
+@dataclass(frozen=True)
+class Ready:
+    model_name: str
+    device: str
+    max_context: int
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    error: LlamatermError
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The answer to a Submit: error is None when the engine took the request."""
+
+    request_id: int
+    error: LlamatermError | None
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    request_id: int
+    events: list[Event]
+    stats: RequestStats
+
+
+@dataclass(frozen=True)
+class Tick:
+    updates: list[RequestUpdate]
+    stats: EngineStats
 
 
 class ProcessHandle(EventStream):
@@ -35,21 +90,22 @@ class ProcessHandle(EventStream):
 
 
 class EngineProcess:
-    def __init__(self, model: str | None = None, device: str | None = None, **kwargs):
+    """Satisfies engine.api.EngineClient with the engine in a child process."""
+
+    def __init__(self, config: EngineConfig = EngineConfig()):
         ctx = mp.get_context("spawn")  # a fork would copy the parent's threads and locks
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=serve, args=(child, model, device, kwargs), name="llamaterm-engine",
-                                    daemon=True)
+        self._process = ctx.Process(target=serve, args=(child, config), name="llamaterm-engine", daemon=True)
         start_with_real_stderr(self._process)
         child.close()
         try:
             reply = self._conn.recv()
         except EOFError:
             raise LlamatermError("the engine process exited while loading the model") from None
-        if reply[0] == "error":
+        if isinstance(reply, LoadFailed):
             self._process.join()
-            raise reply[1]
-        _, self.model_name, self.device, self.max_context = reply
+            raise reply.error
+        self.model_name, self.device, self.max_context = reply.model_name, reply.device, reply.max_context
         self._send_lock = threading.Lock()
         self._handles: dict[int, ProcessHandle] = {}
         self._acks: dict[int, queue.SimpleQueue] = {}
@@ -64,22 +120,22 @@ class EngineProcess:
         request_id = next(self._ids)
         handle = self._handles[request_id] = ProcessHandle(request_id, self.max_context)
         ack = self._acks[request_id] = queue.SimpleQueue()
-        self._send(("submit", request_id, prompt, params or SamplingParams(), raw))
+        self._send(Submit(request_id, prompt, params or SamplingParams(), raw))
         error = ack.get()
         if error is not None:
             del self._handles[request_id]
             raise error
         return handle
 
-    def cancel(self, handle: ProcessHandle | int) -> None:
-        self._send(("cancel", handle if isinstance(handle, int) else handle.id))
+    def cancel(self, handle: RequestStream | int) -> None:
+        self._send(Cancel(handle if isinstance(handle, int) else handle.id))
 
     def stats(self) -> EngineStats:
         return self._stats
 
     def shutdown(self) -> None:
         if self._process.is_alive():
-            self._send(("shutdown",))
+            self._send(Shutdown())
             self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
@@ -91,7 +147,7 @@ class EngineProcess:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Submit | Cancel | Shutdown) -> None:
         with self._send_lock:
             try:
                 self._conn.send(message)
@@ -104,20 +160,19 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "ack":
-                _, request_id, error = message
-                self._acks.pop(request_id).put(error)
+            if isinstance(message, Ack):
+                self._acks.pop(message.request_id).put(message.error)
                 continue
-            _, updates, self._stats = message  # a tick
-            for request_id, events, stats in updates:
-                handle = self._handles.get(request_id)
+            self._stats = message.stats  # a Tick
+            for update in message.updates:
+                handle = self._handles.get(update.request_id)
                 if handle is None:
                     continue
-                handle.latest = stats
-                for event in events:
+                handle.latest = update.stats
+                for event in update.events:
                     handle.events_queue.put(event)
-                if events and events[-1].finished:
-                    del self._handles[request_id]
+                if update.events and update.events[-1].finished:
+                    del self._handles[update.request_id]
         # the child is gone: whatever was in flight ends with an error rather than hanging its reader
         for request_id, handle in list(self._handles.items()):
             handle.events_queue.put(Event(request_id, finished=True, finish_reason="error",
@@ -137,16 +192,16 @@ def start_with_real_stderr(process) -> None:
         sys.stderr = saved
 
 
-def serve(conn, model: str | None, device: str | None, kwargs: dict) -> None:
+def serve(conn, config: EngineConfig) -> None:
     """The child: load the engine, then forward events and stats each tick until told to stop."""
     from llamaterm.engine.serving.engine import Engine
 
     try:
-        engine = Engine.from_model(model, device=device, **kwargs)
+        engine = Engine.from_model(config)
     except Exception as e:
-        conn.send(("error", e if isinstance(e, LlamatermError) else LlamatermError(f"{type(e).__name__}: {e}")))
+        conn.send(LoadFailed(e if isinstance(e, LlamatermError) else LlamatermError(f"{type(e).__name__}: {e}")))
         return
-    conn.send(("ready", engine.model_name, engine.device, engine.max_context))
+    conn.send(Ready(engine.model_name, engine.device, engine.max_context))
     handles: dict[int, object] = {}  # parent's request id -> the engine's handle
     send_lock = threading.Lock()
     stopped = threading.Event()
@@ -158,14 +213,13 @@ def serve(conn, model: str | None, device: str | None, kwargs: dict) -> None:
             for request_id, handle in list(handles.items()):
                 events = handle.poll()
                 if events:
-                    updates.append((request_id, events, handle.stats()))
+                    updates.append(RequestUpdate(request_id, events, handle.stats()))
                     if events[-1].finished:
                         del handles[request_id]
             now = time.perf_counter()
             if updates or now - last >= IDLE_TICK_S:
-                stats = replace(engine.stats(), per_request={})  # each update carries its own request's stats
                 with send_lock:
-                    conn.send(("tick", updates, stats))
+                    conn.send(Tick(updates, engine.stats()))
                 last = now
 
     forwarder = threading.Thread(target=forward, name="llamaterm-forward", daemon=True)
@@ -176,19 +230,18 @@ def serve(conn, model: str | None, device: str | None, kwargs: dict) -> None:
                 message = conn.recv()
             except (EOFError, OSError):  # the parent is gone
                 break
-            if message[0] == "shutdown":
+            if isinstance(message, Shutdown):
                 break
-            if message[0] == "cancel":
-                if (handle := handles.get(message[1])) is not None:
+            if isinstance(message, Cancel):
+                if (handle := handles.get(message.request_id)) is not None:
                     engine.cancel(handle)
                 continue
-            _, request_id, prompt, params, raw = message
             try:
-                handles[request_id] = engine.submit(prompt, params, raw=raw)
+                handles[message.request_id] = engine.submit(message.prompt, message.params, raw=message.raw)
                 error = None
             except LlamatermError as e:
                 error = e
             with send_lock:
-                conn.send(("ack", request_id, error))
+                conn.send(Ack(message.request_id, error))
         stopped.set()
         forwarder.join()

@@ -6,6 +6,7 @@ request's own generator), which picks token i with probability p_i.
 """
 
 import torch
+
 from llamaterm.engine.serving.sequence import Sequence
 
 

@@ -32,7 +32,6 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
-        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -83,7 +82,6 @@ class Scheduler:
         return chunks
 
     def preempt(self, seq: Sequence) -> None:
-        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.release(seq.table)
         seq.num_computed = 0

@@ -6,8 +6,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockTableEntry
-from llamaterm.engine.serving.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -34,12 +34,14 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils import tqdm as hf_tqdm
+
 from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.store.model_store import (
     VALID_NAME,
     StoredModel,
     describe_checkpoint,
+    file_hash,
     format_size,
     install,
     list_models,
@@ -307,7 +309,7 @@ def _download_and_install(plan: PullPlan, say: Callable[[str], None]) -> StoredM
         "format": plan.format,
         "quant": plan.quant,
         "files": [
-            {"path": f.path, "size": f.size, "sha256": f.sha256 or _sha256(staging / f.path)} for f in plan.files
+            {"path": f.path, "size": f.size, "sha256": f.sha256 or file_hash(staging / f.path)} for f in plan.files
         ],
         "pulled_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
@@ -387,25 +389,13 @@ def _stream(url: str, out, headers: dict[str, str], bar) -> None:
 
 def _verify(part: Path, remote: RemoteFile) -> None:
     if remote.sha256:
-        kind, expected, actual = "sha256", remote.sha256, _sha256(part)
+        kind, expected, actual = "sha256", remote.sha256, file_hash(part)
     else:
-        h = hashlib.sha1(f"blob {part.stat().st_size}\0".encode())
-        _hash_file(part, h)
-        kind, expected, actual = "git blob id", remote.blob_id, h.hexdigest()
+        blob = f"blob {part.stat().st_size}\0".encode()  # git hashes a header, then the content
+        kind, expected, actual = "git blob id", remote.blob_id, file_hash(part, lambda: hashlib.sha1(blob))
     if actual != expected:
         part.unlink()
         raise PullError(
             f"{remote.path} is corrupt ({kind} {actual[:12]}..., the Hub says {str(expected)[:12]}...); "
             "the download was deleted: pull again to fetch it afresh"
         )
-
-
-def _sha256(path: Path) -> str:
-    return _hash_file(path, hashlib.sha256()).hexdigest()
-
-
-def _hash_file(path: Path, h):
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h

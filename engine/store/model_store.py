@@ -8,6 +8,7 @@ Layout of models_dir():
 """
 
 import difflib
+import hashlib
 import json
 import os
 import re
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
+from platformdirs import user_data_dir
+
 from llamaterm.engine.checkpoints.checkpoint_info import is_first_gguf, read_checkpoint
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
-from platformdirs import user_data_dir
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,6 +60,12 @@ class StoredModel:
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+
+
+def file_hash(path: Path, new=hashlib.sha256) -> str:
+    """The hex digest of a file's bytes; `new` makes the hash object (it may be primed, as git's blob id is)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, new).hexdigest()
 
 
 def format_size(n: float) -> str:

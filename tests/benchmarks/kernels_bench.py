@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton
 from llamaterm.kernels.linear_triton import Config, pick_config, qmatmul_triton
 from llamaterm.kernels.qweight import QuantWeight

@@ -132,12 +132,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from llamaterm.app.tui.session import ChatSettings
+    from llamaterm.engine.api import EngineConfig
     from llamaterm.engine.serving.process import EngineProcess
     from llamaterm.engine.store.model_store import resolve_model
 
     model = resolve_model(args.model)
     os.environ["LLAMATERM_HOME"] = tempfile.mkdtemp(prefix="llamaterm-bench-")  # keep the user's history clean
-    engine = EngineProcess(str(model), args.device)
+    engine = EngineProcess(EngineConfig(model=str(model), device=args.device))
     settings = ChatSettings(max_tokens=args.max_tokens)
     print(f"{model.name} on {engine.device}: {args.sessions} sessions x {args.max_tokens} tokens, greedy")
     headless_run(engine, 1, ChatSettings(max_tokens=8))  # warm-up

@@ -13,6 +13,14 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
 
+from textual import on
+from textual.app import ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Grid
+from textual.events import DescendantFocus
+from textual.screen import Screen
+from textual.widgets import Footer, Input
+
 from llamaterm.app.history import History, export_file
 from llamaterm.app.tui import clipboard
 from llamaterm.app.tui.budget import RenderBudget
@@ -24,13 +32,6 @@ from llamaterm.app.tui.session import Session
 from llamaterm.app.tui.widgets.chat_pane import ChatPane
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.app.tui.widgets.transcript import CopyRequested
-from textual import on
-from textual.app import ComposeResult, SystemCommand
-from textual.binding import Binding
-from textual.containers import Grid
-from textual.events import DescendantFocus
-from textual.screen import Screen
-from textual.widgets import Footer, Input
 
 MAX_PANES = 8
 TICK_HZ = 20

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from llamaterm.app.history import History, export_file
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -13,6 +12,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
+
+from llamaterm.app.history import History, export_file
 
 
 class HistoryScreen(ModalScreen[int | None]):

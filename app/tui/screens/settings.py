@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from llamaterm.app.tui.session import ChatSettings
-from llamaterm.engine.errors import RequestError
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -11,6 +9,9 @@ from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, TextArea
+
+from llamaterm.app.tui.session import ChatSettings
+from llamaterm.engine.errors import RequestError
 
 # (field, label, Input type, hint); only the seed may be left blank
 FIELDS = [

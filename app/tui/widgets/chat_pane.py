@@ -6,14 +6,15 @@ engine (the screen's timer calls `pull`, which only drains what is already queue
 
 from __future__ import annotations
 
-from llamaterm.app.tui.session import Session
-from llamaterm.app.tui.widgets.stats import PaneStats
-from llamaterm.app.tui.widgets.transcript import ReplyMessage, message_view
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widgets import Input
+
+from llamaterm.app.tui.session import Session
+from llamaterm.app.tui.widgets.stats import PaneStats
+from llamaterm.app.tui.widgets.transcript import ReplyMessage, message_view
 
 
 class ChatPane(Vertical):

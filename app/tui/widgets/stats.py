@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from llamaterm.engine.api import EngineStats, RequestStats
 from textual.content import Content
 from textual.widgets import Static
+
+from llamaterm.engine.api import EngineStats, RequestStats
 
 
 def request_lines(stats: RequestStats | None, queued: bool) -> str:

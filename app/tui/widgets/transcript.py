@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from llamaterm.app.tui.session import ChatMessage
 from markdown_it import MarkdownIt
 from textual import events
 from textual.app import ComposeResult
@@ -10,6 +9,8 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
+
+from llamaterm.app.tui.session import ChatMessage
 
 NOTES = {"cancelled": "⏹ stopped", "length": "… max tokens reached"}
 
