@@ -8,7 +8,6 @@ cancel only enqueue). A failure while serving one request fails that request alo
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import secrets
 import threading
@@ -21,8 +20,9 @@ import torch
 from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
-from llamaterm.engine.serving.block_manager import BlockManager
+from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.cuda_graph import DecodeGraphs
+from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.model import Model, StepInput
 from llamaterm.engine.serving.sampling import sample
 from llamaterm.engine.serving.sampling_params import SamplingParams
@@ -113,7 +113,8 @@ class Engine:
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.device = str(model.device)
         self.max_context = model.config.context_length
-        num_blocks = max(1, (kv_tokens or default_kv_tokens(model)) // block_size)
+        num_blocks = pool_blocks(kv_tokens or default_kv_tokens(model), block_size, model.kv_bytes_per_token(),
+                                 free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         if max_batch_tokens is None:
@@ -140,7 +141,7 @@ class Engine:
         from llamaterm.engine.store.loader import load_checkpoint
 
         ckpt, tokenizer, path = load_checkpoint(name)
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = resolve_device(device)
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
@@ -359,8 +360,7 @@ def build_step_input(chunks: list[ScheduledChunk], block_size: int, device: torc
 
 def default_kv_tokens(model: Model) -> int:
     """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens."""
+    free = free_memory(model.device)
     if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
         return int(free * 0.85) // model.kv_bytes_per_token()
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1024, min(32768, free // 4 // model.kv_bytes_per_token()))
