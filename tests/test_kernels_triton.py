@@ -2,8 +2,9 @@
 
 Without CUDA the kernels run under TRITON_INTERPRET=1, which tests/conftest.py sets before any test module is
 imported (a module that imports transformers decorates triton kernels of torch's own, after which a kernel of ours
-decorated under the interpreter calls helpers that were not). With CUDA the same tests run the compiled kernels. Inputs are fresh random
-draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten element fails the test.
+decorated under the interpreter calls helpers that were not). With CUDA the same tests run the compiled kernels.
+Inputs are fresh random draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten
+element fails the test.
 """
 
 import pytest
