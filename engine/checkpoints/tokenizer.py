@@ -373,7 +373,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str) -> to
             raise ModelFormatError(f"tokenizer.ggml.merges holds a malformed merge {merge!r}")
         pairs.append((merge[:cut], merge[cut + 1 :]))
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
+    backend = tokenizers.Tokenizer(_bpe(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -400,11 +400,18 @@ def _sentencepiece_bpe(
     ]
     merges.sort(key=lambda m: -m[2])
     backend = tokenizers.Tokenizer(
-        models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+        _bpe(vocab, [(a, b) for a, b, _ in merges], unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     )
     escape = [normalizers.Replace(" ", "▁")]
     backend.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if add_space_prefix else []) + escape)
     return backend
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options) -> models.BPE:
+    try:
+        return models.BPE(vocab, merges, **options)
+    except Exception as err:  # the library raises plain Exceptions, e.g. a merge of tokens not in the vocabulary
+        raise ModelFormatError(f"the GGUF tokenizer does not build: {err}") from None
 
 
 def _flatten_decoders(decoder: dict | None) -> list[dict]:
@@ -416,7 +423,11 @@ def _flatten_decoders(decoder: dict | None) -> list[dict]:
 
 
 def _read_text(path: Path) -> str | None:
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except UnicodeDecodeError as err:
+        raise ModelFormatError(f"{path}: not UTF-8 text (byte {err.start}); the file is damaged: re-download it"
+                               ) from None
 
 
 def _read_json(path: Path) -> dict:
