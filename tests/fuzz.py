@@ -2,11 +2,11 @@
 
 Seeds are real files: a GGUF with the default model's tokenizer metadata (49k tokens, its merges and chat
 template) and a small-vocabulary GGUF (both written with GGUFWriter, tests/tiny_models.py), and a Hugging Face
-folder (config.json, model.safetensors, tokenizer.json). Mutations know the formats' layouts, so most of them
-get past the first check: GGUF value types swapped for others of the same size, counts and lengths set to
-extremes, tensor shapes, types and offsets changed, bytes flipped, files cut short, keys rewritten with values of
-other types; JSON values anywhere in config.json, tokenizer.json, the safetensors header or its index replaced
-with hostile ones.
+folder (config.json, model.safetensors, tokenizer.json, generation_config.json). Mutations know the formats'
+layouts, so most of them get past the first check: GGUF value types swapped for others of the same size, counts
+and lengths set to extremes, tensor shapes, types and offsets changed, bytes flipped, files cut short, keys
+rewritten with values of other types; JSON values anywhere in the JSON files, the safetensors header or its
+index replaced with hostile ones.
 
 Every case must end in success or a LlamatermError of one line; a traceback, a hang (CASE_TIMEOUT_S), a crash or
 an allocation past the memory cap (tests/capped.py) is a failure, reported with the seed and case number that
@@ -109,6 +109,7 @@ def make_seeds(directory: Path) -> Seeds:
     save_file(tensors, folder / "model.safetensors")
     config = json.loads((folder / "config.json").read_text()) | {"vocab_size": vocab}
     (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [vocab - 1], "bos_token_id": 0}))
     return Seeds(default.read_bytes(), small.read_bytes(), folder)
 
 
@@ -261,8 +262,8 @@ def mutate_json(value, rng: random.Random):
 
 def mutate_folder(seed: Path, folder: Path, rng: random.Random) -> None:
     shutil.copytree(seed, folder)
-    target = rng.choice(["config.json", "tokenizer.json", "header", "index", "bytes"])
-    if target in ("config.json", "tokenizer.json"):
+    target = rng.choice(["config.json", "tokenizer.json", "generation_config.json", "header", "index", "bytes"])
+    if target.endswith(".json"):
         path = folder / target
         path.write_text(json.dumps(mutate_json(json.loads(path.read_text()), rng)))
     elif target == "header":

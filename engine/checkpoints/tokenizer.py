@@ -233,7 +233,8 @@ class Tokenizer:
             token = config.get(name)
             if isinstance(token, dict):  # saved as an AddedToken
                 token = token.get("content")
-            return None if token is None else backend.token_to_id(token)
+            return None if token is None else backend.token_to_id(read({name: token}, name, str,
+                                                                        where=str(folder / "tokenizer_config.json")))
 
         bos_id, eos_id = config_token_id("bos_token"), config_token_id("eos_token")
         # Without add_bos_token in the config, the post-processor shows what to add (Llama 3 adds BOS there)
@@ -246,9 +247,10 @@ class Tokenizer:
             add_eos = eos_id is not None and len(added) > int(add_bos) and added[-1] == eos_id
         # Instruct models list their end-of-turn tokens here (Llama 3.1: end_of_text, eom_id, eot_id)
         generation_eos = generation.get("eos_token_id")
-        if generation_eos is None:
-            generation_eos = []
-        extra_stops = tuple(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        if not isinstance(generation_eos, list):
+            generation_eos = [] if generation_eos is None else [generation_eos]
+        extra_stops = tuple(read({"eos_token_id": generation_eos}, "eos_token_id", "ints",
+                                 where=str(folder / "generation_config.json")))
 
         template = _read_text(folder / "chat_template.jinja") or config.get("chat_template")
         if isinstance(template, list):  # named variants: [{"name": ..., "template": ...}]
@@ -414,11 +416,15 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options) -> mod
         raise ModelFormatError(f"the GGUF tokenizer does not build: {err}") from None
 
 
-def _flatten_decoders(decoder: dict | None) -> list[dict]:
-    if decoder is None:
+def _flatten_decoders(decoder) -> list[dict]:
+    """The decoders of a tokenizer.json, sequences flattened; anything that is not a decoder object is dropped (and
+    then found missing)."""
+    if isinstance(decoder, list):
+        return [d for sub in decoder for d in _flatten_decoders(sub)]
+    if not isinstance(decoder, dict):
         return []
     if decoder.get("type") == "Sequence":
-        return [d for sub in decoder.get("decoders", []) for d in _flatten_decoders(sub)]
+        return _flatten_decoders(decoder.get("decoders"))
     return [decoder]
 
 
