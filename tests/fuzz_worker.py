@@ -1,6 +1,7 @@
-"""The fuzz test's loader process (tests/fuzz.py starts it under a memory cap): for each checkpoint path on stdin,
-load it as `llamaterm run` would, render a chat prompt, generate two tokens, read it as `llamaterm info` would, and
-print one JSON line: ok, a LlamatermError's message, or any other exception's traceback."""
+"""The fuzz test's loader process (tests/fuzz.py starts it; it caps its own memory, tests/capped.py): for each
+checkpoint path on stdin, load it as `llamaterm run` would, render a chat prompt, generate two tokens, read it as
+`llamaterm info` would, and print one JSON line: ok, a LlamatermError's message, or any other exception's
+traceback."""
 
 import json
 import sys
@@ -8,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from capped import cap_memory
 from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.serving.engine import Engine
@@ -31,6 +33,7 @@ def try_case(path: str) -> dict:
 
 
 def main() -> None:
+    cap_memory()
     torch.set_num_threads(1)
     print(json.dumps({"outcome": "ready"}), flush=True)
     for line in sys.stdin:
