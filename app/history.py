@@ -259,11 +259,11 @@ def memory_copy(path: Path) -> sqlite3.Connection:
         if version > SCHEMA_VERSION or conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
             raise sqlite3.DatabaseError("unusable contents")
         migrate(conn, version)
+        conn.execute("PRAGMA foreign_keys = ON")
     except (OSError, sqlite3.Error):
         conn.close()
         conn = sqlite3.connect(":memory:", isolation_level=None)
-        migrate(conn, 0)
-    conn.execute("PRAGMA foreign_keys = ON")
+        migrate(conn, 0)  # without foreign keys: the session's messages may belong to conversations of the file
     return conn
 
 
