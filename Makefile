@@ -6,7 +6,7 @@ TORCH ?= torch
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup chat test bench-cpu lint
+.PHONY: setup chat test fuzz bench-cpu lint
 
 setup: $(VENV)/.installed
 	@$(BIN)/python -m llamaterm.engine.store.default_model
@@ -22,6 +22,12 @@ chat: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The model-file fuzz test for longer than CI runs it (tests/test_fuzz.py): FUZZ_SECONDS of cases from a new seed.
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	LLAMATERM_FUZZ_SEED=$${LLAMATERM_FUZZ_SEED:-$$(date +%s)} LLAMATERM_FUZZ_CASES=1000000 \
+	LLAMATERM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 bench-cpu: setup
 	$(BIN)/python -m llamaterm.engine.bench cpu

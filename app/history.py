@@ -2,8 +2,10 @@
 
 The file lives in the user's data directory, in WAL mode (a crash mid-write leaves the last committed state),
 with its schema version in `PRAGMA user_version` and one migration script per version step. A file we cannot
-read (corrupt) or must not write (made by a newer llamaterm) is moved aside, never overwritten,
-and the problem is reported through `History.problem`.
+read (corrupt) or must not write (made by a newer llamaterm) is moved aside, never overwritten. A file we may not
+write now (locked by another program, read-only, on a full disk) is left exactly as it is: the history goes on in
+memory, from a copy of what the file held, and nothing of this session is lost while the app runs. Each such
+problem is reported through `History.problem` and, as it happens, to `History.on_problem`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,9 @@ MIGRATIONS = [
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+BUSY_TIMEOUT_MS = 5000  # how long a write waits for another llamaterm holding the file
+# SQLite result codes (the low byte of sqlite_errorcode) that mean the file itself is damaged
+CORRUPT_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
 
 
 def default_path() -> Path:
@@ -83,6 +87,7 @@ class History:
         self.conn = conn
         self.path = path  # None: in memory, nothing persists
         self.problem = problem  # a message for the user when the file on disk could not be used
+        self.on_problem: Callable[[str], None] | None = None  # told when writing to the file fails mid-session
 
     @classmethod
     def open(cls, path: Path | None = None) -> History:
@@ -95,68 +100,72 @@ class History:
                 backup = move_aside(path, e.reason)
                 problem = f"History {path} {e}; it was moved to {backup} and a new history was started."
             return cls(connect(path), path, problem)
-        except (OSError, sqlite3.Error) as e:
-            problem = f"History {path} cannot be opened ({e}); this session is not saved."
-            return cls(connect(":memory:"), None, problem)
+        except (OSError, sqlite3.Error) as e:  # locked, read-only, no space: the file is left as it is
+            return cls(memory_copy(path), None, _in_memory_message(path, e))
 
     def close(self) -> None:
         self.conn.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        self.conn.execute("BEGIN IMMEDIATE")
+    def _write(self, work: Callable[[sqlite3.Connection], object]):
+        """Run `work` in one transaction. When the file refuses it, go on in memory from a copy of the file."""
         try:
-            yield self.conn
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
+            return _transaction(self.conn, work)
+        except sqlite3.Error as e:
+            if self.path is None:  # already in memory: nothing to fall back to
+                raise
+            self.problem = _in_memory_message(self.path, e)
+            self.conn.close()
+            self.conn, self.path = memory_copy(self.path), None
+            if self.on_problem is not None:
+                self.on_problem(self.problem)
+            return _transaction(self.conn, work)
 
     # ---- writes (each commits at once) ----
 
     def create_conversation(self, title: str, settings: dict) -> int:
         now = time.time()
-        with self.transaction() as c:
-            cur = c.execute(
-                "INSERT INTO conversations (title, settings, created_at, updated_at) VALUES (?, ?, ?, ?)",
-                (title, json.dumps(settings), now, now),
-            )
-        return cur.lastrowid
+        return self._write(lambda c: c.execute(
+            "INSERT INTO conversations (title, settings, created_at, updated_at) VALUES (?, ?, ?, ?)",
+            (title, json.dumps(settings), now, now),
+        ).lastrowid)
 
     def update_conversation(self, conversation_id: int, *, title: str | None = None,
                             settings: dict | None = None) -> None:
-        with self.transaction() as c:
+        def work(c: sqlite3.Connection) -> None:
             if title is not None:
                 c.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
             if settings is not None:
                 c.execute("UPDATE conversations SET settings = ? WHERE id = ?",
                           (json.dumps(settings), conversation_id))
 
+        self._write(work)
+
     def add_message(self, conversation_id: int, role: str, content: str, finish_reason: str | None = None,
                     stats: dict | None = None) -> int:
         now = time.time()
-        with self.transaction() as c:
+
+        def work(c: sqlite3.Connection) -> int:
             cur = c.execute(
                 "INSERT INTO messages (conversation_id, role, content, finish_reason, stats, created_at)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (conversation_id, role, content, finish_reason, _dumps(stats), now),
             )
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
-        return cur.lastrowid
+            return cur.lastrowid
+
+        return self._write(work)
 
     def update_message(self, message_id: int, content: str, finish_reason: str | None = None,
                        stats: dict | None = None) -> None:
-        with self.transaction() as c:
-            c.execute(
-                "UPDATE messages SET content = ?, finish_reason = ?, stats = ? WHERE id = ?",
-                (content, finish_reason, _dumps(stats), message_id),
-            )
+        self._write(lambda c: c.execute(
+            "UPDATE messages SET content = ?, finish_reason = ?, stats = ? WHERE id = ?",
+            (content, finish_reason, _dumps(stats), message_id),
+        ))
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
         """Drop a message and everything after it (regenerate, edit and resend)."""
-        with self.transaction() as c:
-            c.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?",
-                      (conversation_id, message_id))
+        self._write(lambda c: c.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?",
+                                        (conversation_id, message_id)))
 
     # ---- reads ----
 
@@ -176,7 +185,7 @@ class History:
             {"text": text, "pattern": pattern, "limit": limit},
         ).fetchall()
         return [
-            Conversation(id, title, json.loads(settings), created, updated, message_count=count)
+            Conversation(id, title, _json_object(settings), created, updated, message_count=count)
             for id, title, settings, created, updated, count in rows
         ]
 
@@ -188,27 +197,30 @@ class History:
         if row is None:
             raise KeyError(f"no conversation {conversation_id}")
         messages = [
-            StoredMessage(id, role, content, reason, json.loads(stats) if stats else None, created)
+            StoredMessage(id, role, content, reason, _json_object(stats) if stats else None, created)
             for id, role, content, reason, stats, created in self.conn.execute(
                 "SELECT id, role, content, finish_reason, stats, created_at FROM messages"
                 " WHERE conversation_id = ? ORDER BY id",
                 (conversation_id,),
             )
         ]
-        conv = Conversation(row[0], row[1], json.loads(row[2]), row[3], row[4], messages)
+        conv = Conversation(row[0], row[1], _json_object(row[2]), row[3], row[4], messages)
         conv.message_count = len(messages)
         return conv
 
 
 def connect(path: Path | str) -> sqlite3.Connection:
-    """Open, check and migrate. Raises UnusableHistory for a corrupt file or one from a newer schema."""
+    """Open, check, migrate and make sure the file takes writes. Raises UnusableHistory for a corrupt file or one
+    from a newer schema, sqlite3.Error for one that cannot be used now (locked, read-only)."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        conn.execute("PRAGMA busy_timeout = 5000")  # a second llamaterm writing the same file
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")  # a second llamaterm writing the same file
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             check = conn.execute("PRAGMA quick_check").fetchone()[0]
-        except sqlite3.DatabaseError as e:  # "file is not a database", malformed pages
+        except sqlite3.DatabaseError as e:
+            if not _is_corrupt(e):  # locked by another program: not the file's fault, and it stays as it is
+                raise
             raise UnusableHistory("corrupt", f"is corrupt ({e})") from e
         if check != "ok":
             raise UnusableHistory("corrupt", f"is corrupt ({check})")
@@ -221,10 +233,59 @@ def connect(path: Path | str) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous = NORMAL")  # with WAL: survives an app crash
         conn.execute("PRAGMA foreign_keys = ON")
         migrate(conn, version)
+        # A read-only file opens and reads; find out now rather than at the first message
+        _transaction(conn, lambda c: c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}"))
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def memory_copy(path: Path) -> sqlite3.Connection:
+    """An in-memory history holding what the file holds (read without writing it), or an empty one when the file
+    cannot be read now or its contents cannot be used (corrupt, newer, a migration that fails on them)."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        source = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            source.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            image = bytearray(source.serialize())  # not backup(): it retries a locked file for ever
+        finally:
+            source.close()
+        if image:
+            image[18:20] = b"\x01\x01"  # the header's WAL marks (2, 2): an in-memory copy keeps a plain journal
+            conn.deserialize(bytes(image))
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION or conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise sqlite3.DatabaseError("unusable contents")
+        migrate(conn, version)
+        conn.execute("PRAGMA foreign_keys = ON")
+    except (OSError, sqlite3.Error):
+        conn.close()
+        conn = sqlite3.connect(":memory:", isolation_level=None)
+        migrate(conn, 0)  # without foreign keys: the session's messages may belong to conversations of the file
+    return conn
+
+
+def _transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], object]):
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = work(conn)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _is_corrupt(e: sqlite3.Error) -> bool:
+    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in CORRUPT_CODES
+
+
+def _in_memory_message(path: Path, e: Exception) -> str:
+    return (f"History {path} cannot be opened for writing ({e}); it is left as it was, and this session's "
+            "conversations are kept in memory only, until llamaterm quits.")
 
 
 def migrate(conn: sqlite3.Connection, version: int) -> None:
@@ -288,6 +349,15 @@ def export_file(conv: Conversation, fmt: str, directory: Path | None = None) -> 
     path = directory / f"{slug}-{conv.id}.{fmt}"
     path.write_text(to_markdown(conv) if fmt == "md" else to_json(conv), encoding="utf-8")
     return path
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object saved in the history; a damaged one reads as empty rather than failing the whole list."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _dumps(value: dict | None) -> str | None:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.capped import MEMORY_CAP, one_line_error
+from tests.capped import llamaterm_capped, one_line_error
 from tests.tiny_models import write_tiny_llama
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
@@ -103,15 +102,10 @@ def test_bad_input_gets_a_clear_error(args, code, words):
 def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
     (tmp_path / "latin1.txt").write_bytes("d\xe9j\xe0 vu\n".encode("latin-1"))
     args = [a.format(tmp=tmp_path) for a in args]
-    out = subprocess.run([LLAMATERM, *args], input=stdin, capture_output=True, timeout=300,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, preexec_fn=cap_memory)
+    out = llamaterm_capped(*args, stdin=stdin, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     stderr = out.stderr.decode()
     assert out.returncode in (1, 2) and one_line_error(stderr), stderr
     assert words in stderr
-
-
-def cap_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
 
 
 def test_ctrl_c_while_the_command_line_loads_exits_quietly():

@@ -1,5 +1,7 @@
 """The SQLite conversation store: WAL, migrations, files it must not use, and a crash mid-reply."""
 
+import contextlib
+import os
 import signal
 import sqlite3
 import subprocess
@@ -161,3 +163,128 @@ def test_kill_mid_reply_loses_no_earlier_message(db_path):
     assert [m.content for m in messages[:20]] == [f"message {i}" for i in range(20)]
     assert messages[20].content.startswith("token ")  # the partial reply up to its last write
     h.close()
+
+
+# --- files we may not write now: locked, read-only; files half written ------------------------------------
+
+
+@contextlib.contextmanager
+def read_only_file(path):
+    """The file cannot be written by this process: mode 0444, and for root (whom modes do not stop) the
+    immutable attribute."""
+    path.chmod(0o444)
+    root = os.geteuid() == 0
+    if root:
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+    try:
+        with pytest.raises(PermissionError):
+            open(path, "r+b").close()
+        yield path
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        path.chmod(0o644)
+
+
+@contextlib.contextmanager
+def held_by_another_process(path, statements: str):
+    """Another process keeps `path` open in the state `statements` leave it in, until the block ends."""
+    code = ("import sqlite3, sys\nc = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            f"c.executescript({statements!r})\nprint('ready', flush=True)\nsys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+EXCLUSIVE = "PRAGMA locking_mode = EXCLUSIVE; BEGIN EXCLUSIVE; UPDATE conversations SET title = title;"
+WRITING = "BEGIN IMMEDIATE; UPDATE conversations SET title = title;"
+
+
+def saved_history(db_path) -> int:
+    h = History.open(db_path)
+    cid = h.create_conversation("kept", {"system": "S"})
+    h.add_message(cid, "user", "first question")
+    h.close()
+    return cid
+
+
+@pytest.fixture
+def short_busy_timeout(monkeypatch):
+    monkeypatch.setattr(history, "BUSY_TIMEOUT_MS", 200)
+
+
+def test_a_file_locked_by_another_process_is_left_alone(db_path, short_busy_timeout):
+    # It was moved aside as "corrupt" after 5 s.
+    saved_history(db_path)
+    before = db_path.read_bytes()
+    with held_by_another_process(db_path, EXCLUSIVE):
+        h = History.open(db_path)
+        assert h.path is None and "database is locked" in h.problem and "in memory" in h.problem
+        cid = h.create_conversation("this session", {})
+        h.add_message(cid, "user", "still works")
+        assert [m.content for m in h.load(cid).messages] == ["still works"]
+    assert list(db_path.parent.glob("*.bak")) == []
+    assert db_path.read_bytes() == before
+    assert [c.title for c in History.open(db_path).search()] == ["kept"]
+
+
+def test_a_read_only_file_is_read_and_the_session_kept_in_memory(db_path):
+    # It opened silently and the TUI crashed on the first send.
+    cid = saved_history(db_path)
+    before = db_path.read_bytes()
+    with read_only_file(db_path):
+        h = History.open(db_path)
+        assert h.path is None and "readonly" in h.problem and "in memory" in h.problem
+        assert [c.title for c in h.search()] == ["kept"]  # what the file holds is still there to read
+        h.add_message(cid, "assistant", "an answer")
+        assert [m.content for m in h.load(cid).messages] == ["first question", "an answer"]
+        assert db_path.read_bytes() == before
+
+
+def test_a_write_refused_mid_session_goes_on_in_memory(db_path, short_busy_timeout):
+    cid = saved_history(db_path)
+    h = History.open(db_path)
+    told = []
+    h.on_problem = told.append
+    with held_by_another_process(db_path, WRITING):
+        h.add_message(cid, "assistant", "an answer")  # the file is busy past the timeout
+    assert h.path is None and len(told) == 1 and "database is locked" in told[0]
+    h.add_message(cid, "user", "next question")
+    assert [m.content for m in h.load(cid).messages] == ["first question", "an answer", "next question"]
+    assert len(told) == 1  # said once
+    on_disk = History.open(db_path)
+    assert [m.content for m in on_disk.load(cid).messages] == ["first question"]  # the file as it was
+
+
+def test_a_settings_value_that_is_not_json_does_not_break_search(db_path):
+    cid = saved_history(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE conversations SET settings = 'not json {' WHERE id = ?", (cid,))
+        conn.execute("UPDATE messages SET stats = '[1, 2' WHERE conversation_id = ?", (cid,))
+    h = History.open(db_path)
+    (conv,) = h.search("first")
+    assert conv.title == "kept" and conv.settings == {}
+    assert h.load(cid).messages[0].stats == {}
+
+
+def test_a_half_written_file_is_kept_aside_whole(db_path):
+    """A copy cut off halfway: moved aside byte for byte, never overwritten, and the user is told where."""
+    saved_history(db_path)
+    h = History.open(db_path)
+    for i in range(200):
+        h.create_conversation(f"padding {i}" * 20, {})
+    h.close()
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    half = db_path.read_bytes()[: db_path.stat().st_size // 2]
+    db_path.write_bytes(half)
+    h = History.open(db_path)
+    (backup,) = db_path.parent.glob("history.db.corrupt-*.bak")
+    assert backup.read_bytes() == half and str(backup) in h.problem
+    h.create_conversation("fresh", {})
+    assert [c.title for c in h.search()] == ["fresh"]

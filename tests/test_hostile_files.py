@@ -13,6 +13,7 @@ from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.store.loader import load_checkpoint
 from tests.capped import llamaterm_capped, one_line_error, run_capped
+from tests.fuzz import byte_level_tokenizer_json
 from tests.test_safetensors_loader import write_dense
 from tests.tiny_models import write_tiny_llama
 
@@ -104,19 +105,6 @@ def test_an_index_pointing_outside_the_folder_is_refused(tmp_path):
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelFormatError, match="points outside the model folder"):
         load_checkpoint(str(model))
-
-
-def byte_level_tokenizer_json() -> dict:
-    """A real tokenizer.json: byte-level BPE, one token per byte, two special tokens."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    backend = Backend(BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    return json.loads(backend.to_str())
 
 
 @pytest.mark.parametrize("where, words", [

@@ -6,11 +6,13 @@ import threading
 
 import pytest
 from fake_engine import REPLY, FakeEngine
+from test_history import WRITING, held_by_another_process, read_only_file
 from textual import events
 from textual.widgets import Input, Markdown
 from textual.widgets.markdown import MarkdownFence
 from tui_support import engine_ready, idle, run, wait_until
 
+from llamaterm.app import history
 from llamaterm.app.history import History
 from llamaterm.app.tui import clipboard
 from llamaterm.app.tui.app import ChatApp
@@ -508,3 +510,53 @@ def test_keystrokes_are_handled_fast_while_four_panes_stream():
         assert latencies[10] < 0.1  # the median; a shared CI machine may stall any single key
 
     run(app, scenario)
+
+
+def notifications(app: ChatApp) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def test_a_read_only_history_keeps_the_chat_working_in_memory(home):
+    # The file opened silently and the first send crashed the TUI (attempt to write a readonly database).
+    db = home / "history.db"
+    h = History.open(db)
+    h.create_conversation("from before", {})
+    h.close()
+    app = make_app()
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        assert any("readonly" in n and "in memory" in n for n in notifications(app))
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert [m.content for m in app.chat.panes[0].session.messages] == ["hello", REPLY]
+        await wait_until(pilot, lambda: "history in memory only" in status_text(app))
+        titles = [c.title for c in app.history.search()]
+        assert titles == ["hello", "from before"]  # the old conversations are still there to reopen
+
+    with read_only_file(db):
+        run(app, scenario)
+    assert [c.title for c in History.open(db).search()] == ["from before"]  # the file as it was
+
+
+def test_a_history_locked_mid_session_is_reported_and_the_chat_goes_on(home, monkeypatch):
+    monkeypatch.setattr(history, "BUSY_TIMEOUT_MS", 100)
+    db = home / "history.db"
+    app = make_app()
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        await type_and_send(pilot, "first")
+        await idle(pilot)
+        with held_by_another_process(db, WRITING):  # another program writes the file for a long while
+            await type_and_send(pilot, "second")
+            await idle(pilot)
+        assert [m.content for m in app.chat.panes[0].session.messages] == ["first", REPLY, "second", REPLY]
+        assert any("database is locked" in n and "in memory" in n for n in notifications(app))
+        await wait_until(pilot, lambda: "history in memory only" in status_text(app))
+        (conv,) = app.history.search()
+        assert [m.content for m in app.history.load(conv.id).messages] == ["first", REPLY, "second", REPLY]
+
+    run(app, scenario)
+    (conv,) = History.open(db).search()
+    assert [m.content for m in History.open(db).load(conv.id).messages] == ["first", REPLY]  # saved before

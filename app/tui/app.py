@@ -40,9 +40,16 @@ class ChatApp(App):
         return self.chat
 
     def on_mount(self) -> None:
+        self.history.on_problem = self.history_failed
         if self.history.problem:
-            self.notify(self.history.problem, title="History", severity="error", timeout=30)
+            self.history_failed(self.history.problem)
         self.start_engine()
+
+    def history_failed(self, problem: str) -> None:
+        """The history file could not be used: say so now, and for as long as it lasts in the status bar."""
+        self.notify(problem, title="History", severity="error", timeout=30)
+        if self.history.path is None and self.chat.is_mounted:  # else the screen's on_mount shows it
+            self.chat.history_in_memory()
 
     @work(thread=True, exit_on_error=False, group="engine")
     def start_engine(self) -> None:

@@ -9,7 +9,11 @@ from llamaterm.engine.errors import ModelFormatError
 
 
 def read_text(path: Path) -> str | None:
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except UnicodeDecodeError as err:
+        raise ModelFormatError(f"{path}: not UTF-8 text (byte {err.start}); the file is damaged: re-download it"
+                               ) from None
 
 
 def read_json(path: Path) -> dict:

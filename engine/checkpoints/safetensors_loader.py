@@ -227,8 +227,12 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         path = model_dir / file
-        if not path.is_file():
-            raise ModelFormatError(f"{path} is listed in {index_path.name} but missing: download it again")
+        try:
+            listed = path.is_file()
+        except OSError:  # a name the file system cannot hold (too long)
+            listed = False
+        if not listed:
+            raise ModelFormatError(f"{str(path)[:200]} is listed in {index_path.name} but missing: download it again")
         try:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():

@@ -235,7 +235,8 @@ class Tokenizer:
             token = config.get(name)
             if isinstance(token, dict):  # saved as an AddedToken
                 token = token.get("content")
-            return None if token is None else backend.token_to_id(token)
+            return None if token is None else backend.token_to_id(read({name: token}, name, str,
+                                                                        where=str(folder / "tokenizer_config.json")))
 
         bos_id, eos_id = config_token_id("bos_token"), config_token_id("eos_token")
         # Without add_bos_token in the config, the post-processor shows what to add (Llama 3 adds BOS there)
@@ -248,9 +249,10 @@ class Tokenizer:
             add_eos = eos_id is not None and len(added) > int(add_bos) and added[-1] == eos_id
         # Instruct models list their end-of-turn tokens here (Llama 3.1: end_of_text, eom_id, eot_id)
         generation_eos = generation.get("eos_token_id")
-        if generation_eos is None:
-            generation_eos = []
-        extra_stops = tuple(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        if not isinstance(generation_eos, list):
+            generation_eos = [] if generation_eos is None else [generation_eos]
+        extra_stops = tuple(read({"eos_token_id": generation_eos}, "eos_token_id", "ints",
+                                 where=str(folder / "generation_config.json")))
 
         return cls(
             backend,
@@ -372,7 +374,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str) -> to
             raise ModelFormatError(f"tokenizer.ggml.merges holds a malformed merge {merge!r}")
         pairs.append((merge[:cut], merge[cut + 1 :]))
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
+    backend = tokenizers.Tokenizer(_bpe(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -399,17 +401,28 @@ def _sentencepiece_bpe(
     ]
     merges.sort(key=lambda m: -m[2])
     backend = tokenizers.Tokenizer(
-        models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+        _bpe(vocab, [(a, b) for a, b, _ in merges], unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     )
     escape = [normalizers.Replace(" ", "▁")]
     backend.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if add_space_prefix else []) + escape)
     return backend
 
 
-def _flatten_decoders(decoder: dict | None) -> list[dict]:
-    if decoder is None:
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options) -> models.BPE:
+    try:
+        return models.BPE(vocab, merges, **options)
+    except Exception as err:  # the library raises plain Exceptions, e.g. a merge of tokens not in the vocabulary
+        raise ModelFormatError(f"the GGUF tokenizer does not build: {err}") from None
+
+
+def _flatten_decoders(decoder) -> list[dict]:
+    """The decoders of a tokenizer.json, sequences flattened; anything that is not a decoder object is dropped (and
+    then found missing)."""
+    if isinstance(decoder, list):
+        return [d for sub in decoder for d in _flatten_decoders(sub)]
+    if not isinstance(decoder, dict):
         return []
     if decoder.get("type") == "Sequence":
-        return [d for sub in decoder.get("decoders", []) for d in _flatten_decoders(sub)]
+        return _flatten_decoders(decoder.get("decoders"))
     return [decoder]
 

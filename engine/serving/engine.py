@@ -156,6 +156,9 @@ class Engine:
         """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids."""
         params = params or SamplingParams()
         ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw)
+        if any(not 0 <= i < self.model.config.vocab_size for i in ids):  # a tokenizer larger than the weights
+            raise RequestError(f"the prompt has a token id outside the model's {self.model.config.vocab_size}-token "
+                               "vocabulary: its tokenizer and its weights do not match")
         if len(ids) >= self.max_context:
             raise RequestError(
                 f"the prompt is {len(ids)} tokens but the model's context holds {self.max_context}: "

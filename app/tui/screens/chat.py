@@ -92,6 +92,15 @@ class ChatScreen(Screen):
         self.activate(self.panes[0], focus=False)
         self.relayout()
         self.set_interval(1 / TICK_HZ, self.tick)
+        if self.history.path is None:
+            self.history_in_memory()
+
+    def history_in_memory(self) -> None:
+        """The history file cannot be written: the status bar says so for the rest of the session."""
+        status = self.query_one(StatusBar)
+        status.note = " │ history in memory only: not saved"
+        if self.engine is None:
+            status.update("loading model…" + status.note)
 
     @property
     def panes(self) -> list[ChatPane]:

@@ -36,14 +36,17 @@ class PaneStats(Static):
 
 
 class StatusBar(Static):
-    """The engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device (one line)."""
+    """The engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device (one line), and
+    a note that stays while it matters (the history is kept in memory only)."""
+
+    note = ""
 
     def on_mount(self) -> None:
-        self.update("loading model…")
+        self.update("loading model…" + self.note)
 
     def show(self, stats: EngineStats) -> None:
         self.set_class(False, "-error")
-        self.update(Content(engine_line(stats)), layout=False)
+        self.update(Content(engine_line(stats) + self.note), layout=False)
 
     def show_error(self, message: str) -> None:
         self.set_class(True, "-error")
