@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench-cpu: setup
-	$(BIN)/python -m llamaterm.engine.bench cpu
+	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1
 
 lint: setup
 	$(BIN)/ruff check app engine kernels tests

@@ -110,6 +110,8 @@ class Engine:
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
         self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, c.cuda_graphs)
+        self.startup_s = dict(self.runner.startup_s)  # where start-up time went; from_model adds the loading
+        self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -128,12 +130,17 @@ class Engine:
         from llamaterm.engine.store.loader import load_checkpoint
 
         name = config.model
+        t0 = time.perf_counter()
         ckpt, tokenizer, path = load_checkpoint(name)
+        t1 = time.perf_counter()
         dev = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
-        return cls(model, tokenizer, config, name=shown)
+        engine = cls(model, tokenizer, config, name=shown)
+        engine.startup_s = {"read checkpoint": t1 - t0, "weights to device": t2 - t1, **engine.startup_s}
+        return engine
 
     # ---- caller side (any thread) ----
 
@@ -259,6 +266,7 @@ class Engine:
         if not chunks:
             return
         self._last_batch = len(chunks)
+        self.num_steps += 1
         try:
             logits = self.runner.run(chunks)
         except Exception as e:  # the whole batch shared this failure

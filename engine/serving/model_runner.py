@@ -4,6 +4,9 @@ model up before the first request."""
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 
 from llamaterm.engine.serving.cuda_graph import DecodeGraphs
@@ -15,12 +18,16 @@ from llamaterm.kernels.dispatch import use_triton
 class ModelRunner:
     def __init__(self, model: Model, num_blocks: int, block_size: int, max_batch: int, cuda_graphs: bool):
         self.model, self.block_size = model, block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self._warm_up()
+        self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
+        with self._timed("KV cache"):
+            self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        with self._timed("warm-up"):
+            self._warm_up()
         self.graphs = None
         if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
             max_blocks = -(-model.config.context_length // block_size)
-            self.graphs = DecodeGraphs(model, self.kv_cache, max_batch, max_blocks)
+            with self._timed("CUDA graphs"):
+                self.graphs = DecodeGraphs(model, self.kv_cache, max_batch, max_blocks)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits for every chunk that samples, in chunk order."""
@@ -28,6 +35,14 @@ class ModelRunner:
         if self.graphs and self.graphs.fits(step):
             return self.graphs.forward(step)
         return self.model.forward(step, self.kv_cache)
+
+    @contextmanager
+    def _timed(self, part: str):
+        t = time.perf_counter()
+        yield
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.startup_s[part] = time.perf_counter() - t
 
     def _warm_up(self) -> None:
         """One token through the model before serving, so weight preparation and kernel compilation are paid at
