@@ -93,7 +93,7 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
     from llamaterm.engine.api import EngineConfig
     imports = time.perf_counter() - t
 
-    progress = Progress(3 + len(counts) * (1 + scaling) + (peer is not None) + len(GRID) * grid)
+    progress = Progress(3 + len(counts) * (1 + scaling) + scaling + (peer is not None) + len(GRID) * grid)
     progress.step("loading the model")
     max_running = max(64, *counts) if not grid else 64
     kv = kv_tokens or (max(b for _, _, b in GRID) * (1024 + 256) if grid else None)
@@ -116,15 +116,16 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
                                                       else ""),
                "cuda_graphs": engine.runner.graphs is not None,
                "startup_s": {"imports": imports, **engine.startup_s, "first request": first},
-               "limit": {"weight_bytes_per_step": read, "copy_bandwidth_bytes_s": bw, "steps_per_s": bw / 2 / read}}
-        # a copy moves each byte twice, a decode step reads each weight once: steps/s = (bw / 2) / bytes
+               "limit": {"weight_bytes_per_step": read, "copy_bandwidth_bytes_s": bw, "steps_per_s": bw / read}}
+        # the limit counts the step's weight bytes at the copy rate (anchors.md's convention)
 
         progress.step("TTFT")
         ttft_len = min(512, ctx - 2)
         out["ttft"] = {"prompt_tokens": ttft_len, "ms": 1e3 * wl.ttft(engine, ttft_len, prompts)}
 
         progress.step("launches per step")
-        out["launches"] = launches(engine, wl, prompts, prompt_len)
+        out["launches"] = {"decode": wl.launches_per_step(engine, 1, 16, prompts),
+                           f"{prompt_len}-token prefill": wl.launches_per_step(engine, prompt_len, 1, prompts)}
 
         base, rows = None, []
         for n in counts:
@@ -135,11 +136,19 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
                    "static_pct_of_limit": 100 * static / n / out["limit"]["steps_per_s"]}
             if scaling:
                 progress.step(f"closed loop, {n} sessions ({warmup + window:.0f} s)")
-                dynamic = wl.closed_loop_rate(engine, n, min(prompt_len, ctx - 449), warmup, window, prompts)
+                p = min(prompt_len, ctx - 449)
+                dynamic, max_step = wl.closed_loop_rate(engine, n, (p, p), warmup, window, prompts)
                 row |= {"dynamic_tok_s": dynamic, "dynamic_vs_static": dynamic / static,
-                        "dynamic_pct_of_limit": 100 * dynamic / n / out["limit"]["steps_per_s"]}
+                        "dynamic_pct_of_limit": 100 * dynamic / n / out["limit"]["steps_per_s"],
+                        "dynamic_max_step_ms": 1e3 * max_step}
             rows.append(row)
         out["decode"] = rows
+        if scaling:  # the longest step when prompts of any length arrive: a compile would show here
+            n, longest = counts[min(1, len(counts) - 1)], min(2000, ctx - 449)
+            progress.step(f"closed loop, {n} sessions, prompts of 1-{longest} tokens")
+            dynamic, max_step = wl.closed_loop_rate(engine, n, (1, longest), warmup, window, prompts)
+            out["varied_prompts"] = {"sessions": n, "prompt_tokens": [1, longest], "dynamic_tok_s": dynamic,
+                                     "max_step_ms": 1e3 * max_step}
 
         if peer == "hf":
             progress.step("Hugging Face transformers, one session")
@@ -161,26 +170,6 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
     return out
 
 
-def launches(engine, wl, prompts, prompt_len: int) -> dict:
-    """Per step: while one session decodes, and while a new prompt joins it (a mixed prefill + decode step)."""
-    h = engine.submit(None, wl.SamplingParams(max_tokens=10_000, ignore_eos=True), prompt_ids=prompts(prompt_len))
-    events = h.events()
-    take = lambda n: [next(events) for _ in range(n)]
-    take(4)  # past its prefill
-
-    def decode():
-        take(16)
-
-    def mixed():
-        joining = engine.submit(None, wl.SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=prompts(prompt_len))
-        list(joining.events())
-
-    out = {"decode": wl.launches_per_step(engine, decode), "mixed": wl.launches_per_step(engine, mixed)}
-    engine.cancel(h)
-    list(h.events())
-    return out
-
-
 def format_tables(r: dict) -> str:
     lim = r["limit"]
     lines = [f"llamaterm bench: {r['model']} on {r['device']}"
@@ -199,17 +188,21 @@ def format_tables(r: dict) -> str:
     dynamic = "dynamic_tok_s" in r["decode"][0]
     head = f"{'sessions':>8} {'static tok/s':>13} {'vs 1':>6} {'% limit':>8}"
     if dynamic:
-        head += f" {'dynamic tok/s':>14} {'dyn/static':>11} {'% limit':>8}"
+        head += f" {'dynamic tok/s':>14} {'dyn/static':>11} {'% limit':>8} {'max step ms':>12}"
     lines.append(head)
     for row in r["decode"]:
         line = (f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {row['vs_one_session']:5.2f}x "
                 f"{row['static_pct_of_limit']:7.0f}%")
         if dynamic:
             line += (f" {row['dynamic_tok_s']:14,.1f} {100 * row['dynamic_vs_static']:10.0f}% "
-                     f"{row['dynamic_pct_of_limit']:7.0f}%")
+                     f"{row['dynamic_pct_of_limit']:7.0f}% {row['dynamic_max_step_ms']:12.1f}")
         lines.append(line)
     if dynamic:
         lines.append("dynamic: a closed loop, each session ends after 64-448 tokens and a new one takes its place")
+        v = r["varied_prompts"]
+        lines.append(f"closed loop of {v['sessions']} sessions, prompts of {v['prompt_tokens'][0]}-"
+                     f"{v['prompt_tokens'][1]} tokens: {v['dynamic_tok_s']:,.1f} tok/s, longest step "
+                     f"{v['max_step_ms']:.1f} ms")
     if "peer" in r:
         p = r["peer"]
         same = "" if p["same_tokens"] is None else f"; same tokens: {p['same_tokens']}"

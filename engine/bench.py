@@ -50,7 +50,7 @@ SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
                   QuantFormat(4, 128, False, 4)),
     "smollm2-135m": (_llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
                      QuantFormat(4, 32, True, 8)),  # the default model's Q4_1 with a Q8_0 embedding
-    "tiny": (_llama("tiny test shapes", 2, 64, 128, 4, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
+    "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
 }
 
 
@@ -229,19 +229,21 @@ def static_rate(engine: Engine, n: int, prompt_len: int, tokens: int, prompts: P
     return rate(log.token_times, max(log.first_token), min(log.finished))
 
 
-def closed_loop_rate(engine: Engine, n: int, prompt_len: int, warmup_s: float, window_s: float, prompts: Prompts
-                     ) -> float:
+def closed_loop_rate(engine: Engine, n: int, prompt_lens: tuple[int, int], warmup_s: float, window_s: float,
+                     prompts: Prompts) -> tuple[float, float]:
     """anchors.md's dynamic sessions: n always open, each ending after a random 64-448 tokens and replaced at once
-    by a new session with a new prompt. Decode tok/s over `window_s` after `warmup_s`."""
+    by a new session with a new prompt (of prompt_lens[0] to prompt_lens[1] tokens). Returns decode tok/s over
+    `window_s` after `warmup_s`, and the longest engine step in that time."""
     rng = random.Random(1)
 
     def start() -> RequestHandle:
         params = SamplingParams(max_tokens=rng.randint(64, 448), ignore_eos=True)
-        return engine.submit(None, params, prompt_ids=prompts(prompt_len))
+        return engine.submit(None, params, prompt_ids=prompts(rng.randint(*prompt_lens)))
 
     t0 = time.perf_counter()
+    engine.max_step_s = 0.0
     log = drive(engine, n, start, True, warmup_s + window_s)
-    return rate(log.token_times, t0 + warmup_s, t0 + warmup_s + window_s)
+    return rate(log.token_times, t0 + warmup_s, t0 + warmup_s + window_s), engine.max_step_s
 
 
 def ttft(engine: Engine, prompt_len: int, prompts: Prompts, repeats: int = 5) -> float:
@@ -257,16 +259,17 @@ def ttft(engine: Engine, prompt_len: int, prompts: Prompts, repeats: int = 5) ->
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
 
 
-def launches_per_step(engine: Engine, workload: Callable[[], None]) -> dict[str, float] | None:
-    """Host launch calls and GPU kernels per engine step while `workload` runs (torch profiler, CUDA only): a
-    replayed graph is one launch for all its kernels."""
+def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Prompts) -> dict[str, float] | None:
+    """Host launch calls and GPU kernels per engine step (torch profiler, CUDA only) while one session runs on an
+    otherwise idle engine: a replayed graph is one launch for all its kernels. A 1-token prompt makes every step
+    a one-token (decode) step; tokens=1 makes one prefill step."""
     if engine.model.device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     steps = engine.num_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        workload()
+        engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
         sync(engine.model.device)
     steps = max(1, engine.num_steps - steps)
     events = prof.events()

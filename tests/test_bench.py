@@ -11,17 +11,19 @@ def test_bench_scaling_json_on_cpu():
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["model"].startswith("tiny test shapes") and r["device"] == "cpu"
-    # the tiny shapes (engine/bench.py): hidden 64, 4 heads of 16 (2 for K/V), ffn 128, vocab 512, 2 layers,
-    # multiplied as dense fp32 on the CPU
-    per_layer = (64 + 32 + 32) * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128 + 2 * 64
-    assert r["limit"]["weight_bytes_per_step"] == 4 * (2 * per_layer + 512 * 64 + 64)
+    # the tiny shapes (engine/bench.py): hidden 256, 8 heads of 32 (2 for K/V), ffn 512, vocab 512, 2 layers,
+    # multiplied as dense fp32 on the CPU; the lm_head and the norms, not the embedding
+    per_layer = (256 + 64 + 64) * 256 + 256 * 256 + 2 * 512 * 256 + 256 * 512 + 2 * 256
+    assert r["limit"]["weight_bytes_per_step"] == 4 * (2 * per_layer + 512 * 256 + 256)
     assert {"imports", "make random weights", "KV cache", "warm-up", "first request"} <= set(r["startup_s"])
     assert r["ttft"]["prompt_tokens"] == 512 and r["ttft"]["ms"] > 0
-    assert r["launches"] == {"decode": None, "mixed": None}  # counted on CUDA only
+    assert r["launches"] == {"decode": None, "16-token prefill": None}  # counted on CUDA only
     assert [row["sessions"] for row in r["decode"]] == [1, 2]
     assert r["decode"][0]["vs_one_session"] == 1.0
     for row in r["decode"]:
-        assert row["static_tok_s"] > 0 and row["dynamic_tok_s"] > 0
+        assert row["static_tok_s"] > 0 and row["dynamic_tok_s"] > 0 and row["dynamic_max_step_ms"] > 0
+    varied = r["varied_prompts"]
+    assert varied["sessions"] == 2 and varied["prompt_tokens"] == [1, 1024 - 449] and varied["max_step_ms"] > 0
 
 
 def test_bench_table_and_bad_input():

@@ -109,9 +109,10 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
-        self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, c.cuda_graphs)
+        self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
         self.startup_s = dict(self.runner.startup_s)  # where start-up time went; from_model adds the loading
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
+        self.max_step_s = 0.0  # the longest step so far (scheduling to sampled tokens); benchmarks reset it
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -262,6 +263,7 @@ class Engine:
             self._finish(handle, "cancelled")
 
     def _step(self) -> None:
+        start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return
@@ -277,8 +279,10 @@ class Engine:
         for c in chunks:
             c.seq.num_computed += c.length
             self.block_manager.commit_full_blocks(c.seq.table, c.seq.token_ids, c.seq.num_computed)
+        tokens = sample(logits, sampling)  # waits for the GPU: a replayed graph returns before it has run
         now = time.perf_counter()
-        for seq, token in zip(sampling, sample(logits, sampling), strict=True):
+        self.max_step_s = max(self.max_step_s, now - start)
+        for seq, token in zip(sampling, tokens, strict=True):
             handle = self._handles[seq.id]
             try:
                 self._on_token(handle, token, now)

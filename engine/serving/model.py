@@ -33,6 +33,20 @@ class StepInput:
     logits_indices: torch.Tensor  # [S] rows of the step whose next-token logits are wanted
 
 
+@dataclass
+class StepLists:
+    """The same step as host lists, as the model runner builds it from the scheduled chunks (block tables
+    unpadded); engine/serving/model_runner.py turns it into a StepInput, cuda_graph.py into its fixed buffers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    query_start_loc: list[int]
+    logits_indices: list[int]
+
+
 def fuse(parts: list[Weight]) -> list[Weight]:
     """Concatenate same-format weights along the output dim so q/k/v (gate/up) run as one matmul."""
     if all(isinstance(p, QuantWeight) for p in parts):
