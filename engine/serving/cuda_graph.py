@@ -21,8 +21,8 @@ from llamaterm.engine.serving.model import Model, StepInput, StepLists
 
 def token_buckets(max_batch: int, max_tokens: int) -> list[int]:
     """1, 2, 4 ... 64 and max_batch (decode steps); then steps of 64 up to 512, the quantized matmul's row tile
-    (a step pays per started tile), and of 256 up to max_tokens: a mixed step pads less than a tile below 512
-    tokens and at most a third of its tokens above."""
+    (a step pays per started tile), and of 256 up to max_tokens: a mixed step pads less than a tile up to 512
+    tokens and less than 256 tokens (under half its own) above."""
     out, t = [], 1
     while t < max_tokens:
         out.append(t)
