@@ -56,8 +56,24 @@ def read_prompt(prompt: str | None) -> str:
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             fail("give a PROMPT, or pipe one on stdin (see llamaterm run --help)", 2)
-        return sys.stdin.read()
+        return as_text(sys.stdin.buffer.read(), "stdin")
     return prompt
+
+
+def read_file(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # missing, a directory, unreadable
+        fail(f"cannot read --file {path}: {e.strerror or e}", 2)
+    return as_text(data, str(path))
+
+
+def as_text(data: bytes, source: str) -> str:
+    """Prompts are UTF-8 text; anything else (binary data, another encoding) is refused by name."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        fail(f"{source} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): give text prompts", 2)
 
 
 def messages_for(prompt: str, system: str | None) -> list[dict]:
@@ -111,7 +127,7 @@ def run(
         frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
     )
     if each_line:
-        source = file.read_text() if file else read_prompt("-")
+        source = read_file(file) if file else read_prompt("-")
         prompts = [line for line in source.splitlines() if line.strip()]
         if not prompts:
             fail("no prompts: --each-line reads one prompt per non-empty line", 2)

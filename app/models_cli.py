@@ -132,12 +132,13 @@ def info(
 
     path = Path(name).expanduser()
     if path.exists():
+        ci = read_checkpoint(path)  # first: a path that is no checkpoint (say `/`) is an error, not a long walk
         manifest, checkpoint = {}, path
-        size = sum(p.stat().st_size for p in [path, *path.rglob("*")] if p.is_file())
+        size = sum(p.stat().st_size for p in [path, *(path.iterdir() if path.is_dir() else [])] if p.is_file())
     else:
         model = find_model(name)
         name, manifest, checkpoint, size = model.name, model.manifest, model.checkpoint, model.size_on_disk()
-    ci = read_checkpoint(checkpoint)
+        ci = read_checkpoint(checkpoint)
     data = {
         "name": name,
         "path": str(checkpoint),

@@ -18,6 +18,7 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine, RequestHandle
 from llamaterm.engine.serving.model import Model
 from llamaterm.kernels.qweight import QuantWeight
@@ -126,7 +127,7 @@ def open_engine(model: str | None, device: str | None, config: EngineConfig) -> 
 
         return Bench(engine, engine.model_name, str(resolve_model(model)), True)
     name, quantized = parse_synthetic(model)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     t = time.perf_counter()
     m = synthetic_model(name, quantized, dev)
     sync(dev)

@@ -1,5 +1,6 @@
 """Per-request sampling settings, validated up front so a bad value fails its request, not the engine loop."""
 
+import math
 from dataclasses import dataclass
 
 from llamaterm.engine.errors import RequestError
@@ -23,7 +24,7 @@ class SamplingParams:
     def __post_init__(self):
         checks = [
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 <= self.temperature < math.inf, "temperature must be >= 0 and finite"),
             (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
@@ -31,6 +32,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),  # torch's generator seed
         ]
         for ok, message in checks:
             if not ok:

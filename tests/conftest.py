@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on the CPU; set before any test module is imported (see
+    # tests/test_kernels_triton.py): triton reads it as kernels are decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,10 @@ huggingface_hub turns into its exception types.
 
 Faults to inject: `drop_after[path] = n` drops the connection once, after n bytes of that file; `outage_after[path]
 = n` does the same and then refuses every request (the network is down); `corrupt` flips one byte of the files it
-names; `bytes_per_s` slows every download. `requests` logs (method, path, Range header) for the tests to check.
+names; `bytes_per_s` slows every download; `extra_bytes` appends that many bytes to every file it serves (more
+than listed). A hostile Hub: `commit_override` is answered as the commit of every repo, and `after_info` runs after
+each model-info response (to change the repo between the listing and the downloads). `requests` logs (method, path,
+Range header) for the tests to check.
 
 The server runs in a daemon thread on a random port and stops by itself after `lifetime_s` (or at `stop()`).
 """
@@ -54,6 +57,9 @@ class HubServer:
         self.outage_after: dict[str, int] = {}
         self.corrupt: set[str] = set()
         self.bytes_per_s: float | None = None
+        self.extra_bytes = 0
+        self.commit_override: str | None = None
+        self.after_info = None  # called with the repo id after each model-info response
         self.down = False
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -176,7 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
             "id": repo_id,
             "modelId": repo_id,
             "author": repo_id.split("/")[0],
-            "sha": commit,
+            "sha": self.hub.commit_override or commit,
             "lastModified": "2025-01-01T00:00:00.000Z",
             "createdAt": "2025-01-01T00:00:00.000Z",
             "private": False,
@@ -191,6 +197,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        if self.hub.after_info is not None:
+            self.hub.after_info(repo_id)
 
     def _resolve(self, repo_id: str, revision: str, name: str, head: bool) -> None:
         found = self._find(repo_id, revision)
@@ -206,6 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         lfs = name.endswith(LFS_SUFFIXES)
         etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_id(data)
+        data += b"\0" * self.hub.extra_bytes
         if name in self.hub.corrupt:
             data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :]
         start, end = 0, len(data) - 1

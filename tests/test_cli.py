@@ -1,6 +1,8 @@
 """The `llamaterm` command as a user runs it: a subprocess of the installed script."""
 
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.capped import MEMORY_CAP, one_line_error
 from tests.tiny_models import write_tiny_llama
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
@@ -83,6 +86,58 @@ def test_bad_input_gets_a_clear_error(args, code, words):
     assert out.returncode == code
     assert words in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, stdin, words", [
+    (["run", "-"], b"caf\xe9 au lait", "stdin is not UTF-8 text (byte 0xe9 at offset 3)"),
+    (["run", "-"], bytes(range(256)), "stdin is not UTF-8 text (byte 0x80 at offset 128)"),
+    (["tokenize", "-"], b"\xff\xfe", "stdin is not UTF-8 text"),
+    (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
+    (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
+    (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
+    (["run", "--seed", str(2**70), "hi"], b"", "seed must be in [0, 2**64)"),
+    (["run", "--device", "bogus", "hi"], b"", "unknown device 'bogus'"),
+    (["run", "--device", "cuda", "hi"], b"", "no CUDA GPU"),  # run with no GPU visible, below
+    (["run", "--kv-tokens", str(10**12), "hi"], b"", "give a smaller --kv-tokens"),  # a 10 GB block list, before
+])
+def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
+    (tmp_path / "latin1.txt").write_bytes("d\xe9j\xe0 vu\n".encode("latin-1"))
+    args = [a.format(tmp=tmp_path) for a in args]
+    out = subprocess.run([LLAMATERM, *args], input=stdin, capture_output=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, preexec_fn=cap_memory)
+    stderr = out.stderr.decode()
+    assert out.returncode in (1, 2) and one_line_error(stderr), stderr
+    assert words in stderr
+
+
+def cap_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_quietly():
+    """SIGINT while typer is being imported, the first tenth of a second of `llamaterm run`: a KeyboardInterrupt
+    traceback before; now exit 130 and nothing on stderr, as for a Ctrl-C at any later point."""
+    code = (
+        "import os, signal, sys\n"
+        "class InterruptAtTyper:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'typer':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, InterruptAtTyper())\n"
+        "sys.argv = ['llamaterm', 'run', 'hi']\n"
+        "from llamaterm.app.__main__ import main\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (130, "")
+
+
+def test_a_vanishing_temperature_answers_like_greedy():
+    """--temperature 1e-45 printed an empty reply (token 0) with exit 0; its limit is the greedy reply."""
+    runs = [llamaterm("run", "--json", "--max-tokens", "8", "--temperature", t, "--seed", "1", "What is 2+2?")
+            for t in ("1e-45", "0")]
+    tiny, greedy = (json.loads(r.stdout) for r in runs)
+    assert tiny["token_ids"] == greedy["token_ids"] and tiny["text"].strip()
 
 
 def test_bad_model_files(tmp_path, tiny):

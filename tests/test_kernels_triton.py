@@ -1,18 +1,15 @@
 """Every Triton kernel against its torch reference at small, odd shapes (not multiples of the blocks).
 
-Without CUDA the kernels run under TRITON_INTERPRET=1, set here before any of them is compiled (the kernel modules
-are imported below, after it; triton 3.9 reads the variable when a kernel is decorated, so an earlier
-`import triton` elsewhere does no harm). With CUDA the same tests run the compiled kernels. Inputs are fresh random
-draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten element fails the test.
+Without CUDA the kernels run under TRITON_INTERPRET=1, which tests/conftest.py sets before any test module is
+imported (a module that imports transformers decorates triton kernels of torch's own, after which a kernel of ours
+decorated under the interpreter calls helpers that were not). With CUDA the same tests run the compiled kernels.
+Inputs are fresh random draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten
+element fails the test.
 """
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from llamaterm.kernels.activation import silu_and_mul_ref  # noqa: E402

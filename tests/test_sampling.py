@@ -82,3 +82,16 @@ def test_invalid_values_are_named(bad):
     with pytest.raises(RequestError) as e:
         SamplingParams(**bad)
     assert next(iter(bad)) in str(e.value)
+
+
+def test_a_vanishing_temperature_samples_the_greedy_token():
+    # 1e-45 sent every logit to +-inf and the softmax to NaN: token 0 came out, an empty reply with exit 0
+    logits = torch.randn(8, 50) * 5
+    seqs = [make_seq(SamplingParams(temperature=t), seed=i) for i, t in enumerate([1e-45, 1e-30, 1e-12, 1e-7] * 2)]
+    assert sample(logits, seqs) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("values", [{"seed": 2**70}, {"seed": -1}, {"temperature": float("inf")}])
+def test_seeds_and_temperatures_out_of_range_are_refused(values):
+    with pytest.raises(RequestError, match="seed|temperature"):
+        SamplingParams(**values)

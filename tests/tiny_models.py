@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, RopeScalingType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, RopeScalingType
+from gguf.gguf_writer import GGUFValue
 from gguf.quants import quantize
 
 from llamaterm.engine.checkpoints.gguf import read_gguf_info
@@ -67,7 +68,8 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 @functools.cache
 def _tokenizer_metadata(path: Path) -> dict[str, object]:
     metadata = read_gguf_info(path)["metadata"]
-    return {key: value for key, value in metadata.items() if key in _TOKENIZER_KEYS}
+    return {key: value.tolist() if isinstance(value, np.ndarray) else value  # GGUFWriter takes lists
+            for key, value in metadata.items() if key in _TOKENIZER_KEYS}
 
 
 def _add_matrix(writer: GGUFWriter, name: str, w: np.ndarray, qtype: str, rng: np.random.Generator) -> None:
@@ -103,6 +105,7 @@ def write_tiny_llama(
     rope_scaling: tuple[str, float] | None = None,
     context_length: int = 256,
     split_max_tensors: int = 0,
+    metadata: dict[str, tuple[object, GGUFValueType] | None] | None = None,
 ) -> Path:
     """Write a random Llama GGUF with every matrix in `qtype` (F32, F16, BF16 or a quantized type) and F32
     norms, and return its path.
@@ -114,6 +117,8 @@ def write_tiny_llama(
     rope_scaling: (type, factor), e.g. ("linear", 4.0), written as the rope.scaling keys.
     split_max_tensors: split the model into parts of at most that many tensors (`name-00001-of-0000N.gguf`);
         the first part's path is returned.
+    metadata: key -> (value, GGUF type) to write instead of what the model would have (any type: for tests of
+        hostile files), or None to leave the key out.
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -139,6 +144,10 @@ def write_tiny_llama(
         writer.add_rope_scaling_factor(rope_scaling[1])
     for key, value in tokenizer.items():
         _TOKENIZER_KEYS[key](writer, value)
+    for key, typed in (metadata or {}).items():
+        writer.kv_data[0].pop(key, None)
+        if typed is not None:
+            writer.kv_data[0][key] = GGUFValue(*typed)
 
     def matrix(name: str, rows: int, cols: int, permute_heads: int = 0) -> None:
         w = rng.normal(0.0, 0.02, size=(rows, cols)).astype(np.float32)  # Hugging Face row order

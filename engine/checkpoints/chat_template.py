@@ -3,18 +3,31 @@
 Templates come from model files, so they are untrusted code: they render in jinja2's immutable sandbox,
 with the environment Hugging Face transformers gives them (trim_blocks, lstrip_blocks, loop controls,
 `tojson`, `raise_exception`, `strftime_now`, `{% generation %}` blocks), so they render here as there.
+
+The sandbox stops attribute tricks, not a template that never ends: each render also has a budget. The output
+may hold MAX_OUTPUT_CHARS, `*`, `+` and `**` refuse results beyond it before computing them (they are taken out
+of jinja's compile-time constant folding too), and a trace function stops a render that runs past
+MAX_RENDER_S (the loops of a template are Python loops in its compiled code, so its frames see every turn).
 """
 
 import json
+import sys
+import time
 from datetime import datetime
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llamaterm.engine.errors import ModelFormatError, RequestError
+
+MAX_TEMPLATE_CHARS = 1 << 20  # real templates are a few kB
+MAX_OUTPUT_CHARS = 1 << 24  # 16M characters: more than any model's context holds as text
+MAX_INT_BITS = 1 << 16  # integers a template may compute (Python prints at most 4300 digits anyway)
+MAX_RENDER_S = 2.0  # real templates render in milliseconds
 
 # Used when a model ships no template: ChatML, the format of transformers' old default template. A model not
 # trained on it still gets a readable prompt, but its markers are plain text to it.
@@ -57,7 +70,52 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+class _OverBudget(jinja2.TemplateError):
+    """The template asked for more output, a bigger number or more time than any prompt needs."""
+
+
+def _size(x) -> int | None:
+    """How much room a value takes: characters or items of a sequence, bits of an integer."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x.bit_length()
+    return len(x) if isinstance(x, str | list | tuple) else None
+
+
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    def visit_Concat(self, node, frame) -> None:
+        # `a ~ b` is not a binop jinja lets the sandbox intercept: check the joined string's length instead
+        self.write("environment.checked_concat(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "+", "**"})
+    code_generator_class = _CodeGenerator
+
+    def checked_concat(self, joined: str) -> str:
+        if len(joined) > MAX_OUTPUT_CHARS:
+            raise _OverBudget(f"'~' made a string of {len(joined)} characters, beyond the limit of {MAX_OUTPUT_CHARS}")
+        return joined
+
+    def call_binop(self, context, operator: str, left, right):
+        a, b = _size(left), _size(right)
+        if a is not None and b is not None:
+            ints = isinstance(left, int) and isinstance(right, int)
+            if operator == "**" and ints:
+                size, limit = (a * right if right > 0 and abs(left) > 1 else 0), MAX_INT_BITS
+            elif operator == "*":
+                # int * int: bits add up; sequence * n: the length multiplies
+                size = a + b if ints else (a * right if isinstance(right, int) else left * b)
+                limit = MAX_INT_BITS if ints else MAX_OUTPUT_CHARS
+            else:
+                size, limit = max(a, b) + 1 if ints else a + b, MAX_INT_BITS if ints else MAX_OUTPUT_CHARS
+            if size > limit:
+                raise _OverBudget(f"{operator!r} would make a value of size {size}, beyond the limit of {limit}")
+        return super().call_binop(context, operator, left, right)
+
     def unsafe_undefined(self, obj, attribute: str):
         # jinja's sandbox answers an unsafe attribute with an Undefined that prints as "" and fails only when used
         # further; a template reaching for internals is hostile, so it fails at once
@@ -79,25 +137,58 @@ class ChatTemplate:
     """One compiled template; a template that does not parse fails here, with ModelFormatError."""
 
     def __init__(self, source: str):
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise ModelFormatError(f"the model's chat template is {len(source)} characters long, beyond any real "
+                                   f"template (at most {MAX_TEMPLATE_CHARS}); the file is damaged or hostile")
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as err:
             raise ModelFormatError(
                 f"the model's chat template does not parse (line {err.lineno}): {err.message}"
             ) from err
+        except Exception as err:  # the compiler on hostile input: RecursionError, MemoryError, ...
+            raise ModelFormatError(f"the model's chat template does not compile: {type(err).__name__}") from err
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+        chunks = self._template.generate(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            # Templates test `tools is not none`; an undefined variable would pass that test
+            tools=None,
+            documents=None,
+        )
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=bos_token,
-                eos_token=eos_token,
-                # Templates test `tools is not none`; an undefined variable would pass that test
-                tools=None,
-                documents=None,
-            )
+            return _within_budget(chunks)
         except _TemplateRaised as err:
             raise RequestError(f"the model's chat template refuses this conversation: {err.message}") from err
+        except _OverBudget as err:
+            raise ModelFormatError(f"the model's chat template was stopped: {err.message}; the template is broken "
+                                   "or hostile (run with --raw to skip it)") from err
         except Exception as err:  # untrusted code can fail in any way (TypeError, SecurityError, ...)
-            raise ModelFormatError(f"the model's chat template failed: {type(err).__name__}: {err}") from err
+            raise ModelFormatError(f"the model's chat template failed: {type(err).__name__}: "
+                                   f"{str(err)[:200]}") from err
+
+
+def _within_budget(chunks) -> str:
+    """Join the rendered chunks, stopping a render that outgrows MAX_OUTPUT_CHARS or outlasts MAX_RENDER_S."""
+    deadline = time.monotonic() + MAX_RENDER_S
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _OverBudget(f"it ran for more than {MAX_RENDER_S} s")
+        return trace
+
+    parts, size = [], 0
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        for chunk in chunks:
+            size += len(chunk)
+            if size > MAX_OUTPUT_CHARS:
+                raise _OverBudget(f"its output passed {MAX_OUTPUT_CHARS} characters")
+            parts.append(chunk)
+    finally:
+        sys.settrace(previous)
+    return "".join(parts)

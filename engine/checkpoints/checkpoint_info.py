@@ -5,6 +5,7 @@ of each *.safetensors file and tokenizer_config.json; nothing here unpickles.
 """
 
 import json
+import math
 import re
 import struct
 from collections import Counter
@@ -12,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from llamaterm.engine.checkpoints.fields import read
 from llamaterm.engine.checkpoints.hf_files import chat_template_source
 from llamaterm.engine.errors import ModelFormatError
 
@@ -45,13 +49,10 @@ def read_gguf(first: Path) -> CheckpointInfo:
     from llamaterm.engine.checkpoints.gguf import read_gguf_info
 
     info = read_gguf_info(first)  # the engine's own parser: checked reads, every part of a split file
-    metadata = {
-        key: f"[{len(value)} items]" if isinstance(value, list) and len(value) > MAX_LISTED_ITEMS else value
-        for key, value in info["metadata"].items()
-    }
-    arch = metadata.get("general.architecture")
+    get = lambda key, kind: read(info["metadata"], key, kind, None, where=str(first))
+    arch = get("general.architecture", str)
     try:
-        file_type = LlamaFileType(metadata.get("general.file_type")).name  # MOSTLY_Q4_K_M, ALL_F32
+        file_type = LlamaFileType(get("general.file_type", int)).name  # MOSTLY_Q4_K_M, ALL_F32
         quant = file_type.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         quant = None
@@ -60,11 +61,18 @@ def read_gguf(first: Path) -> CheckpointInfo:
         quant=quant,
         architecture=arch,
         parameters=info["n_params"],
-        context_length=metadata.get(f"{arch}.context_length"),
+        context_length=get(f"{arch}.context_length", int),
         tensor_types=info["tensor_types"],
-        chat_template=metadata.pop("tokenizer.chat_template", None),
-        metadata=metadata,
+        chat_template=get("tokenizer.chat_template", str),
+        metadata={key: _shown(value) for key, value in info["metadata"].items() if key != "tokenizer.chat_template"},
     )
+
+
+def _shown(value):
+    """A metadata value as `info` lists it: long arrays summarised, numpy arrays as lists."""
+    if isinstance(value, list | np.ndarray) and len(value) > MAX_LISTED_ITEMS:
+        return f"[{len(value)} items]"
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
@@ -73,7 +81,16 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 100_000_000:
             raise ModelFormatError(f"{path}: implausible safetensors header length {n}")
-        return json.loads(f.read(n))
+        header = json.loads(f.read(n))
+    entries = header.items() if isinstance(header, dict) else [(None, None)]
+    for name, t in entries:
+        if name != "__metadata__" and not (
+            isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in t["shape"])
+        ):
+            raise ModelFormatError(f"{path}: the safetensors header does not describe tensor {name!r} (a dtype and "
+                                   "a shape); the file is damaged: re-download it")
+    return header
 
 
 def read_safetensors(folder: Path) -> CheckpointInfo:
@@ -82,12 +99,15 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
         headers = [safetensors_header(p) for p in sorted(folder.glob("*.safetensors"))]
     except (OSError, ValueError, struct.error) as e:
         raise ModelFormatError(f"{folder}: not a readable safetensors checkpoint ({e})") from e
-    qconfig = config.get("quantization_config") or {}
-    bits = qconfig.get("bits") or qconfig.get("w_bit")
-    if qconfig.get("quant_method") and bits:
-        quant = f"{qconfig['quant_method'].upper()}-{bits}bit"
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{folder / 'config.json'} does not hold a JSON object")
+    get = lambda data, key, kind: read(data, key, kind, None, where=str(folder / "config.json"))
+    qconfig = get(config, "quantization_config", dict) or {}
+    bits = get(qconfig, "bits", int) or get(qconfig, "w_bit", int)
+    if (method := get(qconfig, "quant_method", str)) and bits:
+        quant = f"{method.upper()}-{bits}bit"
     else:
-        dtype = config.get("torch_dtype") or config.get("dtype")
+        dtype = get(config, "torch_dtype", str) or get(config, "dtype", str)
         quant = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dtype)
     types: Counter[str] = Counter()
     parameters = 0
@@ -96,19 +116,17 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
             if name == "__metadata__":
                 continue
             types[t["dtype"]] += 1
-            numel = 1
-            for d in t["shape"]:
-                numel *= d
-            if name.endswith(".qweight") and bits:
+            numel = math.prod(t["shape"])
+            if name.endswith(".qweight") and bits and 0 < bits <= 32:
                 parameters += numel * (32 // bits)  # GPTQ / AWQ pack 32 // bits weights into each int32
             elif not name.endswith((".qzeros", ".scales", ".g_idx")):  # quantization bookkeeping, not weights
                 parameters += numel
     return CheckpointInfo(
         format="safetensors",
         quant=quant,
-        architecture=config.get("model_type"),
+        architecture=get(config, "model_type", str),
         parameters=parameters,
-        context_length=config.get("max_position_embeddings"),
+        context_length=get(config, "max_position_embeddings", int),
         tensor_types=dict(types),
         chat_template=chat_template_source(folder),
         metadata=config,

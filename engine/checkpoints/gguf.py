@@ -3,9 +3,9 @@
 The container is parsed here rather than with gguf.GGUFReader: GGUFReader trusts the counts and lengths in
 the file (an absurd array length makes it loop for ever, a short file gives silently short arrays) and
 takes seconds to decode a 49k-token vocabulary. This parser checks every read against the end of the file and
-decodes numeric arrays in one numpy call. The gguf package still supplies the type ids and block sizes; its
-dequantizers are the tests' oracle. The container: the GGUF spec (ggml's docs/gguf.md); block layouts: ggml's
-ggml-common.h and ggml-quants.c.
+keeps numeric arrays as numpy views of the mapped file (a list of Python ints costs eight times the bytes). The
+gguf package still supplies the type ids and block sizes; its dequantizers are the tests' oracle. The
+container: the GGUF spec (ggml's docs/gguf.md); block layouts: ggml's ggml-common.h and ggml-quants.c.
 
 Quantized tensors become QuantWeight: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly; Q4_K, Q5_K (group 32) and Q6_K
 (group 16) with each super-block scale times sub-block scale rounded once to fp16. The converter's q/k row
@@ -27,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
 from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
 
@@ -42,7 +43,7 @@ _MAX_ARRAY_NESTING = 4  # the spec allows arrays of arrays; real files use none
 
 
 def _bad(path: Path, problem: str, advice: str = REDOWNLOAD) -> ModelFormatError:
-    return ModelFormatError(f"{path}: {problem}.\n{advice}")
+    return ModelFormatError(f"{path}: {problem}. {advice}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class _Reader:
         if itype in _SCALAR_FORMATS:
             dtype = np.dtype(_SCALAR_FORMATS[itype])
             n = self.count(dtype.itemsize, what)
-            return np.frombuffer(self.take(n * dtype.itemsize, what), dtype=dtype).tolist()
+            return np.frombuffer(self.take(n * dtype.itemsize, what), dtype=dtype)  # a view: no copy
         n = self.count(8 if itype == GGUFValueType.STRING else 12, what)  # smallest string / array header
         return [self.value(itype, what, depth + 1) for _ in range(n)]
 
@@ -186,10 +187,11 @@ def read_gguf_parts(path: Path) -> GGUFFile:
     The returned metadata is the first part's (the others carry only split keys); tensors are merged.
     """
     first = read_gguf_file(path)
-    count = first.metadata.get("split.count", 1)
+    split_key = lambda f, key, default=None: read(f.metadata, key, int, default, where=str(f.path))
+    count = split_key(first, "split.count", 1)
     if count == 1:
         return first
-    no, shard = first.metadata.get("split.no"), SPLIT_GGUF.fullmatch(path.name)
+    no, shard = split_key(first, "split.no"), SPLIT_GGUF.fullmatch(path.name)
     if no != 0 or not shard or int(shard["no"]) != 1 or int(shard["count"]) != count:
         raise _bad(path, f"this is part {no!r} (counting from 0) of a model split into {count!r} files",
                    "Load the first part, the file named like <name>-00001-of-000NN.gguf.")
@@ -197,17 +199,17 @@ def read_gguf_parts(path: Path) -> GGUFFile:
     missing = [p.name for p in parts if not p.exists()]
     if missing:
         raise ModelFormatError(f"{path}: the model is split into {count} files and these are missing: "
-                               f"{', '.join(missing)}.\nDownload every part into {path.parent}.")
+                               f"{', '.join(missing)}. Download every part into {path.parent}.")
     tensors = dict(first.tensors)
     for no, part_path in enumerate(parts, start=1):
         part = read_gguf_file(part_path)
-        if (part.metadata.get("split.no"), part.metadata.get("split.count")) != (no, count):
+        if (split_key(part, "split.no"), split_key(part, "split.count")) != (no, count):
             raise _bad(part_path, f"its split keys do not say part {no} of {count} (counting from 0)",
                        "The parts come from different models or downloads: download every part again.")
         if repeated := sorted(tensors.keys() & part.tensors.keys()):
             raise _bad(part_path, f"it repeats tensors of earlier parts: {', '.join(repeated[:3])}")
         tensors.update(part.tensors)
-    expected = first.metadata.get("split.tensors.count", len(tensors))
+    expected = split_key(first, "split.tensors.count", len(tensors))
     if expected != len(tensors):
         raise _bad(path, f"the parts hold {len(tensors)} tensors, the metadata promises {expected}")
     return GGUFFile(path, first.metadata, tensors)
@@ -233,21 +235,15 @@ def read_gguf_info(path: str | Path) -> dict:
 
 def _config(f: GGUFFile) -> ModelConfig:
     meta, path = f.metadata, f.path
-    arch = meta.get("general.architecture")
+    arch = read(meta, "general.architecture", str, where=str(path))
     if arch not in SUPPORTED_ARCHS:
         raise _bad(path, f"the architecture {arch!r} is not supported "
                          f"(llamaterm runs: {', '.join(SUPPORTED_ARCHS)})",
                    "Pick a Llama-family model (Llama 2/3, Mistral, SmolLM, TinyLlama) in GGUF format.")
-    required = object()
+    required = MISSING
 
     def get(key: str, default: object = required, kind: type = int):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is required:
-            raise _bad(path, f"the metadata key {arch}.{key} is missing")
-        kinds = (int, float) if kind is float else (int,)
-        if not isinstance(value, kinds) or isinstance(value, bool) or not 0 < value < math.inf:
-            raise _bad(path, f"{arch}.{key} = {value!r} is not a positive {kind.__name__}")
-        return kind(value)
+        return kind(read(meta, f"{arch}.{key}", kind, default, where=str(path), positive=True))
 
     hidden, n_heads = get("embedding_length"), get("attention.head_count")
     n_kv_heads = get("attention.head_count_kv", n_heads)
@@ -258,8 +254,6 @@ def _config(f: GGUFFile) -> ModelConfig:
                        "Pick a standard Llama-family model.")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
-
-    freq_factors = _rope_freq_factors(f, arch, head_dim, get)
     fields = dict(
         arch=arch,
         name=str(meta.get("general.name") or path.stem),
@@ -273,7 +267,6 @@ def _config(f: GGUFFile) -> ModelConfig:
         context_length=get("context_length"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=get("rope.freq_base", 10000.0, float),
-        rope_freq_factors=freq_factors,
         tie_word_embeddings="output.weight" not in f.tensors,
     )
     try:
@@ -282,9 +275,12 @@ def _config(f: GGUFFile) -> ModelConfig:
         raise _bad(path, str(e)) from None
 
 
-def _rope_freq_factors(f: GGUFFile, arch: str, head_dim: int, get) -> tuple[float, ...] | None:
+def _rope_freq_factors(f: GGUFFile, c: ModelConfig) -> tuple[float, ...] | None:
     """RoPE frequency divisors: Llama-3 scaling comes baked into the rope_freqs tensor, linear scaling is one
-    factor for all."""
+    factor for all. Called once the tensors have been checked against the config, which bounds head_dim."""
+    arch, head_dim = c.arch, c.head_dim
+    get = lambda key, kind, default=None: read(f.metadata, f"{arch}.{key}", kind, default, where=str(f.path),
+                                               positive=kind is float)
     factors = None
     if (t := f.tensors.get("rope_freqs.weight")) is not None:
         if t.type != GGMLQuantizationType.F32 or t.shape != (head_dim // 2,):
@@ -292,10 +288,12 @@ def _rope_freq_factors(f: GGUFFile, arch: str, head_dim: int, get) -> tuple[floa
         factors = t.data.view(np.float32).tolist()
         if not all(0 < x < math.inf for x in factors):
             raise _bad(f.path, "rope_freqs.weight holds values that are not positive and finite")
-    legacy_linear = f.metadata.get(f"{arch}.rope.scale_linear")  # the old spelling of linear scaling
-    scaling = f.metadata.get(f"{arch}.rope.scaling.type", "none" if legacy_linear is None else "linear")
+    legacy_linear = get("rope.scale_linear", float)  # the old spelling of linear scaling
+    scaling = get("rope.scaling.type", str, "none" if legacy_linear is None else "linear")
     if scaling == "linear":
-        factor = get("rope.scaling.factor", legacy_linear, float)
+        factor = get("rope.scaling.factor", float, legacy_linear)
+        if factor is None:
+            raise _bad(f.path, f"{arch}.rope.scaling.factor is missing for linear RoPE scaling")
         factors = [x * factor for x in (factors or [1.0] * (head_dim // 2))]
     elif scaling != "none":
         raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear and Llama-3 are)",
@@ -446,6 +444,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     f = read_gguf_parts(Path(path))
     config = _config(f)
     _check_tensors(f, config)
+    config = dataclasses.replace(config, rope_freq_factors=_rope_freq_factors(f, config))
     tensors = {}
     for name, t in f.tensors.items():
         if name == "rope_freqs.weight":  # already in config.rope_freq_factors

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
 
@@ -39,6 +40,9 @@ LAYER_MODULES = {
 }
 # A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
 IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# Llama-family head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
+MAX_HEAD_DIM = 4096
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into nibble i of word c: column j is in nibble REVERSE[j].
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
@@ -81,49 +85,54 @@ def read_config_json(model_dir: Path) -> dict:
 
 def model_config(hf: dict, name: str) -> ModelConfig:
     """config.json (as a dict) -> ModelConfig, refusing what the Llama forward pass cannot run."""
-    arch = (hf.get("architectures") or [None])[0]
+    architectures = field(hf, "architectures", "strings", [])
+    arch = architectures[0] if architectures else None
     if arch not in SUPPORTED_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
         raise ModelFormatError(
             f"unsupported architecture {arch or hf.get('model_type')!r}: llamaterm runs "
             f"{' and '.join(SUPPORTED_ARCHITECTURES)} checkpoints"
         )
-    n_heads = int(required(hf, "num_attention_heads"))
-    hidden_size = int(required(hf, "hidden_size"))
-    context_length = int(required(hf, "max_position_embeddings"))
+    size = lambda key, default=MISSING: field(hf, key, int, default, positive=True)
+    n_heads = size("num_attention_heads")
+    hidden_size = size("hidden_size")
+    context_length = size("max_position_embeddings")
     # MistralConfig defaults to a 4096-token window when the key is absent; a window covering the whole
     # context is the same as none.
-    window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    window = size("sliding_window", 4096 if arch == "MistralForCausalLM" and "sliding_window" not in hf else None)
     if window is not None and window < context_length:
         raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ModelFormatError(f"unsupported activation {hf['hidden_act']!r}: the Llama MLP uses silu")
+    if (act := field(hf, "hidden_act", str, "silu")) != "silu":
+        raise ModelFormatError(f"unsupported activation {act!r}: the Llama MLP uses silu")
     config = ModelConfig(
         arch="llama",
         name=name,
-        n_layers=int(required(hf, "num_hidden_layers")),
+        n_layers=size("num_hidden_layers"),
         hidden_size=hidden_size,
-        intermediate_size=int(required(hf, "intermediate_size")),
+        intermediate_size=size("intermediate_size"),
         n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or hidden_size // n_heads),
-        vocab_size=int(required(hf, "vocab_size")),
+        n_kv_heads=size("num_key_value_heads", n_heads),
+        head_dim=size("head_dim", max(hidden_size // n_heads, 1)),
+        vocab_size=size("vocab_size"),
         context_length=context_length,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(field(hf, "rms_norm_eps", float, 1e-6, positive=True)),
+        rope_theta=float(field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0),
+                               positive=True)),
+        tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
     )
     return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
 
 
-def required(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise ModelFormatError(f"config.json lacks {key!r}")
-    return hf[key]
+def field(hf: dict, key: str, kind, default=MISSING, *, positive: bool = False):
+    """A config.json value checked to be of `kind` (see checkpoints/fields.py)."""
+    return read(hf, key, kind, default, where="config.json", positive=positive)
 
 
 def rope_params(hf: dict) -> dict:
     """RoPE settings: transformers 5 writes `rope_parameters`, older ones `rope_theta` and `rope_scaling`."""
-    return {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    params = [hf.get(key) or {} for key in ("rope_parameters", "rope_scaling")]
+    if not all(isinstance(p, dict) for p in params):
+        raise ModelFormatError("config.json: rope_parameters and rope_scaling must be JSON objects")
+    return {**params[0], **params[1]}
 
 
 def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None:
@@ -133,11 +142,14 @@ def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None
         return None
     if rope_type != "llama3":
         raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: only 'llama3' is supported")
-    try:
-        factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-    except KeyError as err:
-        raise ModelFormatError(f"llama3 rope scaling lacks {err}") from None
-    old_context = float(params.get("original_max_position_embeddings") or config.context_length)
+    if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
+        raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any Llama model's "
+                               f"(at most {MAX_HEAD_DIM}); the file is damaged")
+    factor, low, high = (field(params, k, float, positive=True) for k in ("factor", "low_freq_factor",
+                                                                          "high_freq_factor"))
+    if low >= high:
+        raise ModelFormatError(f"config.json: llama3 rope scaling has low_freq_factor {low} >= high_freq_factor {high}")
+    old_context = field(params, "original_max_position_embeddings", float, config.context_length, positive=True)
     # Divisors of the inverse frequencies, as llama.cpp's rope_freqs (its llm_build_rope_factors): keep the
     # short wavelengths, divide the long ones by `factor`, blend in between.
     factors = []
@@ -184,6 +196,11 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
 # --- safetensors files -----------------------------------------------------------------------------------
 
 
+def is_file_name(name: str) -> bool:
+    """A plain file name: no folder part, no '..', no absolute path, on any OS."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0:")
+
+
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     index_path = model_dir / "model.safetensors.index.json"
     weight_map = None
@@ -192,7 +209,12 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
             raise ModelFormatError(f"{index_path} is not a valid safetensors index ({err})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelFormatError(f"{index_path}: weight_map is not an object of tensor name -> file name")
         files = sorted(set(weight_map.values()))
+        if outside := [f for f in files if not is_file_name(f)]:  # a shard is a file beside the index
+            raise ModelFormatError(f"{index_path} points outside the model folder ({outside[0]!r}): refusing "
+                                   "to read it; the index is damaged or hostile")
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
@@ -245,6 +267,9 @@ def convert_tensors(
         if module is None:
             raise ModelFormatError(f"unexpected tensor {name!r}: not part of a Llama model")
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
+    if config.n_layers * len(LAYER_MODULES) > len(modules):  # before per-layer tables for an absurd count
+        raise ModelFormatError(f"config.json: num_hidden_layers = {config.n_layers}, but the checkpoint holds "
+                               f"only {len(raw)} tensors")
     if config.tie_word_embeddings:
         modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
     shapes = weight_shapes(config)

@@ -19,6 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
+from llamaterm.engine.checkpoints.fields import read
 from llamaterm.engine.checkpoints.hf_files import chat_template_source, read_json, read_text
 from llamaterm.engine.errors import ModelFormatError
 
@@ -123,33 +124,35 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
-        """From GGUF metadata (every key -> plain Python value, arrays as lists)."""
-        tokens = meta.get("tokenizer.ggml.tokens")
+        """From GGUF metadata (every key -> its value: numeric arrays as numpy arrays, string arrays as lists)."""
+        get = lambda key, kind, default=None: read(meta, key, kind, default, where="GGUF metadata")
+        tokens = get("tokenizer.ggml.tokens", "strings")
         if not tokens:
             raise ModelFormatError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-        tokens = list(tokens)
         n = len(tokens)
-        token_types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
-        if len(token_types) != n:
+        token_types = get("tokenizer.ggml.token_type", "ints")
+        if token_types is not None and len(token_types) != n:
             raise ModelFormatError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {n} tokens")
+        token_types = [NORMAL] * n if token_types is None else [int(t) for t in token_types]
 
         def token_id(key: str) -> int | None:
-            value = meta.get(f"tokenizer.ggml.{key}")
+            value = get(f"tokenizer.ggml.{key}", int)
             if value is not None and not 0 <= value < n:
                 raise ModelFormatError(f"tokenizer.ggml.{key} = {value} is outside the vocabulary of {n} tokens")
             return value
 
-        model = meta.get("tokenizer.ggml.model")
+        model = get("tokenizer.ggml.model", str)
         if model == "gpt2":
-            pre = meta.get("tokenizer.ggml.pre", "default")
-            backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges"), pre)
+            pre = get("tokenizer.ggml.pre", str, "default")
+            backend = _byte_level_bpe(tokens, get("tokenizer.ggml.merges", "strings"), pre)
             add_bos_default, add_space_prefix = pre in _LLAMA3_PRES, False
         elif model == "llama":
-            add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", bool, True))
             unk_id = token_id("unknown_token_id")
+            scores = get("tokenizer.ggml.scores", "numbers")
             backend = _sentencepiece_bpe(
                 tokens,
-                meta.get("tokenizer.ggml.scores"),
+                None if scores is None or len(scores) != n else [float(x) for x in scores],
                 None if unk_id is None else tokens[unk_id],
                 add_space_prefix,
             )
@@ -175,10 +178,10 @@ class Tokenizer:
             strip_leading_space=add_space_prefix,
             bos_id=bos_id,
             eos_id=token_id("eos_token_id"),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default and bos_id is not None)),
-            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", bool, add_bos_default and bos_id is not None)),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", bool, False)),
             extra_stop_ids=stops,
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=get("tokenizer.chat_template", str),
         )
 
     @classmethod
@@ -211,12 +214,21 @@ class Tokenizer:
             raise ModelFormatError(f"{folder / 'tokenizer.json'}: unsupported decoder {sorted(map(str, kinds))}")
 
         vocab = backend.get_vocab(with_added_tokens=True)
-        tokens = [""] * (max(vocab.values()) + 1)
+        if not vocab:
+            raise ModelFormatError(f"{folder / 'tokenizer.json'}: the vocabulary is empty")
+        token, top = max(vocab.items(), key=lambda item: item[1])
+        if top >= 2 * len(vocab):  # ids index a table of max id + 1 entries: a sparse one is a damaged file
+            raise ModelFormatError(f"{folder / 'tokenizer.json'}: token {token!r} has id {top}, far beyond the "
+                                   f"{len(vocab)} tokens of the vocabulary; the file is damaged")
+        tokens = [""] * (top + 1)
         token_types = [UNUSED] * len(tokens)
         for token, i in vocab.items():
             tokens[i] = token
             token_types[i] = BYTE if not byte_level and _BYTE_TOKEN.fullmatch(token) else NORMAL
-        for added in spec.get("added_tokens", []):
+        for added in spec.get("added_tokens") or []:
+            if not (isinstance(added, dict) and vocab.get(added.get("content")) == added.get("id")):
+                raise ModelFormatError(f"{folder / 'tokenizer.json'}: added token {str(added)[:60]} is not in the "
+                                       "vocabulary")
             token_types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
 
         def config_token_id(name: str) -> int | None:

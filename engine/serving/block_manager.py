@@ -9,6 +9,8 @@ Freed blocks keep their contents and hash until reused: the free queue is also t
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from llamaterm.engine.errors import LlamatermError
+
 
 @dataclass
 class Block:
@@ -16,6 +18,16 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+
+
+def pool_blocks(kv_tokens: int, block_size: int, bytes_per_token: int, free_bytes: int) -> int:
+    """The number of blocks of a KV pool of kv_tokens tokens; a pool that cannot fit the free memory is refused
+    here, before the block list or the cache tensor is allocated."""
+    need = kv_tokens * bytes_per_token
+    if need > free_bytes:
+        raise LlamatermError(f"a KV cache of {kv_tokens} tokens needs {need / 1e9:.3g} GB, but only "
+                             f"{free_bytes / 1e9:.3g} GB are free: give a smaller --kv-tokens (or leave it out)")
+    return max(1, kv_tokens // block_size)
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:

@@ -8,7 +8,6 @@ cancel only enqueue). A failure while serving one request fails that request alo
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import secrets
 import threading
@@ -23,7 +22,8 @@ from llamaterm.engine.api import EngineConfig, EngineStats, Event, EventStream, 
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
-from llamaterm.engine.serving.block_manager import BlockManager
+from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
+from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.model_runner import ModelRunner
 from llamaterm.engine.serving.sampling import sample
@@ -105,7 +105,8 @@ class Engine:
         self.device = str(model.device)
         self.max_context = model.config.context_length
         c = config
-        num_blocks = max(1, (c.kv_tokens or default_kv_tokens(model)) // c.block_size)
+        num_blocks = pool_blocks(c.kv_tokens or default_kv_tokens(model), c.block_size, model.kv_bytes_per_token(),
+                                 free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
@@ -134,7 +135,7 @@ class Engine:
         t0 = time.perf_counter()
         ckpt, tokenizer, path = load_checkpoint(name)
         t1 = time.perf_counter()
-        dev = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = resolve_device(config.device)
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
@@ -321,8 +322,7 @@ class Engine:
 
 def default_kv_tokens(model: Model) -> int:
     """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens."""
+    free = free_memory(model.device)
     if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
         return int(free * 0.85) // model.kv_bytes_per_token()
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1024, min(32768, free // 4 // model.kv_bytes_per_token()))

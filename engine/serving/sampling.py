@@ -52,7 +52,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if p.greedy:
             tokens[i] = int(row.argmax())
             continue
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        # shifted so the best logit is 0 before dividing: a tiny temperature sends the others to -inf (greedy,
+        # its limit) instead of every logit to +-inf and the softmax to NaN (which sampled token 0)
+        row = filter_logits((row - row.max()) / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = row.softmax(-1)
         race = torch.empty_like(probs).exponential_(generator=seq.generator)
         tokens[i] = int((probs / race).argmax())

@@ -40,6 +40,7 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.store.model_store import (
     VALID_NAME,
     StoredModel,
+    UnsafeFileName,
     describe_checkpoint,
     file_hash,
     format_size,
@@ -47,6 +48,7 @@ from llamaterm.engine.store.model_store import (
     list_models,
     model_lock,
     models_dir,
+    place,
     write_manifest,
 )
 
@@ -59,6 +61,7 @@ SAFETENSORS_EXTRAS = re.compile(
     r"^(config\.json|generation_config\.json|model\.safetensors\.index\.json|tokenizer.*\.json|tokenizer\.model"
     r"|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt|chat_template\.jinja|chat_template\.json)$"
 )
+GIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 RETRIES = 3  # consecutive failed attempts, without a byte of progress, before giving up on a file
 RETRY_DELAY_S = 1.0
 
@@ -196,6 +199,9 @@ def plan_pull(repo: str, quant: str | None, revision: str | None, name: str | No
         info = HfApi(endpoint=endpoint()).model_info(
             repo, revision=revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT
         )
+    if not isinstance(info.sha, str) or not GIT_SHA.match(info.sha):  # it names a folder in the store
+        raise PullError(f"{endpoint()} answered {str(info.sha)[:60]!r} as the commit of {repo}, not a git commit id: "
+                        "refusing it (is HF_ENDPOINT a Hub?)")
     if info.gated and get_token() is None:
         raise PullError(gated_message(repo))  # say so now, not after the first download fails
     remote = {
@@ -290,18 +296,22 @@ def _stored(name: str) -> StoredModel | None:
 def _download_and_install(plan: PullPlan, say: Callable[[str], None]) -> StoredModel:
     partial = models_dir() / ".partial"
     staging = partial / f"{plan.name}@{plan.commit}"
+    try:
+        dests = {f.path: place(staging, f.path) for f in plan.files}  # checked before anything is written
+    except UnsafeFileName as e:
+        raise PullError(f"{plan.repo} lists a file named {e}: refusing to pull it (is HF_ENDPOINT a Hub?)") from None
     for stale in partial.glob(f"{plan.name}@*"):
         if stale != staging:
             shutil.rmtree(stale)  # an interrupted pull of an older commit: its bytes are of no use now
     staging.mkdir(parents=True, exist_ok=True)
-    _check_disk_space(plan, staging)
+    _check_disk_space(plan, staging, dests)
     n, total = len(plan.files), format_size(sum(f.size for f in plan.files))
     say(f"pulling {plan.repo} ({plan.quant or plan.format}: {n} file{'s' * (n > 1)}, {total})")
     headers = build_hf_headers()
     with hub_errors(plan.repo, plan.revision):
         for f in plan.files:
             url = hf_hub_url(plan.repo, f.path, revision=plan.commit, endpoint=endpoint())
-            _download(url, staging / f.path, f, headers, say)
+            _download(url, dests[f.path], f, headers, say)
     manifest = {
         "repo": plan.repo,
         "revision": plan.commit,
@@ -309,7 +319,7 @@ def _download_and_install(plan: PullPlan, say: Callable[[str], None]) -> StoredM
         "format": plan.format,
         "quant": plan.quant,
         "files": [
-            {"path": f.path, "size": f.size, "sha256": f.sha256 or file_hash(staging / f.path)} for f in plan.files
+            {"path": f.path, "size": f.size, "sha256": f.sha256 or file_hash(dests[f.path])} for f in plan.files
         ],
         "pulled_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
@@ -319,9 +329,10 @@ def _download_and_install(plan: PullPlan, say: Callable[[str], None]) -> StoredM
     return install(staging, plan.name)
 
 
-def _check_disk_space(plan: PullPlan, staging: Path) -> None:
+def _check_disk_space(plan: PullPlan, staging: Path, dests: dict[str, Path]) -> None:
     def missing(f: RemoteFile) -> int:
-        final, part = staging / f.path, staging / f"{f.path}.part"
+        final = dests[f.path]
+        part = final.with_name(final.name + ".part")
         return 0 if final.exists() else f.size - (part.stat().st_size if part.exists() else 0)
 
     need = sum(missing(f) for f in plan.files)
@@ -350,7 +361,7 @@ def _download(url: str, dest: Path, remote: RemoteFile, headers: dict[str, str],
             while out.tell() < remote.size:
                 start = out.tell()
                 try:
-                    _stream(url, out, headers, bar)
+                    _stream(url, out, headers, bar, remote)
                 except httpx2.TransportError as e:
                     failures = 0 if out.tell() > start else failures + 1
                     if failures >= RETRIES:
@@ -370,8 +381,8 @@ def _download(url: str, dest: Path, remote: RemoteFile, headers: dict[str, str],
     part.replace(dest)
 
 
-def _stream(url: str, out, headers: dict[str, str], bar) -> None:
-    """Append the rest of the file at `url` to `out`, from its current length."""
+def _stream(url: str, out, headers: dict[str, str], bar, remote: RemoteFile) -> None:
+    """Append the rest of the file at `url` to `out`, from its current length; never past the listed size."""
     offset = out.tell()
     request_headers = {**headers, "Range": f"bytes={offset}-"} if offset else headers
     with get_session().stream(
@@ -383,6 +394,10 @@ def _stream(url: str, out, headers: dict[str, str], bar) -> None:
             out.truncate()
             bar.reset(total=bar.total)
         for chunk in response.iter_bytes():
+            if out.tell() + len(chunk) > remote.size:
+                out.truncate(0)
+                raise PullError(f"the Hub sent more of {remote.path} than the {remote.size} bytes it listed; the "
+                                "download was deleted: pull again")
             out.write(chunk)
             bar.update(len(chunk))
 

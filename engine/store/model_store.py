@@ -22,7 +22,7 @@ from filelock import FileLock
 from platformdirs import user_data_dir
 
 from llamaterm.engine.checkpoints.checkpoint_info import is_first_gguf, read_checkpoint
-from llamaterm.engine.errors import ModelFormatError, ModelNotFound
+from llamaterm.engine.errors import LlamatermError, ModelFormatError, ModelNotFound
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +77,21 @@ def format_size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+class UnsafeFileName(LlamatermError):
+    pass
+
+
+def place(folder: Path, name: str) -> Path:
+    """Where the file `name` (from a Hub listing or a manifest: untrusted) lies in a model folder.
+
+    The one check that keeps downloads inside the store: a relative path of plain names joined by '/', so no
+    absolute path, no '..', no backslash or drive letter (which Windows would take as separators)."""
+    parts = name.split("/")
+    if any(part in ("", ".", "..") or any(c in part for c in "\\:\0") for part in parts):
+        raise UnsafeFileName(f"{name!r} is not a safe file name: it would land outside {folder}")
+    return folder.joinpath(*parts)
+
+
 def model_lock(name: str) -> FileLock:
     locks = models_dir() / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
@@ -117,7 +132,7 @@ def _adopt(folder: Path) -> dict[str, Any] | None:
         return None
     try:
         manifest = describe_checkpoint(checkpoint)
-    except ModelFormatError:
+    except (ModelFormatError, OSError):  # a damaged checkpoint is left out of the listing, not fatal to it
         return None
     manifest["files"] = [{"path": p.name, "size": p.stat().st_size} for p in sorted(files)]
     try:
@@ -137,11 +152,28 @@ def list_models() -> list[StoredModel]:
             continue
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
-        except (FileNotFoundError, ValueError):  # none, or damaged: rebuilt from the files
+        except (OSError, ValueError):  # none, unreadable or not JSON: rebuilt from the files
+            manifest = None
+        if not _usable(manifest):  # `{}`, `[]`, a file list that leaves the folder: rebuilt from the files too
             manifest = _adopt(folder)
         if manifest is not None:
             models.append(StoredModel(folder.name, folder, manifest))
     return models
+
+
+def _usable(manifest) -> bool:
+    """A manifest that `ls`, `rm` and the loader can rely on: a format, and files that lie inside the folder."""
+    if not isinstance(manifest, dict) or manifest.get("format") not in ("gguf", "safetensors"):
+        return False
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str) for f in files):
+        return False
+    try:
+        for f in files:
+            place(Path("."), f["path"])
+    except UnsafeFileName:
+        return False
+    return manifest["format"] == "safetensors" or any(is_first_gguf(f["path"]) for f in files)
 
 
 def find_model(name: str) -> StoredModel:

@@ -1,0 +1,39 @@
+"""The device the engine runs on, named by the user (--device): checked here, so a typo or a machine without a GPU
+is one clear line rather than a torch RuntimeError."""
+
+import os
+
+import torch
+
+from llamaterm.engine.errors import LlamatermError
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N'; None picks cuda when there is one."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise LlamatermError(f"unknown device {name!r}: use cpu or cuda (cuda:N for the N-th GPU)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise LlamatermError(f"--device {name}: this machine has no CUDA GPU that torch can use; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise LlamatermError(f"--device {name}: this machine has {count} CUDA GPU(s), numbered from 0")
+    return device
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache: the GPU's free memory, or the host memory available without swapping
+    (Linux's MemAvailable, which counts the page cache the kernel can drop; free pages elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,178 @@
+"""Hostile and damaged model files: each is a one-line error that names the problem, never a traceback, a hang or
+an allocation without bound. Loaders run under a memory cap (tests/capped.py) where the old code allocated
+gigabytes."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from gguf.constants import GGUFValueType as V
+
+from llamaterm.engine.checkpoints.chat_template import ChatTemplate
+from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.store.loader import load_checkpoint
+from tests.capped import llamaterm_capped, one_line_error, run_capped
+from tests.test_safetensors_loader import write_dense
+from tests.tiny_models import write_tiny_llama
+
+# --- GGUF metadata of the wrong type ---------------------------------------------------------------------
+
+WRONG_TYPES = {
+    "tokenizer.ggml.bos_token_id": ("1", V.STRING),
+    "tokenizer.ggml.tokens": ([1, 2, 3], V.ARRAY),
+    "tokenizer.ggml.merges": ([1, 2, 3], V.ARRAY),
+    "tokenizer.chat_template": (7, V.UINT32),
+    "general.architecture": (["llama"], V.ARRAY),
+    "llama.embedding_length": ("64", V.STRING),
+    "split.count": ([1, 2], V.ARRAY),
+}
+
+
+@pytest.mark.parametrize("key", list(WRONG_TYPES) + ["tokenizer.chat_template[]"])
+def test_gguf_metadata_of_the_wrong_type(tmp_path, key):
+    typed = (["{{ x }}", "{{ y }}"], V.ARRAY) if key.endswith("[]") else WRONG_TYPES[key]
+    key = key.removesuffix("[]")
+    path = write_tiny_llama(tmp_path / "m.gguf", metadata={key: typed})
+    with pytest.raises(ModelFormatError, match=f"{key} = .* is not (a|an) "):
+        load_checkpoint(str(path))
+
+
+def test_gguf_metadata_error_is_one_line_from_the_cli(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf", metadata={"tokenizer.ggml.bos_token_id": ("1", V.STRING)})
+    for command in (["tokenize", "--model", str(path), "hi"], ["run", "--model", str(path), "hi"]):
+        out = llamaterm_capped(*command)
+        assert out.returncode == 1 and one_line_error(out.stderr), out.stderr
+        assert "tokenizer.ggml.bos_token_id" in out.stderr
+
+
+def gguf_with_array(path, n: int):
+    """A GGUF of one metadata key, an array of n uint8 values, and no tensors (the spec's layout, by hand)."""
+    key = b"test.big_array"
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1))
+        f.write(struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", V.ARRAY, V.UINT8, n))
+        f.write(np.arange(n, dtype=np.uint8).tobytes())
+    return path
+
+
+def test_a_large_numeric_metadata_array_is_not_copied(tmp_path):
+    # The array was a list of Python ints: 50 MB of uint8 cost 430 MB. Now it is a view of the mapped file.
+    path = gguf_with_array(tmp_path / "big.gguf", 50_000_000)
+    out = run_capped(
+        "import resource, sys\n"
+        "from llamaterm.engine.checkpoints.gguf import read_gguf_info\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "values = read_gguf_info(sys.argv[1])['metadata']['test.big_array']\n"
+        "assert len(values) == 50_000_000 and values[257] == 1\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)",
+        str(path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 25, f"reading the metadata took {out.stdout.strip()} MB more"
+
+
+# --- config.json, the safetensors index and tokenizer.json ----------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("hidden_size", "abc", "hidden_size = 'abc' is not a positive integer"),
+    ("num_attention_heads", 0, "num_attention_heads = 0 is not a positive integer"),
+    ("num_hidden_layers", 1e8, "num_hidden_layers = 100000000.0 is not a positive integer"),
+    ("num_hidden_layers", 100_000_000, "num_hidden_layers = 100000000, but the checkpoint holds only"),
+    ("rms_norm_eps", [1e-6], "rms_norm_eps = an array of 1 (float) is not a positive number"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": "8"}, "factor = '8' is not a positive number"),
+])
+def test_config_json_fields_of_the_wrong_type(tmp_path, field, value, words):
+    write_dense(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text()) | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = llamaterm_capped("run", "--model", str(tmp_path), "hi")  # segfaulted at 5 GB for 1e8 layers
+    assert out.returncode == 1 and one_line_error(out.stderr), out.stderr
+    assert words in out.stderr
+
+
+def test_an_index_pointing_outside_the_folder_is_refused(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    write_dense(model)
+    (model / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    names = json.loads(run_capped("from safetensors import safe_open; import sys\n"
+                                  "print(__import__('json').dumps(list(safe_open(sys.argv[1], 'pt').keys())))",
+                                  str(tmp_path / "outside.safetensors")).stdout)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "../outside.safetensors")}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFormatError, match="points outside the model folder"):
+        load_checkpoint(str(model))
+
+
+def byte_level_tokenizer_json() -> dict:
+    """A real tokenizer.json: byte-level BPE, one token per byte, two special tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    backend = Backend(BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    return json.loads(backend.to_str())
+
+
+@pytest.mark.parametrize("where, words", [
+    ("vocab", "has id 2147483648, far beyond the 259 tokens"),  # the table of ids had 2**31 entries
+    ("added_tokens", "is not in the vocabulary"),  # an IndexError
+])
+def test_tokenizer_json_ids_out_of_range(tmp_path, where, words):
+    spec = byte_level_tokenizer_json()
+    if where == "vocab":
+        spec["model"]["vocab"]["zz"] = 2**31
+    else:
+        spec["added_tokens"][0]["id"] = 100_000
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    out = run_capped("import sys\nfrom llamaterm.engine.checkpoints.tokenizer import Tokenizer\n"
+                     "from llamaterm.engine.errors import ModelFormatError\n"
+                     "try:\n    Tokenizer.from_hf_dir(sys.argv[1])\n"
+                     "except ModelFormatError as e:\n    print(e)", str(tmp_path))
+    assert out.returncode == 0 and words in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("header", [[], {"model.norm.weight": {"shape": [4], "data_offsets": [0, 16]}}],
+                         ids=["list", "no-dtype"])
+def test_info_on_a_damaged_safetensors_header(tmp_path, header):
+    write_dense(tmp_path)
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    out = llamaterm_capped("info", str(tmp_path))
+    assert out.returncode == 1 and one_line_error(out.stderr), out.stderr
+    assert "model.safetensors" in out.stderr and "header" in out.stderr
+
+
+# --- chat templates ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 7**(7**9) }}", "'**' would make"),  # hung while jinja folded the constant
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
+    ("{{ 'x'*300000000 }}", "'*' would make"),  # aborted the process
+    ("{{ 9**99999 }}", "'**' would make"),  # a ValueError traceback from the compiler
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "'~' made a string"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "'+' would make"),
+])
+def test_chat_templates_render_within_a_budget(template, words):
+    out = run_capped(
+        "import sys\nfrom llamaterm.engine.checkpoints.chat_template import ChatTemplate\n"
+        "from llamaterm.engine.errors import ModelFormatError\n"
+        "try:\n"
+        "    ChatTemplate(sys.argv[1]).render([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True,"
+        " bos_token='', eos_token='')\n"
+        "except ModelFormatError as e:\n    print(e)", template, timeout=30)
+    assert out.returncode == 0 and words in out.stdout, out.stdout + out.stderr
+
+
+def test_a_template_within_budget_still_renders():
+    text = "{{ 2**10 }} {{ 'ab'*3 }} {{ [1]*2 }} {{ 'a' ~ 'b' }} {{ 1 + 2 }}"
+    rendered = ChatTemplate(text).render([], add_generation_prompt=False, bos_token="", eos_token="")
+    assert rendered == "1024 ababab [1, 1] ab 3"
