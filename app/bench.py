@@ -114,7 +114,7 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
         read, bw = wl.weight_bytes(engine.model), wl.copy_bandwidth(dev)
         out = {"model": b.label, "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda"
                                                       else ""),
-               "cuda_graphs": engine.runner.graphs is not None,
+               "cuda_graphs": engine.runner.graphs is not None, "dense_weight_bytes": engine.dense_weight_bytes,
                "startup_s": {"imports": imports, **engine.startup_s, "first request": first},
                "limit": {"weight_bytes_per_step": read, "copy_bandwidth_bytes_s": bw, "steps_per_s": bw / read}}
         # the limit counts the step's weight bytes at the copy rate (anchors.md's convention)

@@ -140,14 +140,15 @@ def open_engine(model: str | None, device: str | None, config: EngineConfig) -> 
 
 
 def weight_bytes(model: Model) -> int:
-    """Bytes of weights one decode step reads: packed values, scales and offsets on the GPU path; the dense copies
-    the CPU reference path multiplies with, once it has made them."""
+    """Bytes of weights one decode step reads: packed values, scales and offsets on the GPU (dense copies kept for
+    prefill are not read by decode steps); the dense copies the CPU reference path multiplies with."""
     parts = [model.lm_head, model.output_norm]
     for layer in model.layers:
         parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
     size = lambda t: 0 if t is None else t.numel() * t.element_size()
-    quant = lambda w: sum(map(size, w._dense.values())) if w._dense else size(w.packed) + size(w.scales) + size(
-        w.offsets)
+    cpu = model.device.type == "cpu"
+    quant = lambda w: sum(map(size, w._dense.values())) if cpu and w._dense else size(w.packed) + size(
+        w.scales) + size(w.offsets)
     return sum(quant(w) if isinstance(w, QuantWeight) else size(w) for w in parts)
 
 

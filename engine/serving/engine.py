@@ -105,13 +105,21 @@ class Engine:
         self.device = str(model.device)
         self.max_context = model.config.context_length
         c = config
+        t = time.perf_counter()
+        # prefill-sized steps on the GPU run cuBLAS on dense copies if they take at most a quarter of the memory left
+        self.dense_weight_bytes = 0
+        if model.device.type == "cuda":
+            self.dense_weight_bytes = model.keep_dense_weights(free_memory(model.device) // 4)
+            torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
+        dense_s = time.perf_counter() - t
         num_blocks = pool_blocks(c.kv_tokens or default_kv_tokens(model), c.block_size, model.kv_bytes_per_token(),
                                  free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
         self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
-        self.startup_s = dict(self.runner.startup_s)  # where start-up time went; from_model adds the loading
+        # where start-up time went; from_model adds the loading
+        self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
         self.max_step_s = 0.0  # the longest step so far (scheduling to sampled tokens); benchmarks reset it
         self._ids = itertools.count(1)

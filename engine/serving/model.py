@@ -100,6 +100,19 @@ class Model:
         self.inv_freq = config.inv_freq().to(device)
         self.scale = config.head_dim**-0.5
 
+    def keep_dense_weights(self, budget: int) -> int:
+        """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized
+        steps run cuBLAS on them instead of dequantizing every weight in every step (kernels/linear_triton.py).
+        Returns the bytes kept (0: none, the budget is too small)."""
+        weights = [w for layer in self.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+                   if isinstance(w, QuantWeight)]
+        need = sum(w.shape[0] * w.shape[1] for w in weights) * torch.finfo(self.dtype).bits // 8
+        if not weights or need > budget:
+            return 0
+        for w in weights:
+            w.dense(self.dtype)
+        return need
+
     def kv_bytes_per_token(self) -> int:
         c = self.config
         return 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
