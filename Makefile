@@ -30,7 +30,7 @@ fuzz: setup
 	LLAMATERM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 bench-cpu: setup
-	$(BIN)/python -m llamaterm.engine.bench cpu
+	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1
 
 lint: setup
 	$(BIN)/ruff check app engine kernels tests

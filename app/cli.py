@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from llamaterm.app import models_cli
+from llamaterm.app import bench, models_cli
 
 app = typer.Typer(
     name="llamaterm",
@@ -247,6 +247,7 @@ def tokenize(
 
 
 models_cli.register(app)  # pull, ls, rm, info
+bench.register(app)  # bench
 
 
 def main() -> None:

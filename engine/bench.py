@@ -1,148 +1,92 @@
-"""Benchmarks of the whole engine. Each prints our figure beside a peer measured in the same run and the limit.
+"""The workloads behind `llamaterm bench` (app/bench.py prints them): engines on real or synthetic models, the
+static batch, the closed loop of sessions that come and go, TTFT, start-up, launches per step, the peers.
 
-  python -m llamaterm.engine.bench cpu     single-stream decode on the default model vs transformers (fp32)
-  python -m llamaterm.engine.bench batch   aggregate decode tok/s for 1, 2, 4, 8 sessions, static vs dynamic arrivals
-  python -m llamaterm.engine.bench random  the same on CUDA for random 4-bit weights in Llama-3-8B's shapes, with
-                                           and without CUDA graphs, beside the weight-read limit
+Every figure is measured in the calling process; nothing here prints.
 """
 
-import argparse
+from __future__ import annotations
+
 import random
+import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
-from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.device import resolve_device
+from llamaterm.engine.serving.engine import Engine, RequestHandle
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.store.model_store import default_model_path
 from llamaterm.kernels.qweight import QuantWeight
 
-PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+SYNTHETIC_PREFIX = "synthetic:"
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    x = torch.empty(64 << 20, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    n = 5
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    for _ in range(n):
-        y.copy_(x)
-    sync()
-    return 2 * x.numel() * 4 * n / (time.perf_counter() - t)
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a synthetic model stores its matrices: bits, group size, affine (with offsets) or symmetric; the
+    embedding (and a tied lm_head) may take another width, as in GGUF files."""
+
+    bits: int
+    group: int
+    affine: bool
+    embd_bits: int
 
 
-def weight_bytes(engine: Engine) -> int:
-    """Bytes of weights one decode step reads on this engine's path (dense copies on the CPU reference path)."""
-    total = 0
-    model = engine.model
-    parts = [model.lm_head, model.output_norm]
-    for layer in model.layers:
-        parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
-    for w in parts:
-        if isinstance(w, QuantWeight):
-            params = (w.scales,) if w.offsets is None else (w.scales, w.offsets)
-            total += sum(d.numel() * d.element_size() for d in w._dense.values()) if w._dense else (
-                w.packed.numel() + sum(t.numel() * t.element_size() for t in params))
+def _llama(name, layers, hidden, ffn, heads, kv, vocab, ctx, theta, head_dim=None, tied=False) -> ModelConfig:
+    return ModelConfig(arch="llama", name=name, n_layers=layers, hidden_size=hidden, intermediate_size=ffn,
+                       n_heads=heads, n_kv_heads=kv, head_dim=head_dim or hidden // heads, vocab_size=vocab,
+                       context_length=ctx, rms_norm_eps=1e-5, rope_theta=theta, tie_word_embeddings=tied)
+
+
+# Random weights in real models' shapes, so speed figures need no download. 4-bit formats as their usual files.
+SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
+    "llama3-8b": (_llama("Llama-3-8B shapes", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+                  QuantFormat(4, 128, False, 4)),
+    "llama2-7b": (_llama("Llama-2-7B shapes", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+                  QuantFormat(4, 128, False, 4)),
+    "smollm2-135m": (_llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
+                     QuantFormat(4, 32, True, 8)),  # the default model's Q4_1 with a Q8_0 embedding
+    "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
+}
+
+
+def parse_synthetic(spec: str) -> tuple[str, bool]:
+    """'synthetic:NAME' (4-bit) or 'synthetic:NAME:fp16' -> (NAME, quantized)."""
+    name, _, fmt = spec.removeprefix(SYNTHETIC_PREFIX).partition(":")
+    if name not in SYNTHETIC or fmt not in ("", "q4", "4bit", "fp16"):
+        raise LlamatermError(f"unknown model {spec!r}: synthetic models are "
+                             f"{', '.join(SYNTHETIC_PREFIX + n for n in SYNTHETIC)}, with :fp16 or :q4 (the default)")
+    return name, fmt != "fp16"
+
+
+def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
+    """Random weights made on the device: speed does not depend on their values."""
+    config, fmt = SYNTHETIC[name]
+    dtype = torch.float32 if device.type == "cpu" else torch.float16
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def matrix(n: int, k: int, bits: int):
+        if not quantized:
+            return torch.randn(n, k, generator=g, device=device, dtype=dtype) * 0.02
+        q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8, device=device)
+        scales = (torch.rand(n, k // fmt.group, generator=g, device=device) * 2e-3 + 1e-3).half()
+        offsets = -scales * (1 << (bits - 1)) if fmt.affine and bits == 4 else None
+        return QuantWeight.from_values(q, scales, offsets, bits, fmt.group)
+
+    tensors = {}
+    for name_, shape in weight_shapes(config).items():
+        if name_ == "output" and config.tie_word_embeddings:
+            continue
+        if len(shape) == 1:
+            tensors[f"{name_}.weight"] = torch.ones(shape, device=device)
         else:
-            total += w.numel() * w.element_size()
-    return total
-
-
-def decode_rate(handle) -> float:
-    times = list(handle.seq.token_times)
-    return (len(times) - 1) / (times[-1] - times[0])
-
-
-def bench_cpu(tokens: int) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    engine = Engine.from_model(EngineConfig(device="cpu"))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    rates = []
-    for _ in range(3):
-        _, handle = engine.generate(PROMPT, params)
-        rates.append(decode_rate(handle))
-    ours = max(rates)
-    ours_tokens = handle.seq.generated
-    ids = engine.tokenizer.encode_chat(PROMPT)
-    wbytes = weight_bytes(engine)
-    engine.shutdown()
-
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
-    hf_tokens, times = [], []
-    with torch.inference_mode():
-        x, past = torch.tensor([ids]), None
-        for _ in range(tokens):
-            r = hf(input_ids=x, past_key_values=past, use_cache=True)
-            past, token = r.past_key_values, int(r.logits[0, -1].argmax())
-            hf_tokens.append(token)
-            times.append(time.perf_counter())
-            x = torch.tensor([[token]])
-    theirs = (len(times) - 1) / (times[-1] - times[0])
-    bw = copy_bandwidth(torch.device("cpu"))
-    limit = bw / 2 / wbytes  # a copy moves each byte twice; decode reads each weight byte once
-    print(f"CPU decode, default model (SmolLM2-135M Q4_1), {tokens} tokens, {torch.get_num_threads()} threads")
-    print(f"{'':28}{'tok/s':>10}")
-    print(f"{'llamaterm (fp32)':28}{ours:10.1f}")
-    print(f"{'HF transformers (fp32)':28}{theirs:10.1f}")
-    print(f"{'speed-up':28}{ours / theirs:9.2f}x")
-    print(f"{'memory limit':28}{limit:10.1f}   ({wbytes / 1e6:.0f} MB read per token at {bw / 2e9:.1f} GB/s)")
-    print(f"same tokens as transformers: {ours_tokens == hf_tokens}")
-
-
-def bench_batch(sessions: list[int], tokens: int, device: str | None, model: str | None, eager: bool) -> None:
-    engine = Engine.from_model(EngineConfig(model=model, device=device, cuda_graphs=not eager))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    prompts = [[{"role": "user", "content": f"Story number {i}: tell me about a lighthouse keeper."}]
-               for i in range(max(sessions))]
-    engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    mode = " (CUDA graphs)" if engine.runner.graphs else ""
-    print(f"Aggregate decode tok/s, {engine.model_name} on {engine.device}{mode}, {tokens} new tokens per session")
-    print(f"{'sessions':>8} {'static':>10} {'dynamic':>10} {'static/1':>9}")
-    base = None
-    rng = random.Random(0)
-    for n in sessions:
-        row = []
-        for staggered in (False, True):
-            t0 = time.perf_counter()
-            handles = []
-            for i in range(n):
-                handles.append(engine.submit(prompts[i], params))
-                if staggered:  # sessions join over the first part of the run
-                    time.sleep(rng.random() * 0.3)
-            for h in handles:
-                list(h.events())
-            row.append(n * tokens / (time.perf_counter() - t0))
-        base = base or row[0]
-        print(f"{n:8d} {row[0]:10.1f} {row[1]:10.1f} {row[0] / base:8.2f}x")
-    engine.shutdown()
-
-
-LLAMA3_8B = ModelConfig(arch="llama", name="random weights in Llama-3-8B shapes", n_layers=32, hidden_size=4096,
-                        intermediate_size=14336, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=128256,
-                        context_length=8192, rms_norm_eps=1e-5, rope_theta=500000.0)
-
-
-def random_model(c: ModelConfig, device: torch.device) -> Model:
-    """4-bit group-128 symmetric weights with random values, made on the device: speed does not depend on them."""
-    def q4(n: int, k: int) -> QuantWeight:
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=device)
-        return QuantWeight.from_values(q, torch.rand(n, k // 128, device=device).half() * 2e-3 + 1e-3, None, 4, 128)
-
-    t = {f"{name}.weight": q4(*shape) if len(shape) == 2 else torch.ones(shape, device=device)
-         for name, shape in weight_shapes(c).items()}
-    return Model(c, t, device, torch.float16)
+            tensors[f"{name_}.weight"] = matrix(*shape, fmt.embd_bits if name_ == "token_embd" else fmt.bits)
+    return Model(config, tensors, device, dtype)
 
 
 class NoText:
@@ -150,7 +94,7 @@ class NoText:
 
     stop_ids = ()
 
-    def detokenizer(self) -> "NoText":
+    def detokenizer(self) -> NoText:
         return self
 
     def push(self, token: int) -> str:
@@ -160,59 +104,248 @@ class NoText:
         return ""
 
 
-def bench_random(sessions: list[int], tokens: int) -> None:
-    """Static batches of 64-token prompts; the rate is taken over each run's last 31 decode steps (steady state)."""
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = random_model(LLAMA3_8B, device)
-    bw = copy_bandwidth(device)
-    engine = Engine(model, NoText(), kv_tokens=64 * 1024, cuda_graphs=False)
-    read = weight_bytes(engine)
-    print(f"Aggregate decode tok/s, {LLAMA3_8B.name}, fp16 activations, {tokens} new tokens per session")
-    print(f"weights read per step {read / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s: at most "
-          f"{bw / read:.0f} steps/s")
-    rates = {}
-    for graphs in (False, True):
-        if graphs:
-            engine.shutdown()
-            engine = Engine(model, NoText(), kv_tokens=64 * 1024)
-        warm = [engine.submit(None, SamplingParams(max_tokens=8, ignore_eos=True), prompt_ids=[1] * 64)
-                for _ in range(max(sessions))]
-        for h in warm:  # every prefill and decode shape compiled before timing
-            list(h.events())
-        for n in sessions:
-            params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            handles = [engine.submit(None, params, prompt_ids=[(7 * i + j) % 50000 + 100 for j in range(64)])
-                       for i in range(n)]
+@dataclass
+class Bench:
+    """An engine under test and what is known about it."""
+
+    engine: Engine
+    label: str  # what the tables call the model
+    path: str | None  # the checkpoint, for peers that load it; None for synthetic weights
+    quantized: bool
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def open_engine(model: str | None, device: str | None, config: EngineConfig) -> Bench:
+    """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`."""
+    if model is None or not model.startswith(SYNTHETIC_PREFIX):
+        engine = Engine.from_model(EngineConfig(**{**config.__dict__, "model": model, "device": device}))
+        from llamaterm.engine.store.model_store import resolve_model
+
+        return Bench(engine, engine.model_name, str(resolve_model(model)), True)
+    name, quantized = parse_synthetic(model)
+    dev = resolve_device(device)
+    t = time.perf_counter()
+    m = synthetic_model(name, quantized, dev)
+    sync(dev)
+    made = time.perf_counter() - t
+    engine = Engine(m, NoText(), config, name=m.config.name)
+    engine.startup_s = {"make random weights": made, **engine.startup_s}
+    fmt = SYNTHETIC[name][1]
+    label = f"{m.config.name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
+    return Bench(engine, label, None, quantized)
+
+
+def weight_bytes(model: Model) -> int:
+    """Bytes of weights one decode step reads: packed values, scales and offsets on the GPU (dense copies kept for
+    prefill are not read by decode steps); the dense copies the CPU reference path multiplies with."""
+    parts = [model.lm_head, model.output_norm]
+    for layer in model.layers:
+        parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
+    size = lambda t: 0 if t is None else t.numel() * t.element_size()
+    cpu = model.device.type == "cpu"
+    quant = lambda w: sum(map(size, w._dense.values())) if cpu and w._dense else size(w.packed) + size(
+        w.scales) + size(w.offsets)
+    return sum(quant(w) if isinstance(w, QuantWeight) else size(w) for w in parts)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    x = torch.empty(64 << 20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    n = 5
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(n):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * 4 * n / (time.perf_counter() - t)
+
+
+class Prompts:
+    """Fresh random token-id prompts: no two share a prefix, so the prefix cache never shortens a prefill."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randrange(min(100, self.vocab // 2), self.vocab) for _ in range(n)]
+
+
+@dataclass
+class SessionLog:
+    """Token arrival times of a set of sessions, read by one polling thread (the same for every workload)."""
+
+    token_times: list[float]
+    first_token: list[float]  # per finished or open session, when its first token arrived
+    finished: list[float]  # when each finished session's last token arrived
+
+
+def drive(engine: Engine, n: int, start: Callable[[], RequestHandle], replace: bool, seconds: float | None
+          ) -> SessionLog:
+    """Keep n sessions open; each finished one is replaced at once when `replace` (a closed loop), else the run
+    ends when all have finished. After `seconds`, open sessions are cancelled. Polls every 2 ms from this thread:
+    one reader for any n, so the reader's cost does not grow with the sessions."""
+    log = SessionLog([], [], [])
+    handles = [start() for _ in range(n)]
+    seen = [False] * n
+    t0 = time.perf_counter()
+    while any(handles):
+        time.sleep(0.002)
+        now = time.perf_counter()
+        for i, h in enumerate(handles):
+            if h is None:
+                continue
+            for event in h.poll():
+                if event.error:
+                    raise LlamatermError(f"benchmark request failed: {event.error}")
+                if event.token_ids and not seen[i]:
+                    seen[i] = True
+                    log.first_token.append(now)
+                log.token_times += [now] * len(event.token_ids)
+                if event.finished:
+                    log.finished.append(now)
+                    handles[i], seen[i] = (start(), False) if replace else (None, False)
+        if seconds is not None and now - t0 >= seconds:
             for h in handles:
-                list(h.events())
-            start = max(h.seq.token_times[0] for h in handles)  # token_times keeps each sequence's last 32
-            end = max(h.seq.token_times[-1] for h in handles)
-            rates[graphs, n] = sum(sum(t > start for t in h.seq.token_times) for h in handles) / (end - start)
-    engine.shutdown()
-    print(f"{'sessions':>8} {'graphs':>10} {'eager':>10} {'graphs/1':>9} {'step ms':>8} {'% of limit':>10}")
-    for n in sessions:
-        r = rates[True, n]
-        print(f"{n:8d} {r:10.1f} {rates[False, n]:10.1f} {r / rates[True, sessions[0]]:8.2f}x "
-              f"{n / r * 1e3:8.2f} {100 * r / n / (bw / read):9.0f}%")
+                if h is not None:
+                    engine.cancel(h)
+                    list(h.events())
+            break
+    return log
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["cpu", "batch", "random"])
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--sessions", default="1,2,4,8")
-    ap.add_argument("--device")
-    ap.add_argument("--model")
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs: launch every decode step's kernels")
-    args = ap.parse_args()
-    if args.what == "cpu":
-        bench_cpu(args.tokens)
-    elif args.what == "random":
-        bench_random([int(s) for s in args.sessions.split(",")], args.tokens)
+def rate(times: list[float], lo: float, hi: float) -> float:
+    return sum(lo < t <= hi for t in times) / (hi - lo) if hi > lo else 0.0
+
+
+def static_rate(engine: Engine, n: int, prompt_len: int, tokens: int, prompts: Prompts) -> float:
+    """n sessions submitted at once; decode tok/s from the moment all have their first token to the first finish."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    log = drive(engine, n, lambda: engine.submit(None, params, prompt_ids=prompts(prompt_len)), False, None)
+    return rate(log.token_times, max(log.first_token), min(log.finished))
+
+
+def closed_loop_rate(engine: Engine, n: int, prompt_lens: tuple[int, int], warmup_s: float, window_s: float,
+                     prompts: Prompts) -> tuple[float, float]:
+    """anchors.md's dynamic sessions: n always open, each ending after a random 64-448 tokens and replaced at once
+    by a new session with a new prompt (of prompt_lens[0] to prompt_lens[1] tokens). Returns decode tok/s over
+    `window_s` after `warmup_s`, and the longest engine step in that time."""
+    rng = random.Random(1)
+
+    def start() -> RequestHandle:
+        params = SamplingParams(max_tokens=rng.randint(64, 448), ignore_eos=True)
+        return engine.submit(None, params, prompt_ids=prompts(rng.randint(*prompt_lens)))
+
+    t0 = time.perf_counter()
+    engine.max_step_s = 0.0
+    log = drive(engine, n, start, True, warmup_s + window_s)
+    return rate(log.token_times, t0 + warmup_s, t0 + warmup_s + window_s), engine.max_step_s
+
+
+def ttft(engine: Engine, prompt_len: int, prompts: Prompts, repeats: int = 5) -> float:
+    """Median seconds from submit to the first token of one prompt on an idle engine."""
+    out = []
+    for _ in range(repeats):
+        h = engine.submit(None, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=prompts(prompt_len))
+        list(h.events())
+        out.append(h.stats().ttft_s)
+    return statistics.median(out)
+
+
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+
+
+def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Prompts) -> dict[str, float] | None:
+    """Host launch calls and GPU kernels per engine step (torch profiler, CUDA only) while one session runs on an
+    otherwise idle engine: a replayed graph is one launch for all its kernels. A 1-token prompt makes every step
+    a one-token (decode) step; tokens=1 makes one prefill step."""
+    if engine.model.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = engine.num_steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
+        sync(engine.model.device)
+    steps = max(1, engine.num_steps - steps)
+    events = prof.events()
+    launches = sum(e.name in LAUNCH_CALLS for e in events)
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+                  for e in events)
+    return {"steps": steps, "launches_per_step": launches / steps, "kernels_per_step": kernels / steps}
+
+
+def hf_decode_rate(bench: Bench, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """Hugging Face transformers, greedy with its KV cache, one sequence: the same checkpoint dequantized, or
+    random weights in the same shapes. Returns (decode tok/s, tokens)."""
+    import transformers
+
+    engine = bench.engine
+    dev, dtype = engine.model.device, engine.model.dtype
+    if bench.path is not None and bench.path.endswith(".gguf"):
+        from pathlib import Path
+
+        p = Path(bench.path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype)
+    elif bench.path is not None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(bench.path, dtype=dtype)
     else:
-        bench_batch([int(s) for s in args.sessions.split(",")], args.tokens, args.device, args.model, args.eager)
+        c = engine.model.config
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+            head_dim=c.head_dim, max_position_embeddings=c.context_length, rope_theta=c.rope_theta,
+            tie_word_embeddings=c.tie_word_embeddings)).to(dtype)
+    hf = hf.to(dev).eval()
+    out, times = [], []
+    with torch.inference_mode():
+        x, past = torch.tensor([prompt], device=dev), None
+        for _ in range(tokens):
+            r = hf(input_ids=x, past_key_values=past, use_cache=True)
+            past, token = r.past_key_values, int(r.logits[0, -1].argmax())
+            out.append(token)
+            times.append(time.perf_counter())
+            x = torch.tensor([[token]], device=dev)
+    del hf, past
+    return (len(times) - 1) / (times[-1] - times[0]), out
 
 
-if __name__ == "__main__":
-    main()
+def greedy_tokens(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """One session's decode tok/s (over its last 32 tokens) and its tokens."""
+    _, h = engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompt)
+    return h.stats().tokens_per_s, h.seq.generated
+
+
+def linear_params(model: Model) -> tuple[int, int]:
+    """Weights multiplied per token by the blocks, and by the lm_head (sampled tokens only)."""
+    size = lambda w: w.shape[0] * w.shape[1]
+    blocks = sum(size(w) for layer in model.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
+    return blocks, size(model.lm_head)
+
+
+def grid_cell(engine: Engine, batch: int, prompt_len: int, out_len: int, prompts: Prompts) -> dict:
+    """The ColossalAI / vLLM table's cell: a static batch, prompt_len in and out_len out, timed whole."""
+    dev = engine.model.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    t = time.perf_counter()
+    drive(engine, batch, lambda: engine.submit(None, params, prompt_ids=prompts(prompt_len)), False, None)
+    elapsed = time.perf_counter() - t
+    c = engine.model.config
+    blocks, head = linear_params(engine.model)
+    total = prompt_len + out_len  # token p attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add
+    flops = batch * (2 * blocks * total + 2 * head * out_len
+                     + 4 * c.n_layers * c.n_heads * c.head_dim * total * (total + 1) // 2)
+    peak = (torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)) if dev.type == "cuda" \
+        else (None, None)
+    return {"batch": batch, "input": prompt_len, "output": out_len, "seconds": elapsed,
+            "ms_per_token": elapsed / out_len * 1e3, "tok_s": batch * out_len / elapsed,
+            "tflop_s": flops / elapsed / 1e12, "peak_allocated_gb": peak[0] and peak[0] / 1e9,
+            "peak_reserved_gb": peak[1] and peak[1] / 1e9}

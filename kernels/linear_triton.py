@@ -7,7 +7,8 @@ layout (wgmma from BLOCK_N = 64 on Hopper; mma.sync for BLOCK_M = 8) while the a
 Each group's dot is on the centred integers, exact in fp16/bf16, and its scale multiplies the fp32 partial; offsets
 add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two groups), wide enough for
 cp.async, so the pipelined loop prefetches them with the bytes.
-Above DENSE_M rows: dequantize to a dense copy, then cuBLAS.
+Above DENSE_M rows: dequantize to a dense copy, then cuBLAS; with a dense copy kept (QuantWeight.kept_dense), cuBLAS
+from DENSE_M_KEPT rows, where its fp16 matmul costs less than this kernel's third 64-row tile.
 
 At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. K is split
 across programs when N alone gives too few of them. Splits are reduced without atomics on the data: each split
@@ -35,6 +36,8 @@ from llamaterm.kernels.triton_util import arith_dtype, num_sms
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
+# Above this many rows, a kept dense copy: fp16 cuBLAS 155-164 µs per 8B block against ours 177.7 at M = 128.
+DENSE_M_KEPT = 128
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,10 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if m > DENSE_M and config is None:
-        return F.linear(x2, dequantize_rows_triton(w, None, x.dtype)).view(*x.shape[:-1], n)
+    kept = w.kept_dense(x.dtype)
+    if config is None and (m > DENSE_M or (kept is not None and m > DENSE_M_KEPT)):
+        dense = kept if kept is not None else dequantize_rows_triton(w, None, x.dtype)
+        return F.linear(x2, dense).view(*x.shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)

@@ -69,6 +69,10 @@ class QuantWeight:
             self._dense[dtype] = self.dequantize(dtype)
         return self._dense[dtype]
 
+    def kept_dense(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The dense copy in `dtype` if one was made (dense()), else None: GPU matmuls over many rows use it."""
+        return self._dense.get(dtype)
+
     def prepared(self, key: str, make):
         """A kernel's own layout of this weight, made once by `make(self)` and kept (kernels/qweight_triton.py)."""
         if key not in self._prepared:

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.bench import SYNTHETIC, synthetic_model
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
+from llamaterm.kernels.qweight import QuantWeight
 from tests.tiny_models import write_tiny_llama
 
 
@@ -205,3 +207,17 @@ def test_bad_requests_fail_alone(tiny, monkeypatch):
         assert bad_events[-1].finish_reason == "error" and "exploded" in bad_events[-1].error
         assert list(good.events())[-1].finish_reason == "length" and good.seq.num_generated == 5
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_dense_prefill_weights_only_within_budget():
+    """Model.keep_dense_weights keeps a dense copy of every block linear when all fit the budget, none otherwise."""
+    c = SYNTHETIC["tiny"][0]
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    need = 4 * c.n_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    model = synthetic_model("tiny", True, torch.device("cpu"))  # fp32 activations on the CPU: 4 bytes a weight
+    linears = [w for layer in model.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)]
+    assert all(isinstance(w, QuantWeight) for w in linears)
+    assert model.keep_dense_weights(need - 1) == 0
+    assert all(w.kept_dense(torch.float32) is None for w in linears)
+    assert model.keep_dense_weights(need) == need
+    assert all(torch.equal(w.kept_dense(torch.float32), w.dequantize(torch.float32)) for w in linears)

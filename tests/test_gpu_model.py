@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
-from llamaterm.engine.serving.cuda_graph import DecodeGraphs
+from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
-from llamaterm.engine.serving.model import StepInput
+from llamaterm.engine.serving.model import StepInput, StepLists
+from llamaterm.engine.serving.model_runner import step_input
 from llamaterm.engine.store.model_store import resolve_model
 from tests.tiny_models import write_tiny_llama
 
@@ -87,33 +89,40 @@ def test_gpu_batch_matches_solo(engines):
     assert sum(h.seq.generated == alone for h, alone in zip(handles, solo, strict=True)) >= 4
 
 
-def test_decode_graph_matches_eager(engines):
-    """A decode step replayed from a CUDA graph, padded to its bucket after a larger step left its rows in the
-    buffers, gives the eager forward pass's logits and writes the same K/V. The engines above decode through
-    graphs (Engine's default), so the tests before this one check graph decoding against the fp32 reference."""
-    _, gpu = engines
-    assert gpu.runner.graphs is not None
-    model, dev, bs = gpu.model, gpu.model.device, 16
-    lens = [37, 5, 100, 64, 17]  # context after this step; sequence i owns blocks 8i .. 8i + 7
-    caches = [model.allocate_kv_cache(8 * len(lens), bs).normal_() for _ in range(2)]
+def test_step_graphs_match_eager():
+    """Steps replayed from CUDA graphs give the eager forward pass's logits and write the same K/V: decodes, a
+    prefill chunk beside decodes, each padded to its bucket after a larger step left its rows in the buffers. The
+    engines above run every step through graphs (Engine's default), so the tests before this one check graph
+    steps against the fp32 reference. Random 4-bit weights: no model file needed."""
+    model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
+    caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
     caches[1].copy_(caches[0])
-    graphs = DecodeGraphs(model, caches[0], max_batch=8, max_blocks=8)
+    graphs = StepGraphs(model, caches[0], max_batch=8, max_tokens=64, max_blocks=8)
     gen = torch.Generator().manual_seed(0)
 
-    def step(n: int) -> StepInput:
-        pos = torch.tensor(lens[:n]) - 1
-        width = -(-max(lens[:n]) // bs)
-        tables = (torch.arange(n)[:, None] * 8 + torch.arange(width)[None]).int()
-        slots = tables[torch.arange(n), pos // bs] * bs + pos % bs
-        ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
-        return StepInput(ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev), torch.tensor(lens[:n], device=dev),
-                         torch.arange(n + 1, device=dev), torch.arange(n, device=dev))
+    def step(lens: list[int], queries: list[int]) -> StepLists:
+        """Sequence i owns blocks 8i .. 8i + 7, has lens[i] tokens in cache after the step, queries[i] of them new."""
+        s = StepLists([], [], [], [], [], [0], [])
+        for i, (n, q) in enumerate(zip(lens, queries, strict=True)):
+            s.input_ids += torch.randint(0, model.config.vocab_size, (q,), generator=gen).tolist()
+            s.positions += range(n - q, n)
+            s.slot_mapping += [8 * i * bs + p for p in range(n - q, n)]
+            s.block_tables.append(list(range(8 * i, 8 * i + -(-n // bs))))
+            s.context_lens.append(n)
+            s.query_start_loc.append(s.query_start_loc[-1] + q)
+            s.logits_indices.append(s.query_start_loc[-1] - 1)
+        return s
 
-    big = step(5)
-    graphs.forward(big)
-    model.forward(big, caches[1])
-    small = step(3)
-    out, ref = graphs.forward(small).float(), model.forward(small, caches[1]).float()
-    assert out.shape == ref.shape == (3, model.config.vocab_size)
-    assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
-    assert torch.equal(caches[0], caches[1])
+    steps = [step([37, 5, 100, 64, 17], [1, 1, 30, 1, 1]),  # 34 tokens: the 64 bucket
+             step([38, 6, 101], [1, 1, 1]),  # decodes: the 4 bucket, over the 64 bucket's leftovers
+             step([20, 102], [20, 1])]  # a new prompt beside a decode: the 32 bucket
+    for s in steps:
+        out, ref = graphs.forward(s).float(), model.forward(step_input(s, model.device), caches[1]).float()
+        assert out.shape == ref.shape == (len(s.context_lens), model.config.vocab_size)
+        assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
+        assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
+
+
+def test_engine_replays_every_step_kind(engines):
+    _, gpu = engines
+    assert gpu.runner.graphs is not None and gpu.runner.graphs.buckets[-1] == 2048  # the step token budget

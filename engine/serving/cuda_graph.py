@@ -1,61 +1,94 @@
-"""Decode steps replayed from CUDA graphs.
+"""Every step replayed from a CUDA graph: decodes, prefill chunks, and steps that mix them.
 
-A decode step of a small model is a few hundred kernel launches that each take microseconds on the GPU, so
-Python and the launches, not the GPU, set its time. For steps in which every sequence adds one token and
-samples, the whole forward pass is captured once per batch-size bucket and replayed: the step's inputs are
-copied into fixed buffers, padded up to the bucket. Padding rows write no KV (slot -1) and read one key of
-block 0; their logits are dropped. The block-table buffer is as wide as the model's context, so one graph
-serves every context length (the attention kernel splits each sequence's own keys, kernels/attention_triton.py).
+A step of a small model is hundreds of kernel launches that each take microseconds on the GPU, so Python and the
+launches, not the GPU, would set its time. The forward pass is captured once per token-count bucket and replayed:
+a bucket of T tokens holds up to B = min(T, max_batch) sequences. The step's metadata is written into one pinned
+host buffer and copied with two transfers into fixed device buffers the graphs read, padded up to the bucket:
+- padding tokens write no KV (slot -1) and belong to no sequence: the padding sequences have no query tokens
+  (query_start_loc stays at the real token count), so the attention kernel skips them; their rows are computed
+  and dropped;
+- logits rows past the step's sampled sequences are dropped.
+The block-table buffer is as wide as the model's context, so one graph serves every context length (the
+attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
+Buckets: powers of two up to max_batch (pure decode steps), then coarser steps up to the step token budget
+(token_buckets).
 """
 
 import torch
 
-from llamaterm.engine.serving.model import Model, StepInput
-
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+from llamaterm.engine.serving.model import Model, StepInput, StepLists
 
 
-class DecodeGraphs:
-    def __init__(self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int):
+def token_buckets(max_batch: int, max_tokens: int) -> list[int]:
+    """1, 2, 4 ... 64 and max_batch (decode steps); then steps of 64 up to 512, the quantized matmul's row tile
+    (a step pays per started tile), and of 256 up to max_tokens: a mixed step pads less than a tile up to 512
+    tokens and less than 256 tokens (under half its own) above."""
+    out, t = [], 1
+    while t < max_tokens:
+        out.append(t)
+        t = t * 2 if t < 64 else t + (64 if t < 512 else 256)
+    return sorted({*out, min(max_batch, max_tokens), max_tokens})
+
+
+class StepGraphs:
+    def __init__(self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_tokens: int, max_blocks: int):
         self.model, self.kv_cache = model, kv_cache
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [min(max_batch, BUCKETS[-1])]
-        n, dev = self.buckets[-1], model.device
-        ids = lambda fill, dtype=torch.int64: torch.full((n,), fill, dtype=dtype, device=dev)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens = ids(0), ids(0), ids(-1), ids(1)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, device=dev)
+        self.buckets = token_buckets(max_batch, max_tokens)
+        self.max_batch = max_batch
+        t, b, dev = self.buckets[-1], max_batch, model.device
+        # one int64 buffer: ids, positions, slots [t each], context lens [b], query starts [b + 1], logits rows [b]
+        self.offsets = {"ids": 0, "pos": t, "slots": 2 * t, "ctx": 3 * t, "qsl": 3 * t + b, "rows": 3 * t + 2 * b + 1}
+        size = 3 * t + 3 * b + 1
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        self.host_tables = torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.host_np, self.host_tables_np = self.host.numpy(), self.host_tables.numpy()  # same memory
+        self.flat = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
-        for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
-            step = self._step(b)
+        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
+            step = self._step(bucket)
             model.forward(step, kv_cache)  # compile kernels and allocate their scratch outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = model.forward(step, kv_cache)
             pool = graph.pool()
-            self.graphs[b] = graph, logits
+            self.graphs[bucket] = graph, logits
 
-    def _step(self, b: int) -> StepInput:
-        return StepInput(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.block_tables[:b],
-                         self.context_lens[:b], self.query_start_loc[: b + 1], self.query_start_loc[:b])
+    def _seqs(self, bucket: int) -> int:
+        return min(bucket, self.max_batch)
 
-    def fits(self, step: StepInput) -> bool:
-        """A decode step: one token per sequence, every one sampled, within the largest bucket and table."""
-        b = step.input_ids.shape[0]
-        return (b <= self.buckets[-1] and step.context_lens.shape[0] == b == step.logits_indices.shape[0]
-                and step.block_tables.shape[1] <= self.block_tables.shape[1])
+    def _view(self, buf: torch.Tensor, name: str, n: int) -> torch.Tensor:
+        return buf[self.offsets[name] : self.offsets[name] + n]
 
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """The logits model.forward would return for a step that `fits`."""
-        b, width = step.input_ids.shape[0], step.block_tables.shape[1]
-        bucket = next(x for x in self.buckets if x >= b)
-        self.input_ids[:b].copy_(step.input_ids)
-        self.positions[:b].copy_(step.positions)
-        self.slot_mapping[:b].copy_(step.slot_mapping)
-        self.slot_mapping[b:bucket].fill_(-1)
-        self.context_lens[:b].copy_(step.context_lens)
-        self.context_lens[b:bucket].fill_(1)
-        self.block_tables[:b, :width].copy_(step.block_tables)
+    def _step(self, bucket: int) -> StepInput:
+        t, b, f = bucket, self._seqs(bucket), self.flat
+        return StepInput(self._view(f, "ids", t), self._view(f, "pos", t), self._view(f, "slots", t),
+                         self.tables[:b], self._view(f, "ctx", b), self._view(f, "qsl", b + 1),
+                         self._view(f, "rows", b))
+
+    def fits(self, step: StepLists) -> bool:
+        return len(step.input_ids) <= self.buckets[-1] and len(step.context_lens) <= self.max_batch
+
+    def forward(self, step: StepLists) -> torch.Tensor:
+        """The logits model.forward would return for this step."""
+        n, s = len(step.input_ids), len(step.context_lens)
+        bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
+        t, b, h = bucket, self._seqs(bucket), self.host_np
+        for name, values, size, fill in (("ids", step.input_ids, t, 0), ("pos", step.positions, t, 0),
+                                         ("slots", step.slot_mapping, t, -1), ("ctx", step.context_lens, b, 0),
+                                         ("qsl", step.query_start_loc, b + 1, n),
+                                         ("rows", step.logits_indices, b, 0)):
+            at = self.offsets[name]
+            h[at : at + len(values)] = values
+            h[at + len(values) : at + size] = fill
+        width = 0
+        for i, row in enumerate(step.block_tables):
+            self.host_tables_np[i, : len(row)] = row
+            width = max(width, len(row))
+        self.flat.copy_(self.host, non_blocking=True)  # the host waits on this step's logits before refilling
+        self.tables[:s, :width].copy_(self.host_tables[:s, :width], non_blocking=True)
         graph, logits = self.graphs[bucket]
         graph.replay()
-        return logits[:b]
+        return logits[: len(step.logits_indices)]

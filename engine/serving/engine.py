@@ -105,12 +105,23 @@ class Engine:
         self.device = str(model.device)
         self.max_context = model.config.context_length
         c = config
+        t = time.perf_counter()
+        # prefill-sized steps on the GPU run cuBLAS on dense copies if they take at most a quarter of the memory left
+        self.dense_weight_bytes = 0
+        if model.device.type == "cuda":
+            self.dense_weight_bytes = model.keep_dense_weights(free_memory(model.device) // 4)
+            torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
+        dense_s = time.perf_counter() - t
         num_blocks = pool_blocks(c.kv_tokens or default_kv_tokens(model), c.block_size, model.kv_bytes_per_token(),
                                  free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
-        self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, c.cuda_graphs)
+        self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
+        # where start-up time went; from_model adds the loading
+        self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
+        self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
+        self.max_step_s = 0.0  # the longest step so far (scheduling to sampled tokens); benchmarks reset it
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -129,12 +140,17 @@ class Engine:
         from llamaterm.engine.store.loader import load_checkpoint
 
         name = config.model
+        t0 = time.perf_counter()
         ckpt, tokenizer, path = load_checkpoint(name)
+        t1 = time.perf_counter()
         dev = resolve_device(config.device)
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
-        return cls(model, tokenizer, config, name=shown)
+        engine = cls(model, tokenizer, config, name=shown)
+        engine.startup_s = {"read checkpoint": t1 - t0, "weights to device": t2 - t1, **engine.startup_s}
+        return engine
 
     # ---- caller side (any thread) ----
 
@@ -259,10 +275,12 @@ class Engine:
             self._finish(handle, "cancelled")
 
     def _step(self) -> None:
+        start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return
         self._last_batch = len(chunks)
+        self.num_steps += 1
         try:
             logits = self.runner.run(chunks)
         except Exception as e:  # the whole batch shared this failure
@@ -273,8 +291,10 @@ class Engine:
         for c in chunks:
             c.seq.num_computed += c.length
             self.block_manager.commit_full_blocks(c.seq.table, c.seq.token_ids, c.seq.num_computed)
+        tokens = sample(logits, sampling)  # waits for the GPU: a replayed graph returns before it has run
         now = time.perf_counter()
-        for seq, token in zip(sampling, sample(logits, sampling), strict=True):
+        self.max_step_s = max(self.max_step_s, now - start)
+        for seq, token in zip(sampling, tokens, strict=True):
             handle = self._handles[seq.id]
             try:
                 self._on_token(handle, token, now)

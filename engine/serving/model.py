@@ -33,6 +33,20 @@ class StepInput:
     logits_indices: torch.Tensor  # [S] rows of the step whose next-token logits are wanted
 
 
+@dataclass
+class StepLists:
+    """The same step as host lists, as the model runner builds it from the scheduled chunks (block tables
+    unpadded); engine/serving/model_runner.py turns it into a StepInput, cuda_graph.py into its fixed buffers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    query_start_loc: list[int]
+    logits_indices: list[int]
+
+
 def fuse(parts: list[Weight]) -> list[Weight]:
     """Concatenate same-format weights along the output dim so q/k/v (gate/up) run as one matmul."""
     if all(isinstance(p, QuantWeight) for p in parts):
@@ -85,6 +99,19 @@ class Model:
         self.layers = [Layer(tensors, i, device, dtype) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
         self.scale = config.head_dim**-0.5
+
+    def keep_dense_weights(self, budget: int) -> int:
+        """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized
+        steps run cuBLAS on them instead of dequantizing every weight in every step (kernels/linear_triton.py).
+        Returns the bytes kept (0: none, the budget is too small)."""
+        weights = [w for layer in self.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+                   if isinstance(w, QuantWeight)]
+        need = sum(w.shape[0] * w.shape[1] for w in weights) * torch.finfo(self.dtype).bits // 8
+        if not weights or need > budget:
+            return 0
+        for w in weights:
+            w.dense(self.dtype)
+        return need
 
     def kv_bytes_per_token(self) -> int:
         c = self.config

@@ -4,30 +4,58 @@ model up before the first request."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 
-from llamaterm.engine.serving.cuda_graph import DecodeGraphs
-from llamaterm.engine.serving.model import Model, StepInput
+from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.model import Model, StepInput, StepLists
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.kernels.dispatch import use_triton
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
-    def __init__(self, model: Model, num_blocks: int, block_size: int, max_batch: int, cuda_graphs: bool):
+    def __init__(self, model: Model, num_blocks: int, block_size: int, max_batch: int, max_tokens: int,
+                 cuda_graphs: bool):
         self.model, self.block_size = model, block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self._warm_up()
+        self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
+        with self._timed("KV cache"):
+            self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        with self._timed("warm-up"):
+            self._warm_up()
         self.graphs = None
         if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
+            # capturing every bucket compiles every kernel variant a step can launch, before the first request
+            marker = compiled_marker(model, max_batch, max_tokens)
+            if not marker.exists():
+                log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
             max_blocks = -(-model.config.context_length // block_size)
-            self.graphs = DecodeGraphs(model, self.kv_cache, max_batch, max_blocks)
+            with self._timed("CUDA graphs"):
+                self.graphs = StepGraphs(model, self.kv_cache, max_batch, max_tokens, max_blocks)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits for every chunk that samples, in chunk order."""
-        step = build_step_input(chunks, self.block_size, self.model.device)
+        step = step_lists(chunks, self.block_size)
         if self.graphs and self.graphs.fits(step):
             return self.graphs.forward(step)
-        return self.model.forward(step, self.kv_cache)
+        return self.model.forward(step_input(step, self.model.device), self.kv_cache)
+
+    @contextmanager
+    def _timed(self, part: str):
+        t = time.perf_counter()
+        yield
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.startup_s[part] = time.perf_counter() - t
 
     def _warm_up(self) -> None:
         """One token through the model before serving, so weight preparation and kernel compilation are paid at
@@ -37,27 +65,49 @@ class ModelRunner:
         self.model.forward(step, self.kv_cache)
 
 
-def build_step_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInput:
-    ids, positions, slots, context_lens, starts, logits_indices = [], [], [], [], [0], []
+def compiled_marker(model: Model, max_batch: int, max_tokens: int) -> Path:
+    """A file in Triton's cache that says these kernels were compiled for this GPU, model shape and batch limits
+    (Triton keys its cache the same way: source, versions, device, constants); clearing the cache clears it."""
+    import triton
+
+    import llamaterm.kernels
+
+    sources = sorted(Path(llamaterm.kernels.__path__[0]).glob("*.py"))
+    key = hashlib.sha256(repr((torch.__version__, triton.__version__, torch.cuda.get_device_name(model.device),
+                               model.config, model.dtype, max_batch, max_tokens)).encode())
+    for path in sources:
+        key.update(path.read_bytes())
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return cache / f"llamaterm-{key.hexdigest()[:32]}"
+
+
+def step_lists(chunks: list[ScheduledChunk], block_size: int) -> StepLists:
+    step = StepLists([], [], [], [], [], [0], [])
     for c in chunks:
         seq, end = c.seq, c.start + c.length
         table = seq.table.block_ids
-        ids += seq.token_ids[c.start : end]
-        positions += range(c.start, end)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
-        context_lens.append(end)
-        starts.append(starts[-1] + c.length)
+        step.input_ids += seq.token_ids[c.start : end]
+        step.positions += range(c.start, end)
+        step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
+        step.block_tables.append(table)
+        step.context_lens.append(end)
+        step.query_start_loc.append(step.query_start_loc[-1] + c.length)
         if c.samples:
-            logits_indices.append(starts[-1] - 1)
-    width = max(len(c.seq.table.block_ids) for c in chunks)
-    tables = [c.seq.table.block_ids + [0] * (width - len(c.seq.table.block_ids)) for c in chunks]
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32 if x is tables else torch.int64, device=device)
+            step.logits_indices.append(step.query_start_loc[-1] - 1)
+    return step
+
+
+def step_input(step: StepLists, device: torch.device) -> StepInput:
+    """Tensors of exactly the step's size, for the eager forward pass."""
+    width = max(len(t) for t in step.block_tables)
+    tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+    as_tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)
     return StepInput(
-        input_ids=as_tensor(ids),
-        positions=as_tensor(positions),
-        slot_mapping=as_tensor(slots),
-        block_tables=as_tensor(tables),
-        context_lens=as_tensor(context_lens),
-        query_start_loc=as_tensor(starts),
-        logits_indices=as_tensor(logits_indices),
+        input_ids=as_tensor(step.input_ids),
+        positions=as_tensor(step.positions),
+        slot_mapping=as_tensor(step.slot_mapping),
+        block_tables=as_tensor(tables, torch.int32),
+        context_lens=as_tensor(step.context_lens),
+        query_start_loc=as_tensor(step.query_start_loc),
+        logits_indices=as_tensor(step.logits_indices),
     )

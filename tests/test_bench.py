@@ -1,0 +1,37 @@
+"""`llamaterm bench` end to end on the CPU, on random weights in a tiny model's shapes."""
+
+import json
+
+from tests.test_cli import llamaterm
+
+
+def test_bench_scaling_json_on_cpu():
+    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1,2", "--scaling",
+                    "--window", "0.3", "--warmup", "0.1", "--tokens", "8", "--prompt", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["model"].startswith("tiny test shapes") and r["device"] == "cpu"
+    # the tiny shapes (engine/bench.py): hidden 256, 8 heads of 32 (2 for K/V), ffn 512, vocab 512, 2 layers,
+    # multiplied as dense fp32 on the CPU; the lm_head and the norms, not the embedding
+    per_layer = (256 + 64 + 64) * 256 + 256 * 256 + 2 * 512 * 256 + 256 * 512 + 2 * 256
+    assert r["limit"]["weight_bytes_per_step"] == 4 * (2 * per_layer + 512 * 256 + 256)
+    assert {"imports", "make random weights", "KV cache", "warm-up", "first request"} <= set(r["startup_s"])
+    assert r["ttft"]["prompt_tokens"] == 512 and r["ttft"]["ms"] > 0
+    assert r["launches"] == {"decode": None, "16-token prefill": None}  # counted on CUDA only
+    assert [row["sessions"] for row in r["decode"]] == [1, 2]
+    assert r["decode"][0]["vs_one_session"] == 1.0
+    for row in r["decode"]:
+        assert row["static_tok_s"] > 0 and row["dynamic_tok_s"] > 0 and row["dynamic_max_step_ms"] > 0
+    varied = r["varied_prompts"]
+    assert varied["sessions"] == 2 and varied["prompt_tokens"] == [1, 1024 - 449] and varied["max_step_ms"] > 0
+
+
+def test_bench_table_and_bad_input():
+    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "4",
+                    "--prompt", "8")
+    assert out.returncode == 0, out.stderr
+    assert "static tok/s" in out.stdout and "TTFT, 512-token prompt" in out.stdout
+    bad = llamaterm("bench", "--model", "synthetic:nope", "--device", "cpu")
+    assert bad.returncode == 1 and bad.stderr.startswith("llamaterm: unknown model 'synthetic:nope'")
+    bad = llamaterm("bench", "--sessions", "one")
+    assert bad.returncode == 2 and "--sessions takes counts" in bad.stderr
