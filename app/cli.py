@@ -212,6 +212,39 @@ def chat(
 
 
 @app.command()
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; the default takes connections from this machine "
+                                           "only.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="Refuse /v1 requests without "
+                                                "this key (sent as 'Authorization: Bearer KEY').")] = None,
+    device: DeviceOpt = None,
+    kv_tokens: KvTokensOpt = None,
+):
+    """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models,
+    /health and /metrics. Requests from every client are batched by the one engine.
+
+    Example: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1
+    """
+    from llamaterm.app.serve import check_port
+    from llamaterm.app.serve import serve as serve_http
+    from llamaterm.engine.api import EngineConfig
+    from llamaterm.engine.serving.process import EngineProcess
+
+    problem = check_port(host, port)
+    if problem:
+        fail(f"cannot listen on {host}:{port}: {problem}: choose another --port or --host", 2)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key",
+                   err=True)
+    with EngineProcess(EngineConfig(model=model, device=device, kv_tokens=kv_tokens)) as engine:
+        typer.echo(f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 "
+                   "(Ctrl-C stops)", err=True)
+        serve_http(engine, host, port, api_key)
+
+
+@app.command()
 def tokenize(
     text: Annotated[str, typer.Argument(help="Text to tokenize; '-' reads stdin.")],
     model: ModelOpt = None,
