@@ -25,6 +25,10 @@ app = typer.Typer(
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model name in the store, or a path.")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
+ServerOpt = Annotated[str | None, typer.Option(
+    help="An OpenAI-compatible server (llamaterm serve, vLLM, SGLang, llama.cpp) to use instead of a local model, "
+    "e.g. http://127.0.0.1:8000/v1; --model then names one of its models.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="The server's API key.")]
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
 ]
@@ -45,7 +49,13 @@ def sampling_params(**values):
         fail(str(e), 2)
 
 
-def load_engine(model: str | None, device: str | None, kv_tokens: int | None):
+def load_engine(model: str | None, device: str | None, kv_tokens: int | None, server: str | None = None,
+                api_key: str | None = None):
+    """The local engine on `model`, or with --server, that server's `model` (None: its first)."""
+    if server:
+        from llamaterm.app.remote import RemoteEngine
+
+        return RemoteEngine(server, model, api_key)
     from llamaterm.engine.api import EngineConfig
     from llamaterm.engine.serving.engine import Engine
 
@@ -100,6 +110,8 @@ def run(
     file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
 ):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -119,7 +131,7 @@ def run(
         prompts = [read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens) as engine:
+    with load_engine(model, device, kv_tokens, server, api_key) as engine:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [engine.submit(x, params, raw=raw) for x in inputs]
         if each_line:
@@ -176,6 +188,8 @@ def chat(
     max_tokens: int = 1024,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
     if not plain:
@@ -186,7 +200,7 @@ def chat(
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
-    with load_engine(model, device, kv_tokens) as engine:
+    with load_engine(model, device, kv_tokens, server, api_key) as engine:
         typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.",
                    err=True)
         while True:

@@ -100,7 +100,8 @@ class RequestStream(Protocol):
 @runtime_checkable
 class EngineClient(Protocol):
     """What every engine offers its callers. submit and cancel return at once from any thread; events arrive on
-    the returned stream; a request the engine refuses raises RequestError in submit."""
+    the returned stream; a request the engine refuses raises RequestError in submit (a remote server's refusal,
+    which submit does not wait for, arrives as the stream's error event)."""
 
     model_name: str
     device: str

@@ -1,12 +1,14 @@
 """`llamaterm serve` on 127.0.0.1 with the default model on the CPU, driven by the official `openai` client."""
 
+import json
+import subprocess
 import threading
 import time
 
 import httpx2
 import openai
 import pytest
-from serve_support import llamaterm_serve, metrics
+from serve_support import LLAMATERM, llamaterm_serve, metrics
 
 KEY = "test-key"
 SERVED = "the served model"  # stands for its name in the parameters below
@@ -156,3 +158,36 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     error = reply.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).choices[0].message.content
+
+
+def llamaterm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([LLAMATERM, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_on_the_server_answers_as_the_local_engine(server):
+    args = ["run", "--json", "--max-tokens", "8", "What is the capital of France?"]
+    remote = llamaterm(*args, "--server", server, "--api-key", KEY)
+    local = llamaterm(*args, "--device", "cpu")
+    assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
+    remote_reply, local_reply = json.loads(remote.stdout), json.loads(local.stdout)
+    assert remote_reply["text"] == local_reply["text"] and "Paris" in remote_reply["text"]
+    for key in ("model", "finish_reason", "prompt_tokens", "generated_tokens"):
+        assert remote_reply[key] == local_reply[key], key
+    assert remote_reply["ttft_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "url, key, args, words",
+    [
+        ("http://127.0.0.1:9/v1", KEY, [], "cannot reach"),  # the discard port: nothing listens
+        ("SERVER/no/such/api", KEY, [], "not an OpenAI-compatible server"),
+        ("SERVER", "wrong-key", [], "refused the API key"),
+        ("SERVER", KEY, ["--model", "no-such-model"], "has no model 'no-such-model'"),
+        ("SERVER", KEY, ["--max-tokens", "100000"], "refused the request (400)"),
+    ],
+)
+def test_run_on_a_bad_server_fails_in_one_line(server, url, key, args, words):
+    out = llamaterm("run", "--server", url.replace("SERVER", server.removesuffix("/v1")), "--api-key", key, *args,
+                    "hello")
+    assert out.returncode == 1 and words in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("llamaterm: ")
