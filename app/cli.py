@@ -180,7 +180,9 @@ def report(handle) -> None:
 
 @app.command()
 def chat(
-    model: ModelOpt = None,
+    models: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="Model name in the store, or a path; on a --server, one of its models. Repeat it to "
+        "put the panes on several models in turn (the TUI).")] = None,
     sessions: Annotated[int, typer.Option(min=1, max=8, help="Conversation panes side by side.")] = 1,
     system: Annotated[str | None, typer.Option(help="System prompt for every session.")] = None,
     plain: Annotated[bool, typer.Option(help="A line-based chat for pipes and dumb terminals.")] = False,
@@ -194,13 +196,16 @@ def chat(
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
     if not plain:
         from llamaterm.app.tui.app import run_tui
+        from llamaterm.app.tui.backends import Backend
 
-        return run_tui(model, sessions, system)
+        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key)
     params = sampling_params(temperature=temperature, max_tokens=max_tokens)
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
-    with load_engine(model, device, kv_tokens, server, api_key) as engine:
+    if models and len(models) > 1:
+        fail("--plain chats with one model: give one --model", 2)
+    with load_engine((models or [None])[0], device, kv_tokens, server, api_key) as engine:
         typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.",
                    err=True)
         while True:

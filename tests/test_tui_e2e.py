@@ -14,7 +14,7 @@ def test_two_panes_stream_a_broadcast_question(tmp_path, monkeypatch):
     model = str(resolve_model(None))  # from the user's store, before the history moves to tmp_path
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
 
-    def load_engine():
+    def load_engine(*_):
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess
 

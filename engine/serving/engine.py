@@ -105,7 +105,7 @@ class Engine:
         self.device = str(model.device)
         self.max_context = model.config.context_length
         c = config
-        num_blocks = max(1, (c.kv_tokens or default_kv_tokens(model)) // c.block_size)
+        num_blocks = max(1, (c.kv_tokens or default_kv_tokens(model, c.kv_share)) // c.block_size)
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
@@ -307,10 +307,11 @@ class Engine:
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
 
 
-def default_kv_tokens(model: Model) -> int:
-    """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens."""
+def default_kv_tokens(model: Model, share: float = 1.0) -> int:
+    """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens.
+    An engine that shares the device with others takes `share` of that."""
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
-        return int(free * 0.85) // model.kv_bytes_per_token()
+        return int(free * 0.85 * share) // model.kv_bytes_per_token()
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(1024, min(32768, free // 4 // model.kv_bytes_per_token()))
+    return max(1024, min(32768, int(free / 4 * share) // model.kv_bytes_per_token()))
