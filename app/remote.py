@@ -39,6 +39,7 @@ class RemoteStream(EventStream):
         self.generated = 0
         self.prompt_tokens = self.cached_tokens = 0
         self.end: float | None = None
+        self.response: httpx2.Response | None = None  # while the reply streams
         self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
 
     def stats(self) -> RequestStats:
@@ -107,10 +108,10 @@ class RemoteEngine:
         return stream
 
     def cancel(self, handle: RequestStream | int) -> None:
-        """Ends the stream now; its reader drops the connection at the next chunk, which cancels it on the server."""
+        """Ends the stream now and closes its connection, which cancels the request on the server."""
         stream = self._live.get(handle if isinstance(handle, int) else handle.id)
-        if stream is not None:
-            stream.finish("cancelled")
+        if stream is not None and stream.finish("cancelled") and stream.response is not None:
+            stream.response.close()  # the reader's wait for the next chunk ends in an error it ignores
 
     def stats(self) -> EngineStats:
         """This client's view: its requests in flight and their tokens/s (a server does not say its KV use)."""
@@ -156,6 +157,9 @@ class RemoteEngine:
         reason = None
         try:
             with self.http.stream("POST", path, json=body) as reply:
+                stream.response = reply
+                if stream.end is not None:  # cancelled while connecting
+                    return
                 if reply.status_code != 200:
                     reply.read()
                     stream.finish("error", f"the server refused the request ({reply.status_code}): "
@@ -173,7 +177,7 @@ class RemoteEngine:
                 stream.finish("error", "the server closed the stream before the reply ended")
             else:
                 stream.finish(reason)
-        except (httpx2.HTTPError, ValueError) as e:
+        except (httpx2.HTTPError, httpx2.StreamError, ValueError) as e:
             stream.finish("error", f"the connection to the server failed ({type(e).__name__}: {e})")
         except ServerError as e:
             stream.finish("error", str(e))
@@ -202,7 +206,7 @@ def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:
 def api_base(url: str) -> str:
     """The API's base URL: a bare http://host:port means its /v1, as every OpenAI-compatible server has it."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if parts.scheme not in ("http", "https") or not parts.netloc or any(c.isspace() for c in url):
         raise LlamatermError(f"{url!r} is not a server URL: give one like http://127.0.0.1:8000/v1")
     path = parts.path.rstrip("/") or "/v1"
     return f"{parts.scheme}://{parts.netloc}{path}"

@@ -30,7 +30,7 @@ from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
-PUMP_S = 0.005
+PUMP_S = 0.01  # the engine process forwards events every 20 ms
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Request fields beyond the sampling ones. OpenAI's own that change nothing here are ignored; those asking for
