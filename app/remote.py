@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, decode_rate
 from llamaterm.engine.errors import LlamatermError, ModelNotFound
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -43,14 +43,12 @@ class RemoteStream(EventStream):
         self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
 
     def stats(self) -> RequestStats:
-        times = list(self.token_times)
-        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         return RequestStats(
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             generated_tokens=self.generated,
             ttft_s=None if self.first_token is None else self.first_token - self.start,
-            tokens_per_s=rate,
+            tokens_per_s=decode_rate(list(self.token_times)),
             elapsed_s=(self.end or time.perf_counter()) - self.start,
             context_tokens=self.prompt_tokens + self.generated,
             max_context=self.max_context,

@@ -4,7 +4,7 @@ in this process, in a child process, a test's fake, or a remote server. Imports 
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self, runtime_checkable
 
@@ -60,6 +60,13 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
+
+
+def decode_rate(token_times: Sequence[float]) -> float:
+    """Tokens per second over the arrival times of a request's last tokens (RequestStats.tokens_per_s)."""
+    if len(token_times) < 2 or token_times[-1] <= token_times[0]:
+        return 0.0
+    return (len(token_times) - 1) / (token_times[-1] - token_times[0])
 
 
 class EventStream:

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from llamaterm.engine.api import EngineConfig, EngineStats, Event, EventStream, RequestStats, RequestStream
+from llamaterm.engine.api import (
+    EngineConfig,
+    EngineStats,
+    Event,
+    EventStream,
+    RequestStats,
+    RequestStream,
+    decode_rate,
+)
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -46,15 +54,13 @@ class RequestHandle(EventStream):
 
     def stats(self) -> RequestStats:
         seq = self.seq
-        times = list(seq.token_times)
-        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         end = self.finish_time or time.perf_counter()
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached,
             generated_tokens=seq.num_generated,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
-            tokens_per_s=rate,
+            tokens_per_s=decode_rate(list(seq.token_times)),
             elapsed_s=end - seq.arrival,
             context_tokens=len(seq.token_ids),
             max_context=self.engine.max_context,
