@@ -149,14 +149,14 @@ class ChatScreen(Screen):
         self.load_backends()  # a pane may have moved on while it loaded
         self.refresh_stats()
 
-    async def engine_failed(self, backend: Backend, message: str) -> None:
-        """Shown in the status bar and in each pane waiting on that backend, not in the others."""
+    def engine_failed(self, backend: Backend, message: str) -> None:
+        """Shown in the status bar and in each pane waiting on that backend (drawn by the next tick), not in the
+        others."""
         self.loading.discard(backend)
         self.failed[backend] = message
         for pane in self.panes:
             if pane.session.queued and pane.session.settings.backend == backend:
                 pane.session.fail(f"{backend.label} did not load: {message}")
-                await pane.draw()
         self.show_status()
 
     def show_backends(self) -> None:
