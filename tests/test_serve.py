@@ -191,3 +191,10 @@ def test_run_on_a_bad_server_fails_in_one_line(server, url, key, args, words):
                     "hello")
     assert out.returncode == 1 and words in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("llamaterm: ")
+
+
+def test_a_port_in_use_fails_before_the_model_loads(server):
+    port = server.split(":")[2].split("/")[0]
+    out = llamaterm("serve", "--port", port)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
