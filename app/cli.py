@@ -25,6 +25,10 @@ app = typer.Typer(
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model name in the store, or a path.")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
+ServerOpt = Annotated[str | None, typer.Option(
+    help="An OpenAI-compatible server (llamaterm serve, vLLM, SGLang, llama.cpp) to use instead of a local model, "
+    "e.g. http://127.0.0.1:8000/v1; --model then names one of its models.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="The server's API key.")]
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
 ]
@@ -45,7 +49,13 @@ def sampling_params(**values):
         fail(str(e), 2)
 
 
-def load_engine(model: str | None, device: str | None, kv_tokens: int | None):
+def load_engine(model: str | None, device: str | None, kv_tokens: int | None, server: str | None = None,
+                api_key: str | None = None):
+    """The local engine on `model`, or with --server, that server's `model` (None: its first)."""
+    if server:
+        from llamaterm.app.remote import RemoteEngine
+
+        return RemoteEngine(server, model, api_key)
     from llamaterm.engine.api import EngineConfig
     from llamaterm.engine.serving.engine import Engine
 
@@ -116,6 +126,8 @@ def run(
     file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
 ):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -135,7 +147,7 @@ def run(
         prompts = [read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens) as engine:
+    with load_engine(model, device, kv_tokens, server, api_key) as engine:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [engine.submit(x, params, raw=raw) for x in inputs]
         if each_line:
@@ -184,7 +196,9 @@ def report(handle) -> None:
 
 @app.command()
 def chat(
-    model: ModelOpt = None,
+    models: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="Model name in the store, or a path; on a --server, one of its models. Repeat it to "
+        "put the panes on several models in turn (the TUI).")] = None,
     sessions: Annotated[int, typer.Option(min=1, max=8, help="Conversation panes side by side.")] = 1,
     system: Annotated[str | None, typer.Option(help="System prompt for every session.")] = None,
     plain: Annotated[bool, typer.Option(help="A line-based chat for pipes and dumb terminals.")] = False,
@@ -192,17 +206,22 @@ def chat(
     max_tokens: int = 1024,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
     if not plain:
         from llamaterm.app.tui.app import run_tui
+        from llamaterm.app.tui.backends import Backend
 
-        return run_tui(model, sessions, system)
+        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key)
     params = sampling_params(temperature=temperature, max_tokens=max_tokens)
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
-    with load_engine(model, device, kv_tokens) as engine:
+    if models and len(models) > 1:
+        fail("--plain chats with one model: give one --model", 2)
+    with load_engine((models or [None])[0], device, kv_tokens, server, api_key) as engine:
         typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.",
                    err=True)
         while True:
@@ -225,6 +244,39 @@ def chat(
             reply = collect(handle, echo=True).text
             messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
             report(handle)
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; the default takes connections from this machine "
+                                           "only.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="Refuse /v1 requests without "
+                                                "this key (sent as 'Authorization: Bearer KEY').")] = None,
+    device: DeviceOpt = None,
+    kv_tokens: KvTokensOpt = None,
+):
+    """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models,
+    /health and /metrics. Requests from every client are batched by the one engine.
+
+    Example: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1
+    """
+    from llamaterm.app.serve import check_port
+    from llamaterm.app.serve import serve as serve_http
+    from llamaterm.engine.api import EngineConfig
+    from llamaterm.engine.serving.process import EngineProcess
+
+    problem = check_port(host, port)
+    if problem:
+        fail(f"cannot listen on {host}:{port}: {problem}: choose another --port or --host", 2)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key",
+                   err=True)
+    with EngineProcess(EngineConfig(model=model, device=device, kv_tokens=kv_tokens)) as engine:
+        typer.echo(f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 "
+                   "(Ctrl-C stops)", err=True)
+        serve_http(engine, host, port, api_key)
 
 
 @app.command()

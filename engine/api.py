@@ -4,7 +4,7 @@ in this process, in a child process, a test's fake, or a remote server. Imports 
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self, runtime_checkable
 
@@ -18,6 +18,7 @@ class EngineConfig:
     model: str | None = None  # a store name or a path; None: the default model
     device: str | None = None  # "cpu" or "cuda"; None: cuda when available
     kv_tokens: int | None = None  # KV pool size in tokens; None: from free memory
+    kv_share: float = 1.0  # of that free memory, the part this engine's pool takes (engines on one device split it)
     block_size: int = 16  # tokens per KV block
     max_batch_tokens: int | None = None  # tokens per step; None: 2048 on CUDA, 256 on the CPU
     max_running: int = 64  # sequences decoding at once
@@ -61,19 +62,25 @@ class EngineStats:
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
 
 
+def decode_rate(token_times: Sequence[float]) -> float:
+    """Tokens per second over the arrival times of a request's last tokens (RequestStats.tokens_per_s)."""
+    if len(token_times) < 2 or token_times[-1] <= token_times[0]:
+        return 0.0
+    return (len(token_times) - 1) / (token_times[-1] - token_times[0])
+
+
 class EventStream:
     """A request's events as they arrive, from `events_queue` (an unbounded queue the engine side fills)."""
 
     events_queue: queue.SimpleQueue
 
     def poll(self) -> list[Event]:
-        """Every event queued since the last call, without blocking."""
+        """Every event queued since the last call, without blocking. (Callers poll often, mostly finding nothing:
+        empty() is cheaper than a raised queue.Empty, and with one consumer what it says holds until the get.)"""
         out = []
-        while True:
-            try:
-                out.append(self.events_queue.get_nowait())
-            except queue.Empty:
-                return out
+        while not self.events_queue.empty():
+            out.append(self.events_queue.get_nowait())
+        return out
 
     def events(self) -> Iterator[Event]:
         """Blocks until each event arrives; ends after the finishing event."""
@@ -100,7 +107,8 @@ class RequestStream(Protocol):
 @runtime_checkable
 class EngineClient(Protocol):
     """What every engine offers its callers. submit and cancel return at once from any thread; events arrive on
-    the returned stream; a request the engine refuses raises RequestError in submit."""
+    the returned stream; a request the engine refuses raises RequestError in submit (a remote server's refusal,
+    which submit does not wait for, arrives as the stream's error event)."""
 
     model_name: str
     device: str

@@ -38,7 +38,7 @@ def home(tmp_path, monkeypatch):
 
 def make_app(engine: FakeEngine | None = None, sessions: int = 1, system: str | None = None) -> ChatApp:
     engine = engine or FakeEngine()
-    return ChatApp(lambda: engine, sessions=sessions, system=system)
+    return ChatApp(lambda *_: engine, sessions=sessions, system=system)
 
 
 def status_text(app: ChatApp) -> str:
@@ -86,7 +86,7 @@ def test_prompts_queue_while_the_model_loads():
     release = threading.Event()
     engine = FakeEngine()
 
-    def slow_load():
+    def slow_load(*_):
         release.wait(10)
         return engine
 
@@ -107,7 +107,7 @@ def test_prompts_queue_while_the_model_loads():
 
 
 def test_a_model_that_fails_to_load_is_reported():
-    def broken():
+    def broken(*_):
         raise ModelNotFound("no model named 'x'")
 
     app = ChatApp(broken)
@@ -294,7 +294,7 @@ def test_replies_stream_on_behind_a_dialog():
 
 def test_stop_before_the_model_loads():
     release = threading.Event()
-    app = ChatApp(lambda: release.wait(10) and FakeEngine())
+    app = ChatApp(lambda *_: release.wait(10) and FakeEngine())
 
     async def scenario(pilot):
         await type_and_send(pilot, "never mind")

@@ -46,7 +46,7 @@ def test_a_tight_budget_draws_fewer_larger_batches_and_all_the_text(tmp_path, mo
         await draw(self)
 
     monkeypatch.setattr(ChatPane, "draw", counted)
-    app = ChatApp(lambda: FakeEngine(REPLY * 3, tokens_per_s=200))
+    app = ChatApp(lambda *_: FakeEngine(REPLY * 3, tokens_per_s=200))
 
     async def scenario(pilot):
         app.chat.render_budget = RenderBudget(share=0.0, burst_s=0.0, max_wait_s=0.3)

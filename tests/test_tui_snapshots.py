@@ -69,17 +69,17 @@ def ask_panes(systems: list[str], hold: bool = False):
 
 
 def test_one_pane(snap_compare):
-    app = ChatApp(lambda: FakeEngine(persona_reply), sessions=1)
+    app = ChatApp(lambda *_: FakeEngine(persona_reply), sessions=1)
     assert snap_compare(app, terminal_size=(100, 32), run_before=ask_panes([""]))
 
 
 def test_two_panes(snap_compare):
-    app = ChatApp(lambda: FakeEngine(persona_reply), sessions=2)
+    app = ChatApp(lambda *_: FakeEngine(persona_reply), sessions=2)
     assert snap_compare(app, terminal_size=(130, 36), run_before=ask_panes(["", "Answer like a pirate."]))
 
 
 def test_four_panes_streaming(snap_compare):
-    app = ChatApp(lambda: FakeEngine(persona_reply, hold=True), sessions=4)
+    app = ChatApp(lambda *_: FakeEngine(persona_reply, hold=True), sessions=4)
     assert snap_compare(app, terminal_size=(160, 48), run_before=ask_panes(list(PERSONAS), hold=True))
 
 
@@ -99,7 +99,7 @@ def test_history_list(snap_compare):
         await pilot.press("ctrl+o")
         still_cursors(pilot.app)
 
-    app = ChatApp(lambda: FakeEngine(), sessions=1)
+    app = ChatApp(lambda *_: FakeEngine(), sessions=1)
     assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)
 
 
@@ -111,5 +111,5 @@ def test_settings_screen(snap_compare):
         await pilot.press("ctrl+s")
         still_cursors(pilot.app)
 
-    app = ChatApp(lambda: FakeEngine(), sessions=2)
+    app = ChatApp(lambda *_: FakeEngine(), sessions=2)
     assert snap_compare(app, terminal_size=(100, 34), run_before=run_before)

@@ -1,12 +1,15 @@
-"""The TUI application: opens the history, shows the chat screen at once and loads the engine in a thread.
+"""The TUI application: opens the history, shows the chat screen at once and loads the engines in threads.
 
-The prompt input works from the first frame; prompts typed while the model loads are queued by their panes and
-sent when it is ready. Importing this module does not import torch: the engine is imported by the loader thread.
+The prompt input works from the first frame; prompts typed while a model loads are queued by their panes and
+sent when it is ready. Importing this module does not import torch: engines are imported by the loader threads.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
+from dataclasses import replace
+from itertools import cycle
 from pathlib import Path
 
 from textual import work
@@ -14,6 +17,7 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from llamaterm.app.history import History
+from llamaterm.app.tui.backends import Backend, open_engine
 from llamaterm.app.tui.screens.chat import MAX_PANES, ChatScreen
 from llamaterm.app.tui.session import ChatSettings, Session
 
@@ -24,26 +28,30 @@ class ChatApp(App):
     TITLE = "llamaterm"
     CSS_PATH = [ASSETS / "chat.tcss", ASSETS / "dialogs.tcss"]
 
-    def __init__(self, load_engine: Callable[[], object], sessions: int = 1, system: str | None = None):
-        """load_engine runs in a worker thread and returns an engine (serving.process.EngineProcess or a stand-in)."""
+    def __init__(self, load_engine: Callable[[Backend, float], object], sessions: int = 1,
+                 system: str | None = None, backends: list[Backend] | None = None):
+        """load_engine(backend, kv_share) runs in a worker thread and returns the backend's engine (open_engine, or
+        a stand-in). The panes take `backends` in turn (default: the default local model)."""
         super().__init__()
         if not 1 <= sessions <= MAX_PANES:
             raise ValueError(f"sessions must be between 1 and {MAX_PANES}, not {sessions}")
         self.load_engine = load_engine
         self.session_count = sessions
         self.settings = ChatSettings(system=system or "")
+        self.initial_backends = backends or [Backend()]
         self.history: History | None = None
 
     def get_default_screen(self) -> Screen:
         self.history = History.open()
-        self.chat = ChatScreen(self.history, [Session(self.history, self.settings) for _ in range(self.session_count)])
+        settings = [replace(self.settings, model=b.model, server=b.server) for b in self.initial_backends]
+        sessions = [Session(self.history, s) for s, _ in zip(cycle(settings), range(self.session_count))]
+        self.chat = ChatScreen(self.history, sessions)
         return self.chat
 
     def on_mount(self) -> None:
         self.history.on_problem = self.history_failed
         if self.history.problem:
             self.history_failed(self.history.problem)
-        self.start_engine()
 
     def history_failed(self, problem: str) -> None:
         """The history file could not be used: say so now, and for as long as it lasts in the status bar."""
@@ -52,20 +60,24 @@ class ChatApp(App):
             self.chat.history_in_memory()
 
     @work(thread=True, exit_on_error=False, group="engine")
-    def start_engine(self) -> None:
+    def start_engine(self, backend: Backend, kv_share: float) -> None:
         try:
-            engine = self.load_engine()
-        except Exception as e:  # shown in the status bar; the app stays usable (history, export)
-            self.call_from_thread(self.chat.engine_failed, str(e) or type(e).__name__)
+            engine = self.load_engine(backend, kv_share)
+        except Exception as e:  # shown in the status bar and the waiting panes; the app stays usable
+            self.call_from_thread(self.chat.engine_failed, backend, str(e) or type(e).__name__)
             return
         try:
-            self.call_from_thread(self.chat.engine_ready, engine)
+            self.call_from_thread(self.chat.engine_ready, backend, engine)
         except RuntimeError:  # the app quit while the model loaded
             engine.shutdown()
 
+    @work(thread=True, exit_on_error=False, group="engine")
+    def stop_engine(self, engine) -> None:
+        engine.shutdown()
+
     def on_unmount(self) -> None:
-        if self.chat.engine is not None:
-            self.chat.engine.shutdown()
+        for engine in self.chat.engines.values():
+            engine.shutdown()
         self.history.close()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -74,13 +86,14 @@ class ChatApp(App):
             yield from screen.commands()
 
 
-def run_tui(model: str | None, sessions: int, system: str | None) -> None:
-    """`llamaterm chat`: the TUI on `model` (None: the default model) with `sessions` panes."""
+def run_tui(backends: list[Backend], sessions: int, system: str | None, api_key: str | None = None) -> None:
+    """`llamaterm chat`: the TUI with `sessions` panes, which take `backends` in turn."""
+    one_at_a_time = threading.Lock()  # a local model measures the memory free only once the one before has its own
 
-    def load_engine():
-        from llamaterm.engine.api import EngineConfig
-        from llamaterm.engine.serving.process import EngineProcess  # the engine loop never shares a GIL with the UI
+    def load_engine(backend: Backend, kv_share: float):
+        if not backend.local:
+            return open_engine(backend, kv_share, api_key)
+        with one_at_a_time:
+            return open_engine(backend, kv_share, api_key)
 
-        return EngineProcess(EngineConfig(model=model))
-
-    ChatApp(load_engine, sessions=sessions, system=system).run()
+    ChatApp(load_engine, sessions=sessions, system=system, backends=backends).run()

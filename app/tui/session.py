@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from llamaterm.app.history import Conversation, History
+from llamaterm.app.tui.backends import Backend
 from llamaterm.engine.api import RequestStats
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -25,9 +26,19 @@ class ChatSettings:
     top_p: float = 1.0
     max_tokens: int = 1024
     seed: int | None = None
+    model: str = ""  # see Backend: "" is the default model, or the server's first
+    server: str = ""  # "" is this machine
 
     def __post_init__(self):
         self.sampling_params()  # a bad value fails here, where the user typed it, not in the engine
+        if self.server:
+            from llamaterm.app.remote import api_base
+
+            api_base(self.server)
+
+    @property
+    def backend(self) -> Backend:
+        return Backend(self.model, self.server)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -131,6 +142,11 @@ class Session:
         if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
             self._save_reply()
         return text, False
+
+    def fail(self, error: str) -> None:
+        """End a queued request that cannot be sent (its model did not load)."""
+        self.queued = False
+        self._end_reply("error", error)
 
     def refresh_stats(self) -> None:
         if self.handle is not None:

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import torch
 
-from llamaterm.engine.api import EngineConfig, EngineStats, Event, EventStream, RequestStats, RequestStream
+from llamaterm.engine.api import (
+    EngineConfig,
+    EngineStats,
+    Event,
+    EventStream,
+    RequestStats,
+    RequestStream,
+    decode_rate,
+)
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -46,15 +54,13 @@ class RequestHandle(EventStream):
 
     def stats(self) -> RequestStats:
         seq = self.seq
-        times = list(seq.token_times)
-        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         end = self.finish_time or time.perf_counter()
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached,
             generated_tokens=seq.num_generated,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
-            tokens_per_s=rate,
+            tokens_per_s=decode_rate(list(seq.token_times)),
             elapsed_s=end - seq.arrival,
             context_tokens=len(seq.token_ids),
             max_context=self.engine.max_context,
@@ -112,7 +118,7 @@ class Engine:
             self.dense_weight_bytes = model.keep_dense_weights(free_memory(model.device) // 4)
             torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
         dense_s = time.perf_counter() - t
-        num_blocks = pool_blocks(c.kv_tokens or default_kv_tokens(model), c.block_size, model.kv_bytes_per_token(),
+        num_blocks = pool_blocks(c.kv_tokens or default_kv_tokens(model, c.kv_share), c.block_size, model.kv_bytes_per_token(),
                                  free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
@@ -331,9 +337,10 @@ class Engine:
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
 
 
-def default_kv_tokens(model: Model) -> int:
-    """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens."""
+def default_kv_tokens(model: Model, share: float = 1.0) -> int:
+    """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens.
+    An engine that shares the device with others takes `share` of that."""
     free = free_memory(model.device)
     if model.device.type == "cuda":
-        return int(free * 0.85) // model.kv_bytes_per_token()
-    return max(1024, min(32768, free // 4 // model.kv_bytes_per_token()))
+        return int(free * 0.85 * share) // model.kv_bytes_per_token()
+    return max(1024, min(32768, int(free / 4 * share) // model.kv_bytes_per_token()))

@@ -91,7 +91,7 @@ def tui_run(engine, sessions: int, settings, typing: bool = False) -> tuple[floa
     from llamaterm.app.tui.app import ChatApp
 
     recorder = Recorder(engine)
-    app = ChatApp(lambda: recorder, sessions=sessions)
+    app = ChatApp(lambda *_: recorder, sessions=sessions)
     latencies: list[float] = []
     busy = 0.0
 

@@ -1,4 +1,7 @@
-"""The main screen: 1 to 8 panes in columns or a grid, the broadcast input and the engine's status bar.
+"""The main screen: 1 to 8 panes in columns or a grid, the broadcast input and the engines' status bar.
+
+Each pane's settings name its backend (a local model or a server's); the screen holds one engine per backend the
+panes use, loads a new one when a pane moves to it and shuts down one that no pane uses any more.
 
 One timer connects it to the engine without blocking either side: TICK_HZ times a second it drains every
 streaming pane's events (cheap), then, when the render budget allows, draws each pane's new text in one batch
@@ -23,6 +26,7 @@ from textual.widgets import Footer, Input
 
 from llamaterm.app.history import History, export_file
 from llamaterm.app.tui import clipboard
+from llamaterm.app.tui.backends import Backend
 from llamaterm.app.tui.budget import RenderBudget
 from llamaterm.app.tui.screens.help import HelpScreen
 from llamaterm.app.tui.screens.history import HistoryScreen
@@ -51,7 +55,8 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_pane", "New pane", tooltip="Open a pane with the active pane's settings"),
         Binding("f8", "close_pane", "Close pane", show=False, tooltip="Close the active pane (it stays in history)"),
         Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active pane's conversation"),
-        Binding("ctrl+s", "settings", "Settings", tooltip="System prompt, temperature, top-p, max tokens, seed"),
+        Binding("ctrl+s", "settings", "Settings",
+                tooltip="Model or server, system prompt, temperature, top-p, max tokens, seed"),
         Binding("f6", "focus_pane(1)", "Next pane", show=False, tooltip="Make the next pane active"),
         Binding("shift+f6", "focus_pane(-1)", "Previous pane", show=False, tooltip="Make the previous pane active"),
         Binding("ctrl+z", "zoom", "Zoom", show=False, tooltip="Show only the active pane, or all of them again"),
@@ -75,7 +80,9 @@ class ChatScreen(Screen):
         super().__init__()
         self.history = history
         self.initial_sessions = sessions
-        self.engine = None  # set once the model has loaded
+        self.engines: dict[Backend, object] = {}  # the loaded ones
+        self.loading: set[Backend] = set()
+        self.failed: dict[Backend, str] = {}  # why it did not load
         self.zoomed = False
         self.render_budget = RenderBudget(RENDER_SHARE, max_wait_s=RENDER_MAX_WAIT_S)
         self.stats_shown_at = 0.0
@@ -92,6 +99,7 @@ class ChatScreen(Screen):
         self.activate(self.panes[0], focus=False)
         self.relayout()
         self.set_interval(1 / TICK_HZ, self.tick)
+        self.call_after_refresh(self.load_backends)  # once the panes are laid out
         if self.history.path is None:
             self.history_in_memory()
 
@@ -99,7 +107,7 @@ class ChatScreen(Screen):
         """The history file cannot be written: the status bar says so for the rest of the session."""
         status = self.query_one(StatusBar)
         status.note = " │ history in memory only: not saved"
-        if self.engine is None:
+        if not self.engines:
             status.update("loading model…" + status.note)
 
     @property
@@ -111,17 +119,65 @@ class ChatScreen(Screen):
     def active(self) -> ChatPane:
         return self.query_one("ChatPane.-active", ChatPane)
 
-    # ---- the engine ----
+    # ---- the engines ----
 
-    async def engine_ready(self, engine) -> None:
-        self.engine = engine
+    @property
+    def engine(self):
+        """The active pane's engine; None while it loads (or before the panes are mounted)."""
+        active = self.query("ChatPane.-active")
+        return self.engine_for(active.first()) if active else None
+
+    def engine_for(self, pane: ChatPane):
+        return self.engines.get(pane.session.settings.backend)
+
+    def backends(self) -> list[Backend]:
+        """The backends the panes use, in pane order."""
+        return list(dict.fromkeys(p.session.settings.backend for p in self.panes))
+
+    def load_backends(self) -> None:
+        """Load the engine of each backend a pane uses that has none (again, if it failed); shut down the engines
+        no pane uses. Local models split the device's free memory for their KV pools evenly."""
+        wanted = self.backends()
+        share = 1 / max(1, sum(b.local for b in wanted))
+        for backend in wanted:
+            if backend not in self.engines and backend not in self.loading:
+                self.loading.add(backend)
+                self.failed.pop(backend, None)
+                self.app.start_engine(backend, share)
+        in_flight = {id(p.session.engine) for p in self.panes if p.session.handle is not None}
+        for backend in [b for b in self.engines if b not in wanted and id(self.engines[b]) not in in_flight]:
+            self.app.stop_engine(self.engines.pop(backend))
+        self.show_backends()
+
+    async def engine_ready(self, backend: Backend, engine) -> None:
+        self.loading.discard(backend)
+        self.engines[backend] = engine
         for pane in self.panes:
-            if pane.session.queued:
+            if pane.session.queued and pane.session.settings.backend == backend:
                 await pane.submit(engine)
+        self.load_backends()  # a pane may have moved on while it loaded
         self.refresh_stats()
 
-    def engine_failed(self, message: str) -> None:
-        self.query_one(StatusBar).show_error(message)
+    def engine_failed(self, backend: Backend, message: str) -> None:
+        """Shown in the status bar and in each pane waiting on that backend (drawn by the next tick), not in the
+        others."""
+        self.loading.discard(backend)
+        self.failed[backend] = message
+        for pane in self.panes:
+            if pane.session.queued and pane.session.settings.backend == backend:
+                pane.session.fail(f"{backend.label} did not load: {message}")
+        self.show_status()
+
+    def show_backends(self) -> None:
+        """With more than one backend in use, each pane names its model under its border."""
+        several = len(self.backends()) > 1
+        for pane in self.panes:
+            engine = self.engine_for(pane)
+            backend = pane.session.settings.backend
+            name = (engine.model_name if backend.local else f"{engine.model_name} @ {engine.device}") if engine \
+                else backend.label
+            if pane.border_subtitle != (name if several else None):
+                pane.border_subtitle = name if several else None
 
     async def tick(self) -> None:
         panes = self.panes
@@ -137,14 +193,18 @@ class ChatScreen(Screen):
             self.refresh_stats()
 
     def refresh_stats(self) -> None:
-        if self.engine is None:
+        if not self.engines:
             return
         self.stats_shown_at = time.monotonic()
-        self.query_one(StatusBar).show(self.engine.stats())
+        self.show_status()
         for pane in self.panes:
             if pane.session.handle is not None:
                 pane.session.refresh_stats()
                 pane.show_stats()
+
+    def show_status(self) -> None:
+        failed = [f"{b.label} did not load: {m}" for b, m in self.failed.items() if b in self.backends()]
+        self.query_one(StatusBar).show([self.engines[b].stats() for b in self.backends() if b in self.engines], failed)
 
     # ---- layout and focus ----
 
@@ -210,7 +270,8 @@ class ChatScreen(Screen):
         event.input.clear()
         asked = [p for p in targets if p not in busy]
         for pane in asked:
-            pane.ask(text, self.engine)
+            pane.ask(text, self.engine_for(pane))
+        self.load_backends()  # one that failed before is tried again
         for pane in asked:
             await pane.show_asked()
 
@@ -240,6 +301,7 @@ class ChatScreen(Screen):
         self.zoomed = False
         self.relayout()
         self.activate(pane)
+        self.load_backends()
 
     async def action_close_pane(self) -> None:
         panes = self.panes
@@ -256,6 +318,7 @@ class ChatScreen(Screen):
         self.zoomed = False
         self.relayout()
         self.activate(panes[min(index, len(panes) - 1)])
+        self.load_backends()
 
     def action_focus_pane(self, step: int) -> None:
         panes = self.panes
@@ -285,6 +348,7 @@ class ChatScreen(Screen):
         def configure(settings) -> None:
             if settings is not None:
                 pane.session.configure(settings)
+                self.load_backends()
 
         self.app.push_screen(SettingsScreen(f"Pane {pane.number}: {pane.session.title}", pane.session.settings),
                              configure)
@@ -312,7 +376,8 @@ class ChatScreen(Screen):
 
     async def resend(self, pane: ChatPane, text: str) -> None:
         await pane.drop_forgotten()
-        pane.ask(text, self.engine)
+        pane.ask(text, self.engine_for(pane))
+        self.load_backends()
         await pane.show_asked()
 
     def action_copy_reply(self) -> None:
@@ -359,6 +424,7 @@ class ChatScreen(Screen):
         if not active.session.messages and not active.session.busy:
             await active.show_session(session)
             self.activate(active)
+            self.load_backends()
         else:
             await self.add_pane(session)
 

@@ -1,4 +1,5 @@
-"""A pane's settings: system prompt and sampling values, checked by the engine's own rules before saving."""
+"""A pane's settings: its model (local or on a server), system prompt and sampling values, checked by the engine's
+own rules before saving."""
 
 from __future__ import annotations
 
@@ -11,16 +12,18 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, TextArea
 
 from llamaterm.app.tui.session import ChatSettings
-from llamaterm.engine.errors import RequestError
+from llamaterm.engine.errors import LlamatermError, RequestError
 
-# (field, label, Input type, hint); only the seed may be left blank
+# (field, label, Input type, hint); the model, the server and the seed may be left blank
 FIELDS = [
+    ("model", "Model", "text", "store name or path; blank = default (a server's: its first)"),
+    ("server", "Server", "text", "blank = this machine, or http://host:port/v1"),
     ("temperature", "Temperature", "number", "0 = greedy"),
     ("top_p", "Top-p", "number", "(0, 1]"),
     ("max_tokens", "Max tokens", "integer", ">= 1"),
     ("seed", "Seed", "integer", "blank = random"),
 ]
-OPTIONAL = {"seed"}
+OPTIONAL = {"model", "server", "seed"}
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
@@ -39,6 +42,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 value = getattr(self.settings, name)
                 with Horizontal(classes="field"):
                     yield Label(label, classes="field-label")
+                    if kind == "text":  # a name or a URL: the whole width, the hint as its placeholder
+                        yield Input(value, placeholder=hint, id=name, compact=True, classes="wide")
+                        continue
                     yield Input("" if value is None else str(value), type=kind, id=name, compact=True)
                     yield Label(hint, classes="field-hint")
             yield Label("", id="error")
@@ -59,7 +65,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 for name, label, kind, _ in FIELDS
             }
             settings = ChatSettings(system=self.query_one("#system", TextArea).text.strip(), **values)
-        except RequestError as e:
+        except LlamatermError as e:
             self.query_one("#error", Label).update(Content(str(e)))
             return
         self.dismiss(settings)
@@ -69,8 +75,10 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         self.dismiss(None)
 
 
-def parse(label: str, kind: str, text: str, optional: bool) -> float | int | None:
+def parse(label: str, kind: str, text: str, optional: bool) -> str | float | int | None:
     text = text.strip()
+    if kind == "text":
+        return text
     if not text:
         if optional:
             return None

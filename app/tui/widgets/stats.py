@@ -14,16 +14,19 @@ def request_lines(stats: RequestStats | None, queued: bool) -> str:
     if stats is None:
         return "ready"
     ttft = "–" if stats.ttft_s is None else f"{stats.ttft_s * 1000:.0f} ms"
+    context = f"{stats.context_tokens}/{stats.max_context}" if stats.max_context else str(stats.context_tokens)
     return (
         f"{stats.tokens_per_s:.1f} tok/s · TTFT {ttft} · {stats.generated_tokens} tok\n"
-        f"ctx {stats.context_tokens}/{stats.max_context} · cached {stats.cached_tokens}"
+        f"ctx {context} · cached {stats.cached_tokens}"
     )
 
 
 def engine_line(stats: EngineStats) -> str:
+    """A server says nothing of its KV cache: a remote engine's line has none (kv_blocks_total 0)."""
+    kv = f" │ KV {stats.kv_blocks_used}/{stats.kv_blocks_total} blocks" if stats.kv_blocks_total else ""
     return (
         f"{stats.model} on {stats.device} │ {stats.tokens_per_s:.1f} tok/s │ batch {stats.batch_size}"
-        f" │ KV {stats.kv_blocks_used}/{stats.kv_blocks_total} blocks │ waiting {stats.waiting}"
+        f"{kv} │ waiting {stats.waiting}"
     )
 
 
@@ -36,7 +39,7 @@ class PaneStats(Static):
 
 
 class StatusBar(Static):
-    """The engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device (one line), and
+    """Each engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device (one line), and
     a note that stays while it matters (the history is kept in memory only)."""
 
     note = ""
@@ -44,10 +47,9 @@ class StatusBar(Static):
     def on_mount(self) -> None:
         self.update("loading model…" + self.note)
 
-    def show(self, stats: EngineStats) -> None:
-        self.set_class(False, "-error")
-        self.update(Content(engine_line(stats) + self.note), layout=False)
-
-    def show_error(self, message: str) -> None:
-        self.set_class(True, "-error")
-        self.update(Content(f"the model did not load: {message}"))
+    def show(self, stats: list[EngineStats], failures: list[str]) -> None:
+        """failures: each backend that did not load, and why."""
+        if not stats and not failures:
+            return  # still loading
+        self.set_class(bool(failures), "-error")
+        self.update(Content(" ┃ ".join(failures + [engine_line(s) for s in stats]) + self.note), layout=False)

@@ -1,0 +1,240 @@
+"""An OpenAI-compatible server as an engine: `llamaterm serve`, vLLM, SGLang, llama.cpp's server.
+
+RemoteEngine meets engine.api.EngineClient, so the CLI and the TUI use a server as they use a local engine. Each
+request streams from /v1/chat/completions (or /v1/completions for raw prompts) in a thread of its own, which turns
+the server-sent chunks into events. Its stats are measured here, from the stream: TTFT from the submit to the first
+text, tokens/s from the chunks' arrival times (a chunk per token, as these servers send them), and the token counts
+from the usage the server sends at the end. Nothing a server sends ends anything but its own request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+import httpx2
+
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, decode_rate
+from llamaterm.engine.errors import LlamatermError, ModelNotFound
+from llamaterm.engine.sampling_params import SamplingParams
+
+CONNECT_TIMEOUT_S = 10.0
+RATE_WINDOW_S = 2.0  # as the engine's aggregate rate
+RATE_TOKENS = 32  # as the engine's per-request rate: over the last 32 tokens
+
+
+class RemoteStream(EventStream):
+    def __init__(self, request_id: int, max_context: int):
+        self.id = request_id
+        self.events_queue = queue.SimpleQueue()
+        self.max_context = max_context
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.token_times: deque[float] = deque(maxlen=RATE_TOKENS)
+        self.generated = 0
+        self.prompt_tokens = self.cached_tokens = 0
+        self.end: float | None = None
+        self.response: httpx2.Response | None = None  # while the reply streams
+        self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
+
+    def stats(self) -> RequestStats:
+        return RequestStats(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            generated_tokens=self.generated,
+            ttft_s=None if self.first_token is None else self.first_token - self.start,
+            tokens_per_s=decode_rate(list(self.token_times)),
+            elapsed_s=(self.end or time.perf_counter()) - self.start,
+            context_tokens=self.prompt_tokens + self.generated,
+            max_context=self.max_context,
+            finished=self.end is not None,
+        )
+
+    def text(self, text: str, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.token_times.append(now)
+        self.generated += 1
+        self.events_queue.put(Event(self.id, text))
+
+    def finish(self, reason: str, error: str | None = None) -> bool:
+        """The last event; False when the stream had already ended (cancelled while the reader still read)."""
+        with self.lock:
+            if self.end is not None:
+                return False
+            self.end = time.perf_counter()
+            self.events_queue.put(Event(self.id, finished=True, finish_reason=reason, error=error))
+            return True
+
+
+class RemoteEngine:
+    """Satisfies engine.api.EngineClient with a model on an OpenAI-compatible server."""
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None):
+        """Checks the server at once (GET /models): one that is down, refuses the key, is not OpenAI-compatible or
+        lacks `model` raises LlamatermError. model None: the server's first model."""
+        self.base_url = api_base(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx2.Client(base_url=self.base_url, headers=headers,
+                                  timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=None))
+        cards = self._models()
+        card = cards[0] if model is None else next((c for c in cards if c.get("id") == model), None)
+        if card is None:
+            names = ", ".join(str(c.get("id")) for c in cards)
+            raise ModelNotFound(f"the server at {self.base_url} has no model {model!r}: it serves {names}")
+        self.model_name = str(card["id"])
+        self.max_context = int(card.get("max_model_len") or 0)  # vLLM, SGLang and llamaterm say; 0: not known
+        self.device = urlsplit(self.base_url).netloc
+        self._ids = itertools.count(1)
+        self._live: dict[int, RemoteStream] = {}
+        self._closed = False
+
+    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False
+               ) -> RemoteStream:
+        """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
+        if self._closed:
+            raise LlamatermError("the connection to the server is closed")
+        stream = RemoteStream(next(self._ids), self.max_context)
+        path, body = request_body(self.model_name, prompt, params or SamplingParams(), raw)
+        self._live[stream.id] = stream
+        threading.Thread(target=self._read, args=(stream, path, body), name="llamaterm-remote", daemon=True).start()
+        return stream
+
+    def cancel(self, handle: RequestStream | int) -> None:
+        """Ends the stream now and closes its connection, which cancels the request on the server."""
+        stream = self._live.get(handle if isinstance(handle, int) else handle.id)
+        if stream is not None and stream.finish("cancelled") and stream.response is not None:
+            stream.response.close()  # the reader's wait for the next chunk ends in an error it ignores
+
+    def stats(self) -> EngineStats:
+        """This client's view: its requests in flight and their tokens/s (a server does not say its KV use)."""
+        live = list(self._live.values())
+        now = time.perf_counter()
+        recent = sorted(t for s in live for t in s.token_times if now - t <= RATE_WINDOW_S)
+        span = now - recent[0] if recent else 0.0
+        return EngineStats(model=self.model_name, device=self.device, running=len(live), batch_size=len(live),
+                           tokens_per_s=len(recent) / span if span > 0.05 else 0.0)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for stream in list(self._live.values()):
+            stream.finish("cancelled")
+        self.http.close()
+
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _models(self) -> list[dict]:
+        where = f"the server at {self.base_url}"
+        try:
+            reply = self.http.get("/models")
+        except httpx2.HTTPError as e:
+            raise LlamatermError(f"cannot reach {where} ({type(e).__name__}: {e}): is it running, and is the "
+                                 "URL right?") from None
+        if reply.status_code == 401:
+            raise LlamatermError(f"{where} refused the API key: give the right one with --api-key")
+        try:
+            cards = reply.json()["data"]
+            assert reply.status_code == 200 and isinstance(cards, list) and cards
+            assert all(isinstance(c, dict) and "id" in c for c in cards)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise LlamatermError(f"{where} is not an OpenAI-compatible server (GET /models answered "
+                                 f"{reply.status_code} without a list of models): check the URL") from None
+        return cards
+
+    def _read(self, stream: RemoteStream, path: str, body: dict) -> None:
+        """The request's thread: the server's chunks in, events out, until the end, an error or a cancel."""
+        reason = None
+        try:
+            with self.http.stream("POST", path, json=body) as reply:
+                stream.response = reply
+                if stream.end is not None:  # cancelled while connecting
+                    return
+                if reply.status_code != 200:
+                    reply.read()
+                    stream.finish("error", f"the server refused the request ({reply.status_code}): "
+                                           f"{error_message(reply.text)}")
+                    return
+                for line in reply.iter_lines():
+                    if stream.end is not None:  # cancelled: leaving closes the connection
+                        return
+                    data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                    if data == "[DONE]":
+                        break
+                    if data:
+                        reason = take_chunk(stream, json.loads(data)) or reason
+            if reason is None:
+                stream.finish("error", "the server closed the stream before the reply ended")
+            else:
+                stream.finish(reason)
+        except (httpx2.HTTPError, httpx2.StreamError, ValueError) as e:
+            stream.finish("error", f"the connection to the server failed ({type(e).__name__}: {e})")
+        except ServerError as e:
+            stream.finish("error", str(e))
+        finally:
+            self._live.pop(stream.id, None)
+
+
+def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:
+    """One chunk into the stream: its text and usage. Returns its finish reason, if it has one."""
+    if "error" in chunk:
+        raise ServerError(f"the server failed the request: {error_message(json.dumps(chunk))}")
+    usage = chunk.get("usage")
+    if usage:
+        stream.prompt_tokens = usage.get("prompt_tokens") or 0
+        stream.generated = usage.get("completion_tokens") or stream.generated
+        stream.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reason = None
+    for choice in chunk.get("choices") or []:
+        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+        if text:
+            stream.text(text, time.perf_counter())
+        reason = choice.get("finish_reason") or reason
+    return reason
+
+
+def api_base(url: str) -> str:
+    """The API's base URL: a bare http://host:port means its /v1, as every OpenAI-compatible server has it."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.netloc or any(c.isspace() for c in url):
+        raise LlamatermError(f"{url!r} is not a server URL: give one like http://127.0.0.1:8000/v1")
+    path = parts.path.rstrip("/") or "/v1"
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def request_body(model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool) -> tuple[str, dict]:
+    """The path and JSON body of a streamed request. Sampling values beyond OpenAI's own (top_k, min_p,
+    repetition_penalty, ignore_eos: vLLM's and SGLang's names) go only when set, so strict servers still accept."""
+    body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                  "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+    optional = {"seed": params.seed, "stop": list(params.stop) or None,
+                "presence_penalty": params.presence_penalty or None,
+                "frequency_penalty": params.frequency_penalty or None,
+                "top_k": params.top_k or None, "min_p": params.min_p or None,
+                "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
+                "ignore_eos": params.ignore_eos or None}
+    body |= {k: v for k, v in optional.items() if v is not None}
+    if raw:
+        return "/completions", body | {"prompt": prompt}
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return "/chat/completions", body | {"messages": messages}
+
+
+def error_message(text: str) -> str:
+    """The message of an OpenAI-style error body, or the body's start."""
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:200] or "no reason given"
+
+
+class ServerError(Exception):
+    """An error object in the stream."""

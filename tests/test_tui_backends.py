@@ -1,0 +1,163 @@
+"""Pilot tests of the panes' backends: several models side by side, a pane moving to another model, a model that
+does not load, and a pane on an OpenAI-compatible server (the server's app over the fake engine)."""
+
+import pytest
+from fake_engine import REPLY, FakeEngine
+from serve_support import app_server
+from textual.widgets import Input
+from tui_support import idle, run, wait_until
+
+from llamaterm.app.tui.app import ChatApp
+from llamaterm.app.tui.backends import Backend, open_engine
+from llamaterm.app.tui.screens import chat
+from llamaterm.app.tui.screens.settings import SettingsScreen
+from llamaterm.app.tui.widgets.stats import StatusBar
+from llamaterm.engine.errors import ModelNotFound
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
+    monkeypatch.setattr(chat, "RENDER_SHARE", 1.0)
+    return tmp_path
+
+
+class Loader:
+    """A fake engine per backend, named after its model; models named "broken" do not load."""
+
+    def __init__(self, **options):
+        self.options, self.engines, self.shares = options, {}, {}
+
+    def __call__(self, backend: Backend, kv_share: float):
+        if backend.model == "broken":
+            raise ModelNotFound("no model named 'broken'")
+        self.shares[backend] = kv_share
+        name = backend.model or "default"
+        engine = self.engines[backend] = FakeEngine(lambda messages: f"{name} says hi", model_name=name,
+                                                    **self.options)
+        return engine
+
+
+def status_text(app: ChatApp) -> str:
+    return str(app.chat.query_one(StatusBar).render())
+
+
+async def all_loaded(pilot, count: int) -> None:
+    await wait_until(pilot, lambda: len(pilot.app.chat.engines) == count)
+    await pilot.pause()
+
+
+def test_two_local_models_side_by_side_answer_the_same_question():
+    loader = Loader()
+    app = ChatApp(loader, sessions=2, backends=[Backend("alpha"), Backend("beta")])
+
+    async def scenario(pilot):
+        await all_loaded(pilot, 2)
+        assert loader.shares == {Backend("alpha"): 0.5, Backend("beta"): 0.5}  # the memory split between them
+        await pilot.press(*"hello", "enter")
+        await idle(pilot)
+        panes = app.chat.panes
+        assert [p.session.messages[-1].content for p in panes] == ["alpha says hi", "beta says hi"]
+        assert [p.border_subtitle for p in panes] == ["alpha", "beta"]
+        assert [e.submitted[0][0][-1]["content"] for e in loader.engines.values()] == ["hello", "hello"]
+        app.chat.refresh_stats()
+        assert "alpha on cpu" in status_text(app) and "beta on cpu" in status_text(app)
+
+    run(app, scenario)
+
+
+def test_a_pane_moved_to_another_model_gets_its_own_engine_and_the_unused_one_stops():
+    loader = Loader()
+    app = ChatApp(loader, sessions=2)
+
+    async def scenario(pilot):
+        await all_loaded(pilot, 1)
+        await pilot.press("ctrl+s")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        screen.query_one("#model", Input).value = "gamma"
+        await pilot.press("ctrl+s")
+        await all_loaded(pilot, 2)
+        await pilot.press(*"hi", "enter")
+        await idle(pilot)
+        assert [p.session.messages[-1].content for p in app.chat.panes] == ["gamma says hi", "default says hi"]
+        assert app.chat.panes[0].session.settings.model == "gamma"  # saved with the conversation
+
+        app.chat.panes[1].query_one(".pane-input").focus()
+        await pilot.press("f8")  # the last pane on the default model closes: its engine stops
+        await wait_until(pilot, lambda: list(app.chat.engines) == [Backend("gamma")])
+        await wait_until(pilot, lambda: loader.engines[Backend()]._stopped)
+
+    run(app, scenario)
+
+
+def test_a_model_that_does_not_load_fails_its_panes_only():
+    loader = Loader()
+    app = ChatApp(loader, sessions=2, backends=[Backend("broken"), Backend()])
+
+    async def scenario(pilot):
+        await wait_until(pilot, lambda: app.chat.failed and app.chat.engines)
+        await pilot.press(*"hello", "enter")  # the broken one is tried again, and fails again
+        await idle(pilot)
+        broken, working = app.chat.panes
+        assert broken.session.messages[-1].finish_reason == "error"
+        assert "no model named 'broken'" in str(broken.reply_view.query_one(".note").render())
+        assert working.session.messages[-1].content == "default says hi"
+        assert "broken did not load" in status_text(app)
+
+    run(app, scenario)
+
+
+def test_a_pane_on_a_server_beside_a_local_pane():
+    served = FakeEngine(model_name="served-llama", tokens_per_s=100)
+    local = FakeEngine(model_name="local-llama")
+    with served, app_server(served, api_key="k") as url:
+
+        def load(backend: Backend, kv_share: float):
+            return open_engine(backend, kv_share, "k") if backend.server else local
+
+        app = ChatApp(load, sessions=2, backends=[Backend(), Backend(server=url)])
+
+        async def scenario(pilot):
+            await all_loaded(pilot, 2)
+            await pilot.press(*"hello", "enter")
+            await idle(pilot)
+            here, there = app.chat.panes
+            assert here.session.messages[-1].content == there.session.messages[-1].content == REPLY
+            assert there.border_subtitle == f"served-llama @ {url.split('/')[2]}"
+            stats = there.session.stats  # measured from the stream; token counts from the server's usage
+            assert stats.generated_tokens == here.session.stats.generated_tokens
+            assert stats.prompt_tokens == here.session.stats.prompt_tokens
+            assert stats.ttft_s > 0 and stats.tokens_per_s > 0
+            assert "ctx" in str(there.query_one(".pane-stats").render())
+
+            # a request the server refuses ends that pane's reply with its reason; the local pane is untouched
+            served.max_context = 3
+            await pilot.press(*"a prompt longer than three words", "enter")
+            await idle(pilot)
+            assert there.session.messages[-1].finish_reason == "error"
+            assert "refused the request (400)" in there.session.messages[-1].error
+            assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
+
+        run(app, scenario)
+
+
+def test_a_server_failing_mid_reply_fails_that_pane_only():
+    served = FakeEngine(model_name="served-llama", hold=True)
+    local = FakeEngine(model_name="local-llama")
+    with served, app_server(served) as url:
+        app = ChatApp(lambda b, share: open_engine(b, share, None) if b.server else local, sessions=2,
+                      backends=[Backend(), Backend(server=url)])
+
+        async def scenario(pilot):
+            await all_loaded(pilot, 2)
+            here, there = app.chat.panes
+            await pilot.press(*"hello", "enter")
+            await wait_until(pilot, lambda: there.session.messages[-1].content == REPLY)
+            served.shutdown()  # the server's engine ends every request as cancelled: the stream fails
+            await wait_until(pilot, lambda: not there.session.busy)
+            assert there.session.messages[-1].finish_reason == "error"
+            assert "shutting down" in there.session.messages[-1].error
+            assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
+
+        run(app, scenario)
