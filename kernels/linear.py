@@ -3,7 +3,9 @@
 import torch
 import torch.nn.functional as F
 
+from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.linear_cpu import qmatmul_cpu
 from llamaterm.kernels.qweight import QuantWeight
 
 
@@ -14,6 +16,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
         from llamaterm.kernels.linear_triton import qmatmul_triton
 
         return qmatmul_triton(x, w)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and (lib := library()) is not None:
+        return qmatmul_cpu(x, w, lib)
     return linear_ref(x, w)
 
 

@@ -1,0 +1,93 @@
+"""The CPU's native kernels (kernels/qmatmul_cpu.c): built once with the system C compiler, loaded through ctypes.
+
+The library is compiled at first use with `-O3 -march=native` into the user's cache folder, named by a
+hash of the source, the flags and the CPU, so a later run loads it in milliseconds. Where it cannot be had (no C
+compiler, a CPU without AVX2/FMA/F16C, a failed build, or LLAMATERM_KERNELS=torch) `library()` returns None, the
+callers take the torch references (slower, same results), and one line on stderr says why, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("qmatmul_cpu.c")
+FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+def threads() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the machine's count)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llamaterm" / "native"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")),
+                set())
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    lib, why = build()
+    if lib is None:
+        print(f"llamaterm: {why}: using the slower torch kernels on the CPU", file=sys.stderr)
+    return lib
+
+
+def build() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why not)."""
+    if os.environ.get("LLAMATERM_KERNELS", "").lower() == "torch":
+        return None, "LLAMATERM_KERNELS=torch"
+    missing = [f for f in NEEDED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None, f"no C compiler found ({cc})"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), *map(str.encode, FLAGS), platform_key()])).hexdigest()
+    target = cache_dir() / f"qmatmul_cpu-{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: readers never see half
+            out = Path(tmp) / target.name
+            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            if r.returncode:
+                first = (r.stderr.strip().splitlines() or ["no message"])[0]
+                return None, f"building the CPU kernels failed ({first})"
+            os.replace(out, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        return None, f"loading the CPU kernels failed ({e})"
+    lib.qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+                            ctypes.c_void_p, ctypes.c_int]
+    lib.qmatmul.restype = None
+    lib.dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    lib.dequantize.restype = None
+    return lib, ""
+
+
+def platform_key() -> bytes:
+    """-march=native code is only valid on this CPU model: a copied cache folder must not load elsewhere."""
+    model = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+                 "") if Path("/proc/cpuinfo").exists() else ""
+    return (model + " ".join(sorted(cpu_flags()))).encode()

@@ -1,0 +1,219 @@
+/* y = x @ W^T on the CPU with W kept packed (kernels/qweight.py's QuantWeight layout), in fp32, with AVX2.
+ *
+ * Each weight row is expanded into fp32 values exactly as the torch reference does it (one rounding for the scale
+ * product, one for the offset add: never fused into an FMA), then dotted with the activations, so the result is
+ * fp32 math on the dequantized weights; only the order of the sums differs from a dense matmul.
+ * K and the group size must be multiples of 16. Built at first use by kernels/cpu_native.py and called through
+ * ctypes.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float param(const void *p, int f16, long i) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* The pragma keeps s * q + o two roundings, as in torch; the dot products use explicit FMA instructions, which
+ * it does not touch. Everything that expands weights lives between push_options and pop_options. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* Values c .. c + 15 of a row as fp32: w0 holds the first 8, w1 the next 8. */
+static inline void expand16(const uint8_t *p, long c, int bits, __m256 s, __m256 o, __m256 centre, int affine,
+                            __m256 *w0, __m256 *w1) {
+    __m128i q;  /* the 16 values as bytes, in order */
+    if (bits == 4) {  /* byte j holds value 2j in its low nibble and 2j + 1 in its high one */
+        const __m128i nibble = _mm_set1_epi8(15);
+        __m128i b = _mm_loadl_epi64((const __m128i *)(p + c / 2));
+        q = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    } else {
+        q = _mm_loadu_si128((const __m128i *)(p + c));
+    }
+    __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+    if (affine) {
+        *w0 = _mm256_add_ps(_mm256_mul_ps(s, q0), o);
+        *w1 = _mm256_add_ps(_mm256_mul_ps(s, q1), o);
+    } else {
+        *w0 = _mm256_mul_ps(s, _mm256_sub_ps(q0, centre));
+        *w1 = _mm256_mul_ps(s, _mm256_sub_ps(q1, centre));
+    }
+}
+
+static inline float hsum(__m256 acc) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* Row n of the weight, expanded: into w[K] when `w` is given, else dotted with x[K] on the fly (one token). */
+static float expand_row(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs,
+                        long K, long n, float *w, const float *x) {
+    const long groups = K / gs;
+    const uint8_t *p = packed + n * (K * bits / 8);
+    const int affine = offsets != 0;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const __m256 s = _mm256_set1_ps(param(scales, f16, n * groups + g));
+        const __m256 o = _mm256_set1_ps(affine ? param(offsets, f16, n * groups + g) : 0.0f);
+        const __m256 centre = _mm256_set1_ps((float)(1 << (bits - 1)));
+        for (long c = g * gs; c < (g + 1) * gs; c += 16) {
+            __m256 w0, w1;
+            expand16(p, c, bits, s, o, centre, affine, &w0, &w1);
+            if (w) {
+                _mm256_storeu_ps(w + c, w0);
+                _mm256_storeu_ps(w + c + 8, w1);
+            } else {
+                acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + c), acc0);
+                acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + c + 8), acc1);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+#pragma GCC pop_options
+
+static inline float dot(const float *a, const float *b, long K) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+/* ---- a thread pool that never waits for a late thread ----
+ * Work is split into chunks that threads claim one at a time from a shared counter; the calling thread claims too
+ * and waits only for chunks already claimed, so a helper that the OS has not scheduled (shared cores) costs
+ * nothing: the caller does its share. Calls come one at a time (the engine's loop thread; `lock` for others).
+ * A job's fields live in slot gen & 1, and the counter holds (gen << 32 | next chunk): a helper can only claim a
+ * chunk of the job whose fields it read, since a claim is a compare-and-swap on that generation. */
+
+typedef void (*chunk_fn)(const void *args, long chunk);
+
+struct job {
+    chunk_fn fn;
+    const void *args;
+    long chunks;
+    atomic_long done;
+};
+
+static struct job jobs[2];
+static atomic_ullong state;  /* gen << 32 | next chunk to claim */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER, sleep_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static int helpers;  /* threads started */
+
+/* Run chunks of the current job until none is left; returns whether it ran any. */
+static int work(void) {
+    for (int ran = 0;;) {
+        unsigned long long s = atomic_load(&state);
+        struct job *j = &jobs[(s >> 32) & 1];
+        long next = (long)(s & 0xffffffffu);
+        chunk_fn fn = j->fn;
+        const void *args = j->args;
+        if (next >= j->chunks) return ran;
+        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;
+        fn(args, next);
+        atomic_fetch_add(&j->done, 1);
+        ran = 1;
+    }
+}
+
+static void *helper(void *unused) {
+    (void)unused;
+    for (;;) {
+        /* spin a little first: the next matmul of the step comes within microseconds */
+        for (int i = 0; i < 20000; i++) {
+            if (work()) i = 0;
+            _mm_pause();
+        }
+        pthread_mutex_lock(&sleep_lock);
+        unsigned long long s = atomic_load(&state);
+        struct job *j = &jobs[(s >> 32) & 1];
+        if ((long)(s & 0xffffffffu) >= j->chunks) pthread_cond_wait(&wake, &sleep_lock);
+        pthread_mutex_unlock(&sleep_lock);
+    }
+    return 0;
+}
+
+static void parallel(chunk_fn fn, const void *args, long chunks, int threads) {
+    if (threads <= 1 || chunks == 1) {
+        for (long c = 0; c < chunks; c++) fn(args, c);
+        return;
+    }
+    pthread_mutex_lock(&lock);
+    for (; helpers < threads - 1; helpers++) {
+        pthread_t t;
+        if (pthread_create(&t, 0, helper, 0)) break;
+        pthread_detach(t);
+    }
+    unsigned long long gen = (atomic_load(&state) >> 32) + 1;
+    struct job *j = &jobs[gen & 1];
+    j->fn = fn;
+    j->args = args;
+    j->chunks = chunks;
+    atomic_store(&j->done, 0);
+    pthread_mutex_lock(&sleep_lock);
+    atomic_store(&state, gen << 32);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&sleep_lock);
+    work();
+    while (atomic_load(&j->done) < chunks) _mm_pause();  /* chunks a helper is still running */
+    pthread_mutex_unlock(&lock);
+}
+
+/* ---- the entry points ---- */
+
+enum { ROWS_PER_CHUNK = 32 };
+
+struct matmul_args {
+    const float *x;
+    long T, K, N;
+    const uint8_t *packed;
+    const void *scales, *offsets;
+    int f16, bits, gs;
+    float *y;
+};
+
+/* One token: rows expand straight into the dot product. More: each row is expanded into a buffer that stays in
+ * L1 and dotted with every token. */
+static void matmul_chunk(const void *args, long chunk) {
+    const struct matmul_args *a = args;
+    long end = (chunk + 1) * ROWS_PER_CHUNK < a->N ? (chunk + 1) * ROWS_PER_CHUNK : a->N;
+    float *w = a->T > 1 ? malloc(a->K * sizeof(float)) : 0;
+    for (long n = chunk * ROWS_PER_CHUNK; n < end; n++) {
+        if (a->T == 1) {
+            a->y[n] = expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->gs, a->K, n, 0, a->x);
+            continue;
+        }
+        expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->gs, a->K, n, w, 0);
+        for (long t = 0; t < a->T; t++) a->y[t * a->N + n] = dot(a->x + t * a->K, w, a->K);
+    }
+    free(w);
+}
+
+/* x [T, K], y [T, N] = x @ W^T. */
+void qmatmul(const float *x, long T, long K, const uint8_t *packed, const void *scales, const void *offsets,
+             int f16, int bits, int gs, long N, float *y, int threads) {
+    struct matmul_args a = {x, T, K, N, packed, scales, offsets, f16, bits, gs, y};
+    parallel(matmul_chunk, &a, (N + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
+}
+
+static void dequantize_chunk(const void *args, long chunk) {
+    const struct matmul_args *a = args;
+    long end = (chunk + 1) * ROWS_PER_CHUNK < a->N ? (chunk + 1) * ROWS_PER_CHUNK : a->N;
+    for (long n = chunk * ROWS_PER_CHUNK; n < end; n++)
+        expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->gs, a->K, n, a->y + n * a->K, 0);
+}
+
+/* y [N, K]: the whole weight in fp32, for long prefill chunks (a dense matmul then beats T dot products). */
+void dequantize(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs, long K,
+                long N, float *y, int threads) {
+    struct matmul_args a = {0, 0, K, N, packed, scales, offsets, f16, bits, gs, y};
+    parallel(dequantize_chunk, &a, (N + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
+}
