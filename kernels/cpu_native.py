@@ -1,4 +1,4 @@
-"""The CPU's native kernels (kernels/qmatmul_cpu.c): built once with the system C compiler, loaded through ctypes.
+"""The CPU's native kernels (kernels/cpu_native.c): built once with the system C compiler, loaded through ctypes.
 
 The library is compiled at first use with `-O3 -march=native` into the user's cache folder, named by a
 hash of the source, the flags and the CPU, so a later run loads it in milliseconds. Where it cannot be had (no C
@@ -18,9 +18,19 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("qmatmul_cpu.c")
-FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+SOURCE = Path(__file__).with_name("cpu_native.c")
+FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# The C functions' arguments: p a pointer (a tensor's data_ptr), l a C long, i an int, f a float
+ARG_TYPES = {"p": ctypes.c_void_p, "l": ctypes.c_long, "i": ctypes.c_int, "f": ctypes.c_float}
+SIGNATURES = {
+    "qmatmul": "p l l p p p i i i l p i",
+    "dequantize": "p p p i i i l l p i",
+    "rms_norm": "p p p f l l p p",
+    "rope": "p p p p p p l l l l",
+    "silu_and_mul": "p l l p",
+    "paged_attention": "p p p p l p p l l l l l f p",
+}
 
 
 def threads() -> int:
@@ -62,7 +72,7 @@ def build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"no C compiler found ({cc})"
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), *map(str.encode, FLAGS), platform_key()])).hexdigest()
-    target = cache_dir() / f"qmatmul_cpu-{key[:16]}.so"
+    target = cache_dir() / f"cpu_native-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: readers never see half
@@ -76,13 +86,9 @@ def build() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         return None, f"loading the CPU kernels failed ({e})"
-    lib.qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-                            ctypes.c_void_p, ctypes.c_int]
-    lib.qmatmul.restype = None
-    lib.dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    lib.dequantize.restype = None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [ARG_TYPES[a] for a in args.split()], None
     return lib, ""
 
 

@@ -3,9 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.dispatch import use_triton
-from llamaterm.kernels.linear_cpu import qmatmul_cpu
+from llamaterm.kernels.ops_cpu import native_lib, qmatmul_cpu
 from llamaterm.kernels.qweight import QuantWeight
 
 
@@ -16,7 +15,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
         from llamaterm.kernels.linear_triton import qmatmul_triton
 
         return qmatmul_triton(x, w)
-    if x.device.type == "cpu" and x.dtype == torch.float32 and (lib := library()) is not None:
+    if w.group_size % 16 == 0 and (lib := native_lib(x)):
         return qmatmul_cpu(x, w, lib)
     return linear_ref(x, w)
 

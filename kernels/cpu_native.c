@@ -3,10 +3,11 @@
  * Each weight row is expanded into fp32 values exactly as the torch reference does it (one rounding for the scale
  * product, one for the offset add: never fused into an FMA), then dotted with the activations, so the result is
  * fp32 math on the dequantized weights; only the order of the sums differs from a dense matmul.
- * K and the group size must be multiples of 16. Built at first use by kernels/cpu_native.py and called through
- * ctypes.
+ * K and the group size must be multiples of 16. The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
+ * attention) follow at the end. Built at first use by kernels/cpu_native.py and called through ctypes.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -21,9 +22,10 @@ static inline float param(const void *p, int f16, long i) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-/* Values c .. c + 15 of a row as fp32: w0 holds the first 8, w1 the next 8. */
-static inline void expand16(const uint8_t *p, long c, int bits, __m256 s, __m256 o, __m256 centre, int affine,
-                            __m256 *w0, __m256 *w1) {
+/* Values c .. c + 15 of a row as fp32: w0 holds the first 8, w1 the next 8. Symmetric values are re-centred as
+ * bytes (q - 2^(bits-1) fits an int8 exactly), which saves the float subtraction. */
+static inline void expand16(const uint8_t *p, long c, int bits, __m256 s, __m256 o, int affine, __m256 *w0,
+                            __m256 *w1) {
     __m128i q;  /* the 16 values as bytes, in order */
     if (bits == 4) {  /* byte j holds value 2j in its low nibble and 2j + 1 in its high one */
         const __m128i nibble = _mm_set1_epi8(15);
@@ -32,14 +34,15 @@ static inline void expand16(const uint8_t *p, long c, int bits, __m256 s, __m256
     } else {
         q = _mm_loadu_si128((const __m128i *)(p + c));
     }
-    __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-    __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
     if (affine) {
+        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
         *w0 = _mm256_add_ps(_mm256_mul_ps(s, q0), o);
         *w1 = _mm256_add_ps(_mm256_mul_ps(s, q1), o);
     } else {
-        *w0 = _mm256_mul_ps(s, _mm256_sub_ps(q0, centre));
-        *w1 = _mm256_mul_ps(s, _mm256_sub_ps(q1, centre));
+        q = _mm_sub_epi8(q, _mm_set1_epi8((char)(1 << (bits - 1))));
+        *w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        *w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
     }
 }
 
@@ -60,10 +63,9 @@ static float expand_row(const uint8_t *packed, const void *scales, const void *o
     for (long g = 0; g < groups; g++) {
         const __m256 s = _mm256_set1_ps(param(scales, f16, n * groups + g));
         const __m256 o = _mm256_set1_ps(affine ? param(offsets, f16, n * groups + g) : 0.0f);
-        const __m256 centre = _mm256_set1_ps((float)(1 << (bits - 1)));
         for (long c = g * gs; c < (g + 1) * gs; c += 16) {
             __m256 w0, w1;
-            expand16(p, c, bits, s, o, centre, affine, &w0, &w1);
+            expand16(p, c, bits, s, o, affine, &w0, &w1);
             if (w) {
                 _mm256_storeu_ps(w + c, w0);
                 _mm256_storeu_ps(w + c + 8, w1);
@@ -216,4 +218,93 @@ void dequantize(const uint8_t *packed, const void *scales, const void *offsets, 
                 long N, float *y, int threads) {
     struct matmul_args a = {0, 0, K, N, packed, scales, offsets, f16, bits, gs, y};
     parallel(dequantize_chunk, &a, (N + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
+}
+
+/* ---- the decode step's small ops, one call each instead of a dozen torch ops (fp32, one thread) ---- */
+
+/* x [T, H] (+ residual: their sum goes to `sum`) -> out = weight * (v / rms(v)), as kernels/norm.py. */
+void rms_norm(const float *x, const float *residual, const float *weight, float eps, long T, long H, float *out,
+              float *sum) {
+    for (long t = 0; t < T; t++) {
+        float *ot = out + t * H, squares = 0.0f;
+        for (long i = 0; i < H; i++) {
+            float v = residual ? x[t * H + i] + residual[t * H + i] : x[t * H + i];
+            if (residual) sum[t * H + i] = v;
+            ot[i] = v;
+            squares += v * v;
+        }
+        float inv = 1.0f / sqrtf(squares / (float)H + eps);
+        for (long i = 0; i < H; i++) ot[i] = weight[i] * (ot[i] * inv);
+    }
+}
+
+/* q [T, Hq, D], k [T, Hk, D] rotated into q_out, k_out (half-split convention), as kernels/rope.py. */
+void rope(const float *q, const float *k, float *q_out, float *k_out, const int64_t *positions, const float *inv_freq,
+          long T, long Hq, long Hk, long D) {
+    long half = D / 2;
+    float c[half], s[half];
+    for (long t = 0; t < T; t++) {
+        for (long i = 0; i < half; i++) {
+            float f = (float)positions[t] * inv_freq[i];
+            c[i] = cosf(f);
+            s[i] = sinf(f);
+        }
+        for (long h = 0; h < Hq + Hk; h++) {
+            long at = h < Hq ? (t * Hq + h) * D : (t * Hk + h - Hq) * D;
+            const float *x = (h < Hq ? q : k) + at;
+            float *y = (h < Hq ? q_out : k_out) + at;
+            for (long i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half];
+                y[i] = x1 * c[i] - x2 * s[i];
+                y[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* out [T, I] = silu(gate) * up for gate_up [T, 2I], as kernels/activation.py. */
+void silu_and_mul(const float *gate_up, long T, long I, float *out) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i++) {
+            float g = gate_up[t * 2 * I + i];
+            out[t * I + i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * I + I + i];
+        }
+}
+
+/* Causal attention over the paged cache, as kernels/attention.py: q [T, Hq, D] -> out [T, Hq, D]; caches
+ * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens. */
+void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                     long max_blocks, const int64_t *context_lens, const int64_t *query_start_loc, long B, long Hq,
+                     long Hk, long D, long block_size, float scale, float *out) {
+    long group = Hq / Hk, longest = 0;
+    for (long b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    float *p = malloc((longest > 0 ? longest : 1) * sizeof(float));
+    for (long b = 0; b < B; b++) {
+        long s = query_start_loc[b], n = query_start_loc[b + 1] - s, ctx = context_lens[b];
+        const int32_t *table = block_tables + b * max_blocks;
+        for (long i = 0; i < n; i++) {
+            long seen = ctx - n + i + 1;  /* keys 0 .. ctx - n + i */
+            for (long h = 0; h < Hq; h++) {
+                const float *qh = q + ((s + i) * Hq + h) * D;
+                long kv = h / group;
+                float top = -INFINITY, total = 0.0f;
+                for (long j = 0; j < seen; j++) {
+                    const float *kj = k_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
+                    float d = 0.0f;
+                    for (long e = 0; e < D; e++) d += qh[e] * kj[e];
+                    p[j] = d * scale;
+                    top = p[j] > top ? p[j] : top;
+                }
+                for (long j = 0; j < seen; j++) total += (p[j] = expf(p[j] - top));
+                float *oh = out + ((s + i) * Hq + h) * D;
+                for (long e = 0; e < D; e++) oh[e] = 0.0f;
+                for (long j = 0; j < seen; j++) {
+                    const float *vj = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
+                    float w = p[j] / total;
+                    for (long e = 0; e < D; e++) oh[e] += w * vj[e];
+                }
+            }
+        }
+    }
+    free(p);
 }
