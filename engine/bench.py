@@ -8,6 +8,7 @@
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
@@ -18,6 +19,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.store.model_store import default_model_path
+from llamaterm.kernels.cpu_native import threads
 from llamaterm.kernels.qweight import QuantWeight
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
@@ -61,42 +63,51 @@ def decode_rate(handle) -> float:
 
 
 def bench_cpu(tokens: int) -> None:
+    """Both engines in this one process, one after the other: three greedy runs each, medians. TTFT is from
+    submitting the chat prompt to its first token; load is from the GGUF file to a model ready to serve."""
     import transformers
 
     torch.manual_seed(0)
+    t = time.perf_counter()
     engine = Engine.from_model(EngineConfig(device="cpu"))
+    ours_load = time.perf_counter() - t
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    rates = []
+    ours = []
     for _ in range(3):
         _, handle = engine.generate(PROMPT, params)
-        rates.append(decode_rate(handle))
-    ours = max(rates)
+        ours.append((decode_rate(handle), handle.stats().ttft_s))
     ours_tokens = handle.seq.generated
     ids = engine.tokenizer.encode_chat(PROMPT)
     wbytes = weight_bytes(engine)
     engine.shutdown()
 
     path = default_model_path()
+    t = time.perf_counter()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            dtype=torch.float32).eval()
-    hf_tokens, times = [], []
-    with torch.inference_mode():
-        x, past = torch.tensor([ids]), None
-        for _ in range(tokens):
-            r = hf(input_ids=x, past_key_values=past, use_cache=True)
-            past, token = r.past_key_values, int(r.logits[0, -1].argmax())
-            hf_tokens.append(token)
-            times.append(time.perf_counter())
-            x = torch.tensor([[token]])
-    theirs = (len(times) - 1) / (times[-1] - times[0])
+    theirs_load = time.perf_counter() - t
+    theirs = []
+    for _ in range(3):
+        hf_tokens, times = [], []
+        with torch.inference_mode():
+            x, past, start = torch.tensor([ids]), None, time.perf_counter()
+            for _ in range(tokens):
+                r = hf(input_ids=x, past_key_values=past, use_cache=True)
+                past, token = r.past_key_values, int(r.logits[0, -1].argmax())
+                hf_tokens.append(token)
+                times.append(time.perf_counter())
+                x = torch.tensor([[token]])
+        theirs.append(((len(times) - 1) / (times[-1] - times[0]), times[0] - start))
     bw = copy_bandwidth(torch.device("cpu"))
     limit = bw / 2 / wbytes  # a copy moves each byte twice; decode reads each weight byte once
-    print(f"CPU decode, default model (SmolLM2-135M Q4_1), {tokens} tokens, {torch.get_num_threads()} threads")
-    print(f"{'':28}{'tok/s':>10}")
-    print(f"{'llamaterm (fp32)':28}{ours:10.1f}")
-    print(f"{'HF transformers (fp32)':28}{theirs:10.1f}")
-    print(f"{'speed-up':28}{ours / theirs:9.2f}x")
+    median = lambda runs, i: statistics.median(r[i] for r in runs)
+    print(f"CPU decode, default model (SmolLM2-135M Q4_1), {tokens} tokens, {threads()} threads; medians of 3 runs")
+    print(f"{'':28}{'tok/s':>10}{'TTFT ms':>10}{'load s':>9}   runs (tok/s)")
+    for name, runs, load in (("llamaterm (fp32)", ours, ours_load), ("HF transformers (fp32)", theirs, theirs_load)):
+        print(f"{name:28}{median(runs, 0):10.1f}{median(runs, 1) * 1e3:10.0f}{load:9.2f}   "
+              + " ".join(f"{r[0]:.1f}" for r in runs))
+    print(f"{'speed-up':28}{median(ours, 0) / median(theirs, 0):9.2f}x")
     print(f"{'memory limit':28}{limit:10.1f}   ({wbytes / 1e6:.0f} MB read per token at {bw / 2e9:.1f} GB/s)")
     print(f"same tokens as transformers: {ours_tokens == hf_tokens}")
 

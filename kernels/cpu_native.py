@@ -3,7 +3,8 @@
 The library is compiled at first use with `-O3 -march=native` into the user's cache folder, named by a
 hash of the source, the flags and the CPU, so a later run loads it in milliseconds. Where it cannot be had (no C
 compiler, a CPU without AVX2/FMA/F16C, a failed build, or LLAMATERM_KERNELS=torch) `library()` returns None, the
-callers take the torch references (slower, same results), and one line on stderr says why, once.
+callers take the torch references (slower, same results), and one line on stderr says why, once; so it does when
+only one core is there to run them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def library() -> ctypes.CDLL | None:
     lib, why = build()
     if lib is None:
         print(f"llamaterm: {why}: using the slower torch kernels on the CPU", file=sys.stderr)
+    elif threads() == 1:
+        print("llamaterm: this process may use only 1 CPU core: the CPU kernels run on one thread (slower)",
+              file=sys.stderr)
     return lib
 
 

@@ -4,6 +4,7 @@ format; and the fallback to the references where the kernels cannot be built."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,10 +101,34 @@ linear(x, w)
     ({"CC": "/nonexistent/cc"}, "no C compiler found (/nonexistent/cc)"),
     ({"LLAMATERM_KERNELS": "torch"}, "LLAMATERM_KERNELS=torch"),
 ])
-def test_fallback_says_why_once(tmp_path, env, why):
+def test_fallback_says_why_once(env, why):
     """Without the native kernels the references answer, and one line says why, once per process."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}
-    r = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run_python(FALLBACK, env) == [f"llamaterm: {why}: using the slower torch kernels on the CPU"]
+
+
+ONE_CORE = """
+import torch
+from llamaterm.kernels.linear import linear_ref
+from llamaterm.kernels.ops_cpu import qmatmul_cpu
+from llamaterm.kernels.cpu_native import library
+from tests.kernel_cases import random_qweight, rel_err
+w = random_qweight(300, 64, 4, 32, True, False, device="cpu")
+x = torch.randn(1, 64)
+assert rel_err(qmatmul_cpu(x, w, library()), linear_ref(x, w)) < 1e-6
+library()
+"""
+
+
+def test_one_core_says_so_once():
+    """A process pinned to one core runs the kernels on its own thread, and says so once."""
+    lines = run_python(ONE_CORE, {}, cores={min(os.sched_getaffinity(0))})
+    assert lines == ["llamaterm: this process may use only 1 CPU core: the CPU kernels run on one thread (slower)"]
+
+
+def run_python(code: str, env: dict, cores: set[int] | None = None) -> list[str]:
+    """Runs `code` in a fresh interpreter (on `cores` only, if given); returns its stderr lines."""
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+                       preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     assert r.returncode == 0, r.stderr
-    assert r.stderr.splitlines() == [f"llamaterm: {why}: using the slower torch kernels on the CPU"]
+    return r.stderr.splitlines()
