@@ -22,11 +22,10 @@ static inline float param(const void *p, int f16, long i) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-/* Values c .. c + 15 of a row as fp32: w0 holds the first 8, w1 the next 8. Symmetric values are re-centred as
- * bytes (q - 2^(bits-1) fits an int8 exactly), which saves the float subtraction. */
-static inline void expand16(const uint8_t *p, long c, int bits, __m256 s, __m256 o, int affine, __m256 *w0,
-                            __m256 *w1) {
-    __m128i q;  /* the 16 values as bytes, in order */
+/* Values c .. c + 15 of a row as bytes, in order. Symmetric values come re-centred (q - 2^(bits-1) fits an
+ * int8 exactly), which saves a float subtraction later. */
+static inline __m128i bytes16(const uint8_t *p, long c, int bits, int affine) {
+    __m128i q;
     if (bits == 4) {  /* byte j holds value 2j in its low nibble and 2j + 1 in its high one */
         const __m128i nibble = _mm_set1_epi8(15);
         __m128i b = _mm_loadl_epi64((const __m128i *)(p + c / 2));
@@ -34,17 +33,41 @@ static inline void expand16(const uint8_t *p, long c, int bits, __m256 s, __m256
     } else {
         q = _mm_loadu_si128((const __m128i *)(p + c));
     }
-    if (affine) {
-        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
-        *w0 = _mm256_add_ps(_mm256_mul_ps(s, q0), o);
-        *w1 = _mm256_add_ps(_mm256_mul_ps(s, q1), o);
-    } else {
-        q = _mm_sub_epi8(q, _mm_set1_epi8((char)(1 << (bits - 1))));
-        *w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-        *w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
-    }
+    return affine ? q : _mm_sub_epi8(q, _mm_set1_epi8((char)(1 << (bits - 1))));
 }
+
+#ifdef __AVX512F__
+typedef __m512 vec16;  /* 16 fp32 values: one AVX-512 register, or two AVX2 ones */
+static inline vec16 expand16(__m128i q, float s, float o, int affine) {
+    if (affine) return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))),
+                                     _mm512_set1_ps(o));
+    return _mm512_mul_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
+static inline vec16 fma16(vec16 w, const float *x, vec16 acc) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
+static inline void store16(float *w, vec16 v) { _mm512_storeu_ps(w, v); }
+static inline vec16 zero16(void) { return _mm512_setzero_ps(); }
+static inline float sum16(vec16 v) { return _mm512_reduce_add_ps(v); }
+#else
+typedef struct { __m256 lo, hi; } vec16;
+static inline vec16 expand16(__m128i q, float s, float o, int affine) {
+    __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+    __m128i q_hi = _mm_srli_si128(q, 8);
+    if (affine)
+        return (vec16){_mm256_add_ps(_mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), vo),
+                       _mm256_add_ps(_mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q_hi))), vo)};
+    return (vec16){_mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))),
+                   _mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_hi)))};
+}
+static inline vec16 fma16(vec16 w, const float *x, vec16 acc) {
+    return (vec16){_mm256_fmadd_ps(w.lo, _mm256_loadu_ps(x), acc.lo),
+                   _mm256_fmadd_ps(w.hi, _mm256_loadu_ps(x + 8), acc.hi)};
+}
+static inline void store16(float *w, vec16 v) {
+    _mm256_storeu_ps(w, v.lo);
+    _mm256_storeu_ps(w + 8, v.hi);
+}
+static inline vec16 zero16(void) { return (vec16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+#endif
 
 static inline float hsum(__m256 acc) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -52,6 +75,9 @@ static inline float hsum(__m256 acc) {
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
 }
+#ifndef __AVX512F__
+static inline float sum16(vec16 v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
+#endif
 
 /* Row n of the weight, expanded: into w[K] when `w` is given, else dotted with x[K] on the fly (one token). */
 static float expand_row(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs,
@@ -59,23 +85,19 @@ static float expand_row(const uint8_t *packed, const void *scales, const void *o
     const long groups = K / gs;
     const uint8_t *p = packed + n * (K * bits / 8);
     const int affine = offsets != 0;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    vec16 acc = zero16();
     for (long g = 0; g < groups; g++) {
-        const __m256 s = _mm256_set1_ps(param(scales, f16, n * groups + g));
-        const __m256 o = _mm256_set1_ps(affine ? param(offsets, f16, n * groups + g) : 0.0f);
+        const float s = param(scales, f16, n * groups + g);
+        const float o = affine ? param(offsets, f16, n * groups + g) : 0.0f;
         for (long c = g * gs; c < (g + 1) * gs; c += 16) {
-            __m256 w0, w1;
-            expand16(p, c, bits, s, o, affine, &w0, &w1);
-            if (w) {
-                _mm256_storeu_ps(w + c, w0);
-                _mm256_storeu_ps(w + c + 8, w1);
-            } else {
-                acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + c), acc0);
-                acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + c + 8), acc1);
-            }
+            vec16 v = expand16(bytes16(p, c, bits, affine), s, o, affine);
+            if (w)
+                store16(w + c, v);
+            else
+                acc = fma16(v, x + c, acc);
         }
     }
-    return hsum(_mm256_add_ps(acc0, acc1));
+    return sum16(acc);
 }
 #pragma GCC pop_options
 
