@@ -262,6 +262,7 @@ void rms_norm(const float *x, const float *residual, const float *weight, float 
               float *sum) {
     for (long t = 0; t < T; t++) {
         float *ot = out + t * H, squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
         for (long i = 0; i < H; i++) {
             float v = residual ? x[t * H + i] + residual[t * H + i] : x[t * H + i];
             if (residual) sum[t * H + i] = v;
@@ -326,6 +327,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                 for (long j = 0; j < seen; j++) {
                     const float *kj = k_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
                     float d = 0.0f;
+#pragma omp simd reduction(+ : d)
                     for (long e = 0; e < D; e++) d += qh[e] * kj[e];
                     p[j] = d * scale;
                     top = p[j] > top ? p[j] : top;
@@ -336,6 +338,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                 for (long j = 0; j < seen; j++) {
                     const float *vj = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
                     float w = p[j] / total;
+#pragma omp simd
                     for (long e = 0; e < D; e++) oh[e] += w * vj[e];
                 }
             }
