@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from llamaterm.kernels.dispatch import use_triton
-from llamaterm.kernels.ops_cpu import native_lib, paged_attention_cpu
+from llamaterm.kernels.ops_cpu import native_lib, paged_attention_cpu, write_kv_cpu
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -19,6 +19,9 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         from llamaterm.kernels.attention_triton import write_kv_triton
 
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+    if (lib := native_lib(k)) and k_cache.dtype == torch.float32 and contiguous:
+        return write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 

@@ -12,6 +12,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static inline float param(const void *p, int f16, long i) {
     return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -345,4 +346,13 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         }
     }
     free(p);
+}
+
+/* k, v [T, Hk * D] stored at flat cache slots (block * block_size + offset); slot -1 means skip. */
+void write_kv(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots, long T, long row) {
+    for (long t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row, k + t * row, row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, v + t * row, row * sizeof(float));
+    }
 }

@@ -34,6 +34,7 @@ SIGNATURES = {
     "rope": "p p p p p p l l l l",
     "silu_and_mul": "p l l p",
     "paged_attention": "p p p p l p p l l l l l f p",
+    "write_kv": "p p p p p l l",
 }
 
 

@@ -77,6 +77,14 @@ def silu_and_mul_cpu(gate_up, lib):
     return out
 
 
+def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib):
+    """Into the caches in place, as kernels/attention.py's write_kv_ref (the caches must be contiguous)."""
+    k, v = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous()
+    row = k_cache.shape[2] * k_cache.shape[3]
+    lib.write_kv(ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), ptr(slot_mapping.to(torch.int64).contiguous()),
+                 k.shape[0], row)
+
+
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, lib):
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)

@@ -11,7 +11,7 @@ import torch
 
 from llamaterm.kernels import ops_cpu
 from llamaterm.kernels.activation import silu_and_mul_ref
-from llamaterm.kernels.attention import paged_attention_ref
+from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref
 from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.norm import rms_norm_ref
@@ -84,6 +84,16 @@ def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page):
     out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, lib)
     ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
     assert rel_err(out, ref) < FP32_TOL
+
+
+def test_write_kv(lib):
+    k, v = torch.randn(6, 3, 8), torch.randn(6, 3, 8)
+    slots = torch.tensor([5, -1, 0, 17, 9, -1])
+    ours = [torch.full((5, 4, 3, 8), float("nan")) for _ in range(2)]
+    ref = [c.clone() for c in ours]
+    ops_cpu.write_kv_cpu(k, v, *ours, slots, lib)
+    write_kv_ref(k, v, *ref, slots)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(ours, ref, strict=True))
 
 
 FALLBACK = """
