@@ -81,12 +81,13 @@ static inline float sum16(vec16 v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
 #endif
 
 /* Row n of the weight, expanded: into w[K] when `w` is given, else dotted with x[K] on the fly (one token). */
-static float expand_row(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs,
-                        long K, long n, float *w, const float *x) {
+static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *packed, const void *scales,
+                                                                 const void *offsets, int f16, int bits, int gs,
+                                                                 long K, long n, float *w, const float *x,
+                                                                 const int affine) {
     const long groups = K / gs;
     const uint8_t *p = packed + n * (K * bits / 8);
-    const int affine = offsets != 0;
-    vec16 acc = zero16();
+    vec16 acc = zero16(), acc1 = zero16();  /* two sums: consecutive FMAs do not wait on each other */
     for (long g = 0; g < groups; g++) {
         const float s = param(scales, f16, n * groups + g);
         const float o = affine ? param(offsets, f16, n * groups + g) : 0.0f;
@@ -105,13 +106,25 @@ static float expand_row(const uint8_t *packed, const void *scales, const void *o
 #else
             vec16 v = expand16(bytes16(p, c, bits, affine), s, o, affine);
 #endif
-            if (w)
+            if (w) {
                 store16(w + c, v);
-            else
-                acc = fma16(v, x + c, acc);
+            } else {
+                vec16 next = fma16(v, x + c, acc);
+                acc = acc1;
+                acc1 = next;
+            }
         }
     }
-    return sum16(acc);
+    return sum16(acc) + sum16(acc1);
+}
+
+/* expand_row_as compiled once for each format, so its inner loop holds no test of the format. */
+static float expand_row(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs,
+                        long K, long n, float *w, const float *x) {
+#define ROW(BITS, AFFINE) expand_row_as(packed, scales, offsets, f16, BITS, gs, K, n, w, x, AFFINE)
+    if (bits == 4) return offsets ? ROW(4, 1) : ROW(4, 0);
+    return offsets ? ROW(8, 1) : ROW(8, 0);
+#undef ROW
 }
 #pragma GCC pop_options
 
