@@ -19,6 +19,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+import platformdirs
+
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # -fopenmp-simd: only the `omp simd` loop pragmas (sums in vector order), no OpenMP runtime; -fno-math-errno lets
 # expf vectorize
@@ -45,8 +47,7 @@ def threads() -> int:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llamaterm" / "native"
+    return platformdirs.user_cache_path("llamaterm") / "native"
 
 
 def cpu_flags() -> set[str]:
@@ -83,14 +84,20 @@ def build() -> tuple[ctypes.CDLL | None, str]:
     key = hashlib.sha256(b"\0".join([source, cc.encode(), *map(str.encode, FLAGS), platform_key()])).hexdigest()
     target = cache_dir() / f"cpu_native-{key[:16]}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: readers never see half
-            out = Path(tmp) / target.name
-            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-            if r.returncode:
-                first = (r.stderr.strip().splitlines() or ["no message"])[0]
-                return None, f"building the CPU kernels failed ({first})"
-            os.replace(out, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: never seen half-made
+                out = Path(tmp) / target.name
+                r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                if r.returncode:
+                    first = (r.stderr.strip().splitlines() or ["no message"])[0]
+                    return None, f"building the CPU kernels failed ({first})"
+                os.replace(out, target)
+            for old in target.parent.glob("cpu_native-*.so"):  # builds of other versions (a process using one
+                if old != target:                                # keeps its mapping)
+                    old.unlink(missing_ok=True)
+        except OSError as e:
+            return None, f"building the CPU kernels failed ({e})"
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
