@@ -22,10 +22,9 @@ from pathlib import Path
 import platformdirs
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-# -fopenmp-simd: only the `omp simd` loop pragmas (sums in vector order), no OpenMP runtime; -fno-math-errno lets
-# expf vectorize
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-pthread", "-shared", "-fPIC", "-std=gnu11",
-         "-lm"]
+# -fopenmp-simd: only the `omp simd` loop pragmas (sums in vector order), no OpenMP runtime
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+LIBS = ["-lm"]  # after the source, or the linker drops them
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # The C functions' arguments: p a pointer (a tensor's data_ptr), l a C long, i an int, f a float
 ARG_TYPES = {"p": ctypes.c_void_p, "l": ctypes.c_long, "i": ctypes.c_int, "f": ctypes.c_float}
@@ -81,14 +80,15 @@ def build() -> tuple[ctypes.CDLL | None, str]:
     if shutil.which(cc) is None:
         return None, f"no C compiler found ({cc})"
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), *map(str.encode, FLAGS), platform_key()])).hexdigest()
-    target = cache_dir() / f"cpu_native-{key[:16]}.so"
+    command = [cc, *FLAGS, str(SOURCE), *LIBS]
+    key = hashlib.sha256(b"\0".join([source, " ".join(command).encode(), platform_key()]))
+    target = cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: never seen half-made
                 out = Path(tmp) / target.name
-                r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                r = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
                 if r.returncode:
                     first = (r.stderr.strip().splitlines() or ["no message"])[0]
                     return None, f"building the CPU kernels failed ({first})"
