@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.ops_cpu import native_lib, paged_attention_cpu, write_kv_cpu
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -18,6 +19,9 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         from llamaterm.kernels.attention_triton import write_kv_triton
 
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+    if (lib := native_lib(k)) and k_cache.dtype == torch.float32 and contiguous:
+        return write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -35,6 +39,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         from llamaterm.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    if (lib := native_lib(q)) and k_cache.dtype == torch.float32:
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, lib)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
 

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.ops_cpu import native_lib, qmatmul_cpu
 from llamaterm.kernels.qweight import QuantWeight
 
 
@@ -14,6 +15,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
         from llamaterm.kernels.linear_triton import qmatmul_triton
 
         return qmatmul_triton(x, w)
+    if w.group_size % 16 == 0 and (lib := native_lib(x)):
+        return qmatmul_cpu(x, w, lib)
     return linear_ref(x, w)
 
 

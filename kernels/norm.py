@@ -3,6 +3,7 @@
 import torch
 
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.ops_cpu import native_lib, rms_norm_cpu
 
 
 def rms_norm(
@@ -13,6 +14,8 @@ def rms_norm(
         from llamaterm.kernels.norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
+    if lib := native_lib(x):
+        return rms_norm_cpu(x, weight, eps, residual, lib)
     return rms_norm_ref(x, weight, eps, residual)
 
 

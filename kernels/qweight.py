@@ -48,8 +48,11 @@ class QuantWeight:
             raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
         if scales.shape != (n, k // group_size) or (offsets is not None and offsets.shape != scales.shape):
             raise ValueError(f"scales/offsets must be [{n}, {k // group_size}], got {tuple(scales.shape)}")
-        q = q.to(torch.uint8)
-        packed = q[:, 0::2] | (q[:, 1::2] << 4) if bits == 4 else q
+        q = q.to(torch.uint8).contiguous()
+        if bits == 4:  # each little-endian byte pair read as one int16 is q[2j] | q[2j+1] << 8: contiguous ops only
+            pairs = q.view(torch.int16)
+            q = ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+        packed = q
         return QuantWeight(packed.contiguous(), scales, offsets, bits, group_size, (n, k), perm)
 
     def values(self) -> torch.Tensor:

@@ -7,6 +7,7 @@ GGUF q/k rows are un-permuted at load (engine/checkpoints/gguf.py), so every sou
 import torch
 
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.ops_cpu import native_lib, rope_cpu
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
@@ -15,6 +16,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
         from llamaterm.kernels.rope_triton import rope_triton
 
         return rope_triton(q, k, positions, inv_freq)
+    if lib := native_lib(q):
+        return rope_cpu(q, k, positions, inv_freq, lib)
     return rope_ref(q, k, positions, inv_freq)
 
 

@@ -20,20 +20,12 @@ from llamaterm.kernels.linear import linear_ref  # noqa: E402
 from llamaterm.kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
 from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
 from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
-from llamaterm.kernels.qweight import QuantWeight  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
 from llamaterm.kernels.rope_triton import rope_triton  # noqa: E402
+from tests.kernel_cases import DEVICE, FORMATS, random_paged_cache, random_qweight, rel_err  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert not out.isnan().any(), "unwritten (NaN) or invalid elements"
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 @pytest.fixture(autouse=True)
@@ -48,16 +40,6 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
 
 
-def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16) -> QuantWeight:
-    q = torch.randint(0, 2**bits, (n, k))
-    scales = (torch.rand(n, k // group) * 0.02 + 0.002).to(scale_dtype)
-    offs = (torch.randn(n, k // group) * 0.02).to(scale_dtype) if offsets else None
-    return QuantWeight.from_values(q, scales, offs, bits, group, torch.randperm(k) if perm else None).to(DEVICE)
-
-
-# (bits, group, offsets, perm): every group size, both widths, offsets and act-order each on and off
-FORMATS = [(4, 32, False, False), (4, 64, True, True), (4, 128, False, True), (4, 128, True, False),
-           (8, 16, False, False), (8, 32, True, True), (4, 16, True, False), (8, 128, False, True)]
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
@@ -117,22 +99,6 @@ def test_qmatmul_dense_path(dtype):
     assert rel_err(qmatmul_triton(x, w), linear_ref(x.float(), w)) < TOL[dtype]
 
 
-def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3):
-    """A cache with NaN in every slot no sequence owns, and block tables padded with garbage ids."""
-    blocks = [-(-c // page) for c in ctxs]
-    num_blocks = sum(blocks) + extra_blocks
-    k_cache = torch.full((num_blocks, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    v_cache = k_cache.clone()
-    ids = torch.randperm(num_blocks, device=DEVICE).int()
-    tables = torch.full((len(ctxs), max(blocks) + 2), 10**6, dtype=torch.int32, device=DEVICE)
-    used = 0
-    for b, (c, nb) in enumerate(zip(ctxs, blocks, strict=True)):
-        tables[b, :nb] = ids[used:used + nb]
-        used += nb
-        slots = (tables[b, :nb, None].long() * page + torch.arange(page, device=DEVICE)).flatten()[:c]
-        k_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=DEVICE).to(dtype)
-        v_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=DEVICE).to(dtype)
-    return k_cache, v_cache, tables
 
 
 ATTENTION_CASES = [

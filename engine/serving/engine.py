@@ -118,8 +118,8 @@ class Engine:
             self.dense_weight_bytes = model.keep_dense_weights(free_memory(model.device) // 4)
             torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
         dense_s = time.perf_counter() - t
-        num_blocks = pool_blocks(c.kv_tokens or default_kv_tokens(model, c.kv_share), c.block_size, model.kv_bytes_per_token(),
-                                 free_memory(model.device))
+        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share)
+        num_blocks = pool_blocks(kv_tokens, c.block_size, model.kv_bytes_per_token(), free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)

@@ -118,10 +118,13 @@ class Model:
         return 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """[n_layers, 2 (k, v), num_blocks, block_size, n_kv_heads, head_dim], allocated once."""
+        """[n_layers, 2 (k, v), num_blocks, block_size, n_kv_heads, head_dim], allocated once.
+
+        Left unset: no kernel reads a slot before it is written, so on the CPU a block's pages become resident only
+        when it is first used, and a one-shot command holds the memory its tokens need, not the whole pool's."""
         c = self.config
         shape = (c.n_layers, 2, num_blocks, block_size, c.n_kv_heads, c.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_cache: torch.Tensor) -> torch.Tensor:

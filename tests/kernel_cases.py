@@ -1,0 +1,45 @@
+"""Shared inputs of the kernel tests (tests/test_kernels_triton.py, tests/test_kernels_cpu.py): random quantized
+weights in every format and paged KV caches with NaN wherever no sequence owns a slot."""
+
+import torch
+
+from llamaterm.kernels.qweight import QuantWeight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not out.isnan().any(), "unwritten (NaN) or invalid elements"
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16, device=DEVICE) -> QuantWeight:
+    q = torch.randint(0, 2**bits, (n, k))
+    scales = (torch.rand(n, k // group) * 0.02 + 0.002).to(scale_dtype)
+    offs = (torch.randn(n, k // group) * 0.02).to(scale_dtype) if offsets else None
+    return QuantWeight.from_values(q, scales, offs, bits, group, torch.randperm(k) if perm else None).to(device)
+
+
+# (bits, group, offsets, perm): every group size, both widths, offsets and act-order each on and off
+FORMATS = [(4, 32, False, False), (4, 64, True, True), (4, 128, False, True), (4, 128, True, False),
+           (8, 16, False, False), (8, 32, True, True), (4, 16, True, False), (8, 128, False, True)]
+
+
+def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3, device=DEVICE):
+    """A cache with NaN in every slot no sequence owns, and block tables padded with garbage ids."""
+    blocks = [-(-c // page) for c in ctxs]
+    num_blocks = sum(blocks) + extra_blocks
+    k_cache = torch.full((num_blocks, page, n_kv, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    ids = torch.randperm(num_blocks, device=device).int()
+    tables = torch.full((len(ctxs), max(blocks) + 2), 10**6, dtype=torch.int32, device=device)
+    used = 0
+    for b, (c, nb) in enumerate(zip(ctxs, blocks, strict=True)):
+        tables[b, :nb] = ids[used:used + nb]
+        used += nb
+        slots = (tables[b, :nb, None].long() * page + torch.arange(page, device=device)).flatten()[:c]
+        k_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)
+        v_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)
+    return k_cache, v_cache, tables

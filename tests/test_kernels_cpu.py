@@ -1,0 +1,144 @@
+"""The CPU's native kernels (kernels/cpu_native.c) against the torch references, at odd shapes, in every weight
+format; and the fallback to the references where the kernels cannot be built."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llamaterm.kernels import ops_cpu
+from llamaterm.kernels.activation import silu_and_mul_ref
+from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref
+from llamaterm.kernels.cpu_native import library
+from llamaterm.kernels.linear import linear_ref
+from llamaterm.kernels.norm import rms_norm_ref
+from llamaterm.kernels.rope import rope_ref
+from tests.kernel_cases import FORMATS, random_paged_cache, random_qweight, rel_err
+
+FP32_TOL = 1e-6  # fp32 sums in another order
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = library()
+    assert lib is not None, "the native CPU kernels did not build on this machine"
+    return lib
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
+def test_dequantize_is_exact(lib, bits, group, offsets, perm, scale_dtype):
+    """The expansion of the packed values is bit for bit the reference's fp32 dequantization."""
+    w = random_qweight(37, 3 * group, bits, group, offsets, perm, scale_dtype, device="cpu")
+    scales, offs = ops_cpu.cpu_params(w)
+    out = torch.full(w.shape, float("nan"))
+    lib.dequantize(w.packed.data_ptr(), scales.data_ptr(), ops_cpu.ptr(offs), int(scales.dtype == torch.float16),
+                   bits, group, w.shape[1], w.shape[0], out.data_ptr(), 2)
+    assert torch.equal(out, w.dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
+@pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
+def test_qmatmul(lib, bits, group, offsets, perm, rows):
+    w = random_qweight(45, 5 * group, bits, group, offsets, perm, device="cpu")
+    x = torch.randn(rows, w.shape[1])
+    assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(lib, residual):
+    x, w = torch.randn(5, 72), torch.randn(72)
+    r = torch.randn(5, 72) if residual else None
+    out, total = ops_cpu.rms_norm_cpu(x, w, 1e-6, r, lib)
+    ref, ref_total = rms_norm_ref(x, w, 1e-6, r)
+    assert rel_err(out, ref) < FP32_TOL and torch.equal(total, ref_total)
+
+
+def test_rope(lib):
+    q, k = torch.randn(7, 6, 24), torch.randn(7, 2, 24)
+    positions, inv_freq = torch.tensor([0, 1, 2, 30, 31, 500, 4095]), 10000.0 ** -(torch.arange(12) / 12)
+    for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, inv_freq, lib), rope_ref(q, k, positions, inv_freq),
+                        strict=True):
+        assert rel_err(out, ref) < FP32_TOL
+
+
+def test_silu_and_mul(lib):
+    gate_up = torch.randn(3, 2 * 50) * 4
+    assert rel_err(ops_cpu.silu_and_mul_cpu(gate_up, lib), silu_and_mul_ref(gate_up)) < FP32_TOL
+
+
+@pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page", [
+    ([1, 1, 1, 1], [5, 17, 1, 40], 8, 2, 32, 4),  # decode, GQA 4
+    ([1, 0, 1], [70, 3, 2], 6, 2, 24, 4),  # an idle sequence, head dim 24
+    ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4),  # chunked prefill: whole prompts, prefix + chunk, decode
+    ([40], [75], 3, 1, 16, 16),  # a long chunk over a prefix, MQA
+])
+def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page):
+    k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, torch.float32, device="cpu")
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
+    lens = torch.tensor(ctxs)
+    q = torch.randn(int(qsl[-1]), n_q, head_dim)
+    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, lib)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
+    assert rel_err(out, ref) < FP32_TOL
+
+
+def test_write_kv(lib):
+    k, v = torch.randn(6, 3, 8), torch.randn(6, 3, 8)
+    slots = torch.tensor([5, -1, 0, 17, 9, -1])
+    ours = [torch.full((5, 4, 3, 8), float("nan")) for _ in range(2)]
+    ref = [c.clone() for c in ours]
+    ops_cpu.write_kv_cpu(k, v, *ours, slots, lib)
+    write_kv_ref(k, v, *ref, slots)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(ours, ref, strict=True))
+
+
+FALLBACK = """
+import torch
+from llamaterm.kernels.linear import linear, linear_ref
+from tests.kernel_cases import random_qweight
+w = random_qweight(33, 64, 4, 32, True, False, device="cpu")
+x = torch.randn(2, 64)
+assert torch.equal(linear(x, w), linear_ref(x, w))
+linear(x, w)
+"""
+
+
+@pytest.mark.parametrize("env,why", [
+    ({"CC": "/nonexistent/cc"}, "no C compiler found (/nonexistent/cc)"),
+    ({"LLAMATERM_KERNELS": "torch"}, "LLAMATERM_KERNELS=torch"),
+])
+def test_fallback_says_why_once(env, why):
+    """Without the native kernels the references answer, and one line says why, once per process."""
+    assert run_python(FALLBACK, env) == [f"llamaterm: {why}: using the slower torch kernels on the CPU"]
+
+
+ONE_CORE = """
+import torch
+from llamaterm.kernels.linear import linear_ref
+from llamaterm.kernels.ops_cpu import qmatmul_cpu
+from llamaterm.kernels.cpu_native import library
+from tests.kernel_cases import random_qweight, rel_err
+w = random_qweight(300, 64, 4, 32, True, False, device="cpu")
+x = torch.randn(1, 64)
+assert rel_err(qmatmul_cpu(x, w, library()), linear_ref(x, w)) < 1e-6
+library()
+"""
+
+
+def test_one_core_says_so_once():
+    """A process pinned to one core runs the kernels on its own thread, and says so once."""
+    lines = run_python(ONE_CORE, {}, cores={min(os.sched_getaffinity(0))})
+    assert lines == ["llamaterm: this process may use only 1 CPU core: the CPU kernels run on one thread (slower)"]
+
+
+def run_python(code: str, env: dict, cores: set[int] | None = None) -> list[str]:
+    """Runs `code` in a fresh interpreter (on `cores` only, if given); returns its stderr lines."""
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+                       preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    assert r.returncode == 0, r.stderr
+    return r.stderr.splitlines()
