@@ -12,9 +12,11 @@ def test_bench_scaling_json_on_cpu():
     r = json.loads(out.stdout)
     assert r["model"].startswith("tiny test shapes") and r["device"] == "cpu"
     # the tiny shapes (engine/bench.py): hidden 256, 8 heads of 32 (2 for K/V), ffn 512, vocab 512, 2 layers,
-    # multiplied as dense fp32 on the CPU; the lm_head and the norms, not the embedding
-    per_layer = (256 + 64 + 64) * 256 + 256 * 256 + 2 * 512 * 256 + 256 * 512 + 2 * 256
-    assert r["limit"]["weight_bytes_per_step"] == 4 * (2 * per_layer + 512 * 256 + 256)
+    # 4-bit group 32 with fp16 scales, read packed on the CPU too (9/16 of a byte per weight); fp32 norms; the
+    # lm_head, not the embedding
+    per_layer = (256 + 64 + 64) * 256 + 256 * 256 + 2 * 512 * 256 + 256 * 512
+    norms = 2 * 2 * 256 + 256
+    assert r["limit"]["weight_bytes_per_step"] == (2 * per_layer + 512 * 256) * 9 // 16 + 4 * norms
     assert {"imports", "make random weights", "KV cache", "warm-up", "first request"} <= set(r["startup_s"])
     assert r["ttft"]["prompt_tokens"] == 512 and r["ttft"]["ms"] > 0
     assert r["launches"] == {"decode": None, "16-token prefill": None}  # counted on CUDA only
