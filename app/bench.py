@@ -132,7 +132,7 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
             progress.step(f"static batch, {n} sessions")
             static = wl.static_rate(engine, n, min(prompt_len, ctx - tokens - 1), tokens, prompts)
             base = base or static / counts[0]
-            row = {"sessions": n, "static_tok_s": static, "vs_one_session": static / base,
+            row = {"sessions": n, "static_tok_s": static, "vs_one_session": static / base if base else None,
                    "static_pct_of_limit": 100 * static / n / out["limit"]["steps_per_s"]}
             if scaling:
                 progress.step(f"closed loop, {n} sessions ({warmup + window:.0f} s)")
