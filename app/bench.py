@@ -191,7 +191,8 @@ def format_tables(r: dict) -> str:
         head += f" {'dynamic tok/s':>14} {'dyn/static':>11} {'% limit':>8} {'max step ms':>12}"
     lines.append(head)
     for row in r["decode"]:
-        line = (f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {row['vs_one_session']:5.2f}x "
+        vs_one = "    -" if row["vs_one_session"] is None else f"{row['vs_one_session']:5.2f}"  # no tokens seen
+        line = (f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {vs_one}x "
                 f"{row['static_pct_of_limit']:7.0f}%")
         if dynamic:
             line += (f" {row['dynamic_tok_s']:14,.1f} {100 * row['dynamic_vs_static']:10.0f}% "

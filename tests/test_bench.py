@@ -29,8 +29,8 @@ def test_bench_scaling_json_on_cpu():
 
 
 def test_bench_table_and_bad_input():
-    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "4",
-                    "--prompt", "8")
+    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "32",
+                    "--prompt", "8")  # enough tokens that the 2 ms poll sees the decode span
     assert out.returncode == 0, out.stderr
     assert "static tok/s" in out.stdout and "TTFT, 512-token prompt" in out.stdout
     bad = llamaterm("bench", "--model", "synthetic:nope", "--device", "cpu")
