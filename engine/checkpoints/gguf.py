@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, supported_list
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
 from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
@@ -31,7 +32,6 @@ from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
 
-SUPPORTED_ARCHS = ("llama",)
 REDOWNLOAD = "Re-download it (or re-convert it with a current llama.cpp)."
 
 _V = GGUFValueType
@@ -236,9 +236,8 @@ def read_gguf_info(path: str | Path) -> dict:
 def _config(f: GGUFFile) -> ModelConfig:
     meta, path = f.metadata, f.path
     arch = read(meta, "general.architecture", str, where=str(path))
-    if arch not in SUPPORTED_ARCHS:
-        raise _bad(path, f"the architecture {arch!r} is not supported "
-                         f"(llamaterm runs: {', '.join(SUPPORTED_ARCHS)})",
+    if arch not in GGUF_ARCHITECTURES:
+        raise _bad(path, f"the architecture {arch!r} is not supported (llamaterm runs: {supported_list()})",
                    "Pick a Llama-family model (Llama 2/3, Mistral, SmolLM, TinyLlama) in GGUF format.")
     required = MISSING
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, supported_list
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 TOP_MODULES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -87,11 +87,9 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     """config.json (as a dict) -> ModelConfig, refusing what the Llama forward pass cannot run."""
     architectures = field(hf, "architectures", "strings", [])
     arch = architectures[0] if architectures else None
-    if arch not in SUPPORTED_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
-        raise ModelFormatError(
-            f"unsupported architecture {arch or hf.get('model_type')!r}: llamaterm runs "
-            f"{' and '.join(SUPPORTED_ARCHITECTURES)} checkpoints"
-        )
+    if arch not in HF_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
+        raise ModelFormatError(f"unsupported architecture {arch or hf.get('model_type')!r}: llamaterm runs "
+                               f"{supported_list()}")
     size = lambda key, default=MISSING: field(hf, key, int, default, positive=True)
     n_heads = size("num_attention_heads")
     hidden_size = size("hidden_size")

@@ -1,0 +1,100 @@
+"""Oracles for model families: a tiny random model built with transformers' own class for the architecture,
+saved as safetensors beside a small tokenizer; its logits and greedy tokens from transformers (fp32, CPU); and the
+same folder converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama.cpp sources in
+llama-cpp-python's sdist, fetched by `make test` into .venv/oracle; see the Makefile).
+
+Run as a script, this file is that converter with one change: a tokenizer built for a test has no entry in the
+converter's table of known pre-tokenizer hashes, so the test names the pre-tokenizer (`--pre qwen2`) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CONVERTER = Path(__file__).resolve().parent.parent / ".venv" / "oracle" / "llama.cpp"
+
+# Text for a small byte-level BPE vocabulary: enough to merge common pieces, any text still encodes (bytes).
+CORPUS = ["The capital of France is Paris. What is the capital of Italy? Rome!",
+          "def main():\n    print('hello, world')  # 12345 67890",
+          "Sliding windows, rotary embeddings and a paged KV cache: 我想在 apple 工作 😁"] * 4
+
+
+def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens (special tokens last) trained on CORPUS, written as
+    tokenizer.json + tokenizer_config.json, the way Qwen2 / Llama-3 / Phi-4 ship theirs. `pre_split`: the family's
+    pre-tokenizer regex (else GPT-2's)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre_split is None)
+    tok.pre_tokenizer = (byte_level if pre_split is None else
+                         pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pre_split), "isolated"), byte_level]))
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_special_tokens(specials)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[-1], "bos_token": None,
+        "add_bos_token": False, "model_max_length": 4096}))
+
+
+def save_tiny_model(model_cls, config, model_dir: Path, seed: int = 0) -> torch.nn.Module:
+    """transformers' `model_cls(config)` with every parameter random (norm weights too, so a missed norm
+    convention shows), saved as safetensors in model_dir. Returns the fp32 model in eval mode."""
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.05) + (1.0 if p.dim() == 1 else 0.0))
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """fp32 next-token logits [len(ids), vocab] for one sequence."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+    return out[0, len(ids):].tolist()
+
+
+def convert_to_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on model_dir (in a subprocess: the converter brings its own gguf-py)."""
+    if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
+        raise FileNotFoundError(f"{CONVERTER} is missing: `make test` fetches llama.cpp's converter (see Makefile)")
+    args = [sys.executable, __file__, str(model_dir), "--outfile", str(out), "--outtype", outtype]
+    done = subprocess.run(args + (["--pre", pre] if pre else []), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
+    return out
+
+
+def _run_converter(argv: list[str]) -> None:
+    pre = None
+    if "--pre" in argv:
+        at = argv.index("--pre")
+        pre, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    sys.path[:0] = [str(CONVERTER), str(CONVERTER / "gguf-py")]
+    import convert_hf_to_gguf  # noqa: PLC0415 (the oracle's own module, importable only from CONVERTER)
+    from conversion.base import TextModel  # noqa: PLC0415
+
+    if pre is not None:
+        TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+    sys.argv = ["convert_hf_to_gguf.py", *argv]
+    convert_hf_to_gguf.main()
+
+
+if __name__ == "__main__":
+    _run_converter(sys.argv[1:])
