@@ -22,7 +22,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     max_batch_tokens: int | None = None  # tokens per step; None: 2048 on CUDA, 256 on the CPU
     max_running: int = 64  # sequences decoding at once
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs
+    cuda_graphs: bool = True  # replay steps from CUDA graphs
+    overlap: bool | None = None  # launch the next step before reading this one's tokens; None: on CUDA
 
 
 @dataclass(frozen=True)

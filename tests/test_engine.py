@@ -1,5 +1,6 @@
 """The engine on small random models: batching, preemption, prefix caching and cancellation never change what a
-request generates; every block comes back; bad requests fail alone."""
+request generates; every block comes back; bad requests fail alone. With overlap=True, as on CUDA, each step is
+launched before the last one's tokens are read (they reach the next step's inputs on the device)."""
 
 import random
 import threading
@@ -59,10 +60,11 @@ def solo_outputs(tiny, requests) -> list[list[int]]:
         return [run_alone(engine, p, sp) for p, sp in requests]
 
 
-def test_batch_invariance_with_staggered_arrivals(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
     requests = random_requests(8, seed=1)
     expected = solo_outputs(tiny, requests)
-    with make_engine(tiny, max_batch_tokens=64) as engine:
+    with make_engine(tiny, overlap=overlap, max_batch_tokens=64) as engine:
         handles = []
         for prompt, params in requests:
             handles.append(engine.submit(None, params, prompt_ids=prompt))
@@ -73,12 +75,14 @@ def test_batch_invariance_with_staggered_arrivals(tiny):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
-def test_small_pool_preempts_and_recomputes(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_small_pool_preempts_and_recomputes(tiny, overlap):
     prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=i % 2, seed=i))
                 for i, p in enumerate(prompts)]
     expected = solo_outputs(tiny, requests)
-    with make_engine(tiny, kv_tokens=16 * 16, block_size=16) as engine:  # 16 blocks: ~3 requests at a time
+    # 16 blocks: ~3 requests at a time
+    with make_engine(tiny, overlap=overlap, kv_tokens=16 * 16, block_size=16) as engine:
         preempted = []
         preempt = engine.scheduler.preempt
         engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
@@ -91,11 +95,12 @@ def test_small_pool_preempts_and_recomputes(tiny):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
-def test_next_turn_reuses_cached_prefix(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_next_turn_reuses_cached_prefix(tiny, overlap):
     ckpt, tokenizer = tiny
     turn1 = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    with make_engine(tiny) as engine:
+    with make_engine(tiny, overlap=overlap) as engine:
         reply, first = engine.generate(turn1, params)
         turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
         _, second = engine.generate(turn2, params)
@@ -109,10 +114,11 @@ def test_next_turn_reuses_cached_prefix(tiny):
         assert cold_second.seq.generated == second.seq.generated
 
 
-def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, overlap):
     others = random_requests(3, seed=3)
     expected = solo_outputs(tiny, others)
-    with make_engine(tiny, max_batch_tokens=32) as engine:
+    with make_engine(tiny, overlap=overlap, max_batch_tokens=32) as engine:
         long_prompt = list(range(100, 400))  # ten 32-token chunks of prefill
         in_prefill = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=long_prompt)
         in_decode = engine.submit(None, SamplingParams(max_tokens=400, ignore_eos=True), prompt_ids=[5, 6, 7])
@@ -133,14 +139,15 @@ def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
-def test_stress_random_arrivals_cancels_and_stop_strings(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stress_random_arrivals_cancels_and_stop_strings(tiny, overlap):
     rng = random.Random(4)
     requests = []
     for prompt, params in random_requests(200, seed=5, max_prompt=40, max_new=16):
         stop = tuple(rng.sample(["e", " the", "a", "\n", "ing"], rng.randint(0, 2)))
         requests.append((prompt, SamplingParams(**{**params.__dict__, "stop": stop})))
     expected = solo_outputs(tiny, requests)
-    engine = make_engine(tiny, kv_tokens=64 * 16, max_batch_tokens=128)
+    engine = make_engine(tiny, overlap=overlap, kv_tokens=64 * 16, max_batch_tokens=128)
     cancelled = set(rng.sample(range(200), 30))
     handles = {}
 
@@ -166,9 +173,10 @@ def test_stress_random_arrivals_cancels_and_stop_strings(tiny):
         assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def test_stop_strings_cut_the_text(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_strings_cut_the_text(tiny, overlap):
     _, tokenizer = tiny
-    with make_engine(tiny) as engine:
+    with make_engine(tiny, overlap=overlap) as engine:
         full, _ = engine.generate("Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True), raw=True)
         stop = full[len(full) // 2 : len(full) // 2 + 2]
         assert stop and stop in full
@@ -178,8 +186,9 @@ def test_stop_strings_cut_the_text(tiny):
         assert list(h.poll()) == []
 
 
-def test_bad_requests_fail_alone(tiny, monkeypatch):
-    with make_engine(tiny, kv_tokens=20 * 16) as engine:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bad_requests_fail_alone(tiny, overlap, monkeypatch):
+    with make_engine(tiny, overlap=overlap, kv_tokens=20 * 16) as engine:
         with pytest.raises(RequestError, match="empty"):
             engine.submit("", SamplingParams(), raw=True)
         with pytest.raises(RequestError, match="context"):

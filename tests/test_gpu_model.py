@@ -1,5 +1,7 @@
 """The whole model on the GPU (Triton kernels, fp16) against the CPU reference path (torch, fp32)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,7 +104,7 @@ def test_step_graphs_match_eager():
 
     def step(lens: list[int], queries: list[int]) -> StepLists:
         """Sequence i owns blocks 8i .. 8i + 7, has lens[i] tokens in cache after the step, queries[i] of them new."""
-        s = StepLists([], [], [], [], [], [0], [])
+        s = StepLists([], [], [], [], [], [0], [], [], [])
         for i, (n, q) in enumerate(zip(lens, queries, strict=True)):
             s.input_ids += torch.randint(0, model.config.vocab_size, (q,), generator=gen).tolist()
             s.positions += range(n - q, n)
@@ -116,8 +118,15 @@ def test_step_graphs_match_eager():
     steps = [step([37, 5, 100, 64, 17], [1, 1, 30, 1, 1]),  # 34 tokens: the 64 bucket
              step([38, 6, 101], [1, 1, 1]),  # decodes: the 4 bucket, over the 64 bucket's leftovers
              step([20, 102], [20, 1])]  # a new prompt beside a decode: the 32 bucket
-    for s in steps:
-        out, ref = graphs.forward(s).float(), model.forward(step_input(s, model.device), caches[1]).float()
+    # the decodes' tokens 0 and 2 were sampled by a step still in flight: they come from its tokens on the device
+    # (the reference gets those tokens as plain inputs)
+    pending = torch.tensor([11, 222, 33], device=model.device)
+    known = [dataclasses.replace(s, input_ids=list(s.input_ids)) for s in steps]
+    known[1].input_ids[0], known[1].input_ids[2] = 33, 222
+    steps[1].pending_rows, steps[1].pending_from = [0, 2], [2, 1]
+    for s, k in zip(steps, known, strict=True):
+        out = graphs.forward(s, pending).float()
+        ref = model.forward(step_input(k, model.device), caches[1]).float()
         assert out.shape == ref.shape == (len(s.context_lens), model.config.vocab_size)
         assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
         assert (caches[0] - caches[1]).abs().max().item() <= 1e-2

@@ -22,7 +22,7 @@ def kept(logits: torch.Tensor) -> set[int]:
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
     seqs = [make_seq(SamplingParams()) for _ in range(4)]
-    assert sample(logits, seqs) == logits.argmax(-1).tolist()
+    assert sample(logits, seqs).tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_top_p_min_p_match_their_definitions():
@@ -47,17 +47,17 @@ def test_seeded_draws_follow_the_softmax_and_repeat_with_the_seed():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     params = SamplingParams(temperature=1.0, seed=7)
     seq = make_seq(params, seed=7)
-    draws = [sample(logits, [seq])[0] for _ in range(4000)]
+    draws = [int(sample(logits, [seq])[0]) for _ in range(4000)]
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
     assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.03)
     again = make_seq(params, seed=7)
-    assert [sample(logits, [again])[0] for _ in range(50)] == draws[:50]
+    assert [int(sample(logits, [again])[0]) for _ in range(50)] == draws[:50]
 
 
 def test_temperature_sharpens():
     logits = torch.tensor([[1.0, 0.0]])
     seq = make_seq(SamplingParams(temperature=0.25), seed=1)
-    draws = [sample(logits, [seq])[0] for _ in range(2000)]
+    draws = [int(sample(logits, [seq])[0]) for _ in range(2000)]
     expected = (logits / 0.25).softmax(-1)[0, 1].item()
     assert abs(sum(draws) / len(draws) - expected) < 0.02
 
@@ -66,11 +66,11 @@ def test_penalties_follow_the_formulas():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
     # repetition penalty over prompt and output: divide positive, multiply negative logits
     seq = make_seq(SamplingParams(repetition_penalty=10.0), prompt=(4,), generated=(1,))
-    assert sample(logits.clone(), [seq]) == [0]  # token 4 (3.0 -> 0.3) falls below token 0 (2.0)
+    assert sample(logits.clone(), [seq]).tolist() == [0]  # token 4 (3.0 -> 0.3) falls below token 0 (2.0)
     # frequency and presence penalties count generated tokens only
     seq = make_seq(SamplingParams(frequency_penalty=1.0, presence_penalty=0.6), prompt=(2,), generated=(4, 4, 0))
     # 4: 3 - 2 - 0.6 = 0.4; 0: 2 - 1 - 0.6 = 0.4 - ties resolved by argmax order; 2 (prompt only) keeps 1.0
-    assert sample(logits.clone(), [seq]) == [2]
+    assert sample(logits.clone(), [seq]).tolist() == [2]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_a_vanishing_temperature_samples_the_greedy_token():
     # 1e-45 sent every logit to +-inf and the softmax to NaN: token 0 came out, an empty reply with exit 0
     logits = torch.randn(8, 50) * 5
     seqs = [make_seq(SamplingParams(temperature=t), seed=i) for i, t in enumerate([1e-45, 1e-30, 1e-12, 1e-7] * 2)]
-    assert sample(logits, seqs) == logits.argmax(-1).tolist()
+    assert sample(logits, seqs).tolist() == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("values", [{"seed": 2**70}, {"seed": -1}, {"temperature": float("inf")}])

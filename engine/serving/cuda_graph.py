@@ -16,7 +16,7 @@ Buckets: powers of two up to max_batch (pure decode steps), then coarser steps u
 
 import torch
 
-from llamaterm.engine.serving.model import Model, StepInput, StepLists
+from llamaterm.engine.serving.model import Model, StepInput, StepLists, take_pending
 
 
 def token_buckets(max_batch: int, max_tokens: int) -> list[int]:
@@ -36,9 +36,11 @@ class StepGraphs:
         self.buckets = token_buckets(max_batch, max_tokens)
         self.max_batch = max_batch
         t, b, dev = self.buckets[-1], max_batch, model.device
-        # one int64 buffer: ids, positions, slots [t each], context lens [b], query starts [b + 1], logits rows [b]
-        self.offsets = {"ids": 0, "pos": t, "slots": 2 * t, "ctx": 3 * t, "qsl": 3 * t + b, "rows": 3 * t + 2 * b + 1}
-        size = 3 * t + 3 * b + 1
+        # one int64 buffer: ids, positions, slots [t each], context lens [b], query starts [b + 1], logits rows [b],
+        # and (read before the replay) the rows whose token is the step in flight's sample, and its rows [b each]
+        self.offsets = {"ids": 0, "pos": t, "slots": 2 * t, "ctx": 3 * t, "qsl": 3 * t + b, "rows": 3 * t + 2 * b + 1,
+                        "prow": 3 * t + 3 * b + 1, "pfrom": 3 * t + 4 * b + 1}
+        size = 3 * t + 5 * b + 1
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
         self.host_tables = torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True)
         self.host_np, self.host_tables_np = self.host.numpy(), self.host_tables.numpy()  # same memory
@@ -71,24 +73,28 @@ class StepGraphs:
     def fits(self, step: StepLists) -> bool:
         return len(step.input_ids) <= self.buckets[-1] and len(step.context_lens) <= self.max_batch
 
-    def forward(self, step: StepLists) -> torch.Tensor:
-        """The logits model.forward would return for this step."""
+    def forward(self, step: StepLists, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits model.forward would return for this step (`pending`: see ModelRunner.run)."""
         n, s = len(step.input_ids), len(step.context_lens)
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
         t, b, h = bucket, self._seqs(bucket), self.host_np
         for name, values, size, fill in (("ids", step.input_ids, t, 0), ("pos", step.positions, t, 0),
                                          ("slots", step.slot_mapping, t, -1), ("ctx", step.context_lens, b, 0),
                                          ("qsl", step.query_start_loc, b + 1, n),
-                                         ("rows", step.logits_indices, b, 0)):
+                                         ("rows", step.logits_indices, b, 0),
+                                         ("prow", step.pending_rows, 0, 0), ("pfrom", step.pending_from, 0, 0)):
             at = self.offsets[name]
             h[at : at + len(values)] = values
-            h[at + len(values) : at + size] = fill
+            h[at + len(values) : at + size] = fill  # (size 0: only the values are read)
         width = 0
         for i, row in enumerate(step.block_tables):
             self.host_tables_np[i, : len(row)] = row
             width = max(width, len(row))
         self.flat.copy_(self.host, non_blocking=True)  # the host waits on this step's logits before refilling
         self.tables[:s, :width].copy_(self.host_tables[:s, :width], non_blocking=True)
+        n_pending = len(step.pending_rows)
+        take_pending(self._view(self.flat, "ids", t), self._view(self.flat, "prow", n_pending), pending,
+                     self._view(self.flat, "pfrom", n_pending))
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[: len(step.logits_indices)]

@@ -33,10 +33,10 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving.model_runner import ModelRunner
-from llamaterm.engine.serving.sampling import sample
+from llamaterm.engine.serving.model_runner import HostTokens, ModelRunner
+from llamaterm.engine.serving.sampling import needs_history, sample
 from llamaterm.engine.serving.scheduler import Scheduler
-from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.engine.serving.sequence import PENDING, Sequence
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 
@@ -58,14 +58,23 @@ class RequestHandle(EventStream):
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached,
-            generated_tokens=seq.num_generated,
+            generated_tokens=seq.num_generated - seq.num_pending,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
             tokens_per_s=decode_rate(list(seq.token_times)),
             elapsed_s=end - seq.arrival,
-            context_tokens=len(seq.token_ids),
+            context_tokens=len(seq.token_ids) - seq.num_pending,
             max_context=self.engine.max_context,
             finished=self.finished,
         )
+
+
+@dataclass
+class InFlight:
+    """A launched step: the sequences it samples for, in row order, and their tokens on the way to the host."""
+
+    sampling: list[Sequence]
+    tokens: HostTokens
+    start: float  # when it was scheduled
 
 
 class OutputState:
@@ -123,6 +132,9 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, c.block_size)
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
+        # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
+        # overlapping would only hold each token back by one step
+        self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
         self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
@@ -260,6 +272,7 @@ class Engine:
     # ---- the loop (engine thread only) ----
 
     def _loop(self) -> None:
+        inflight: InFlight | None = None  # the step launched last, its tokens not yet read
         while True:
             with self._cv:
                 while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
@@ -275,44 +288,75 @@ class Engine:
             for request_id in cancels:
                 if request_id in self._handles:
                     self._finish(self._handles[request_id], "cancelled")
-            if self.scheduler.has_work():
-                self._step()
+            # The next step is launched before the last one's tokens are read, so scheduling, building its inputs
+            # and reading tokens overlap the device's work; it finds the tokens it needs on the device.
+            if inflight is not None and (not self.overlap or any(map(needs_history, inflight.sampling))):
+                self._complete(inflight)
+                inflight = None
+            launched = self._launch(inflight)
+            if inflight is not None:
+                self._complete(inflight)
+            inflight = launched
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
 
-    def _step(self) -> None:
+    def _launch(self, inflight: InFlight | None) -> InFlight | None:
+        """Schedule and launch one step; its sampled tokens stay on the device (PENDING in token_ids)."""
         start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
-            return
+            return None
         self._last_batch = len(chunks)
         self.num_steps += 1
+        sampling = [c.seq for c in chunks if c.samples]
         try:
-            logits = self.runner.run(chunks)
+            if inflight is None:
+                logits = self.runner.run(chunks)
+            else:
+                rows = {seq.id: i for i, seq in enumerate(inflight.sampling)}
+                logits = self.runner.run(chunks, inflight.tokens.device_tokens, rows)
+            tokens = self.runner.to_host(sample(logits, sampling))
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
                 self._finish(self._handles[c.seq.id], "error", f"{type(e).__name__}: {e}")
-            return
-        sampling = [c.seq for c in chunks if c.samples]
+            return None
         for c in chunks:
-            c.seq.num_computed += c.length
-            self.block_manager.commit_full_blocks(c.seq.table, c.seq.token_ids, c.seq.num_computed)
-        tokens = sample(logits, sampling)  # waits for the GPU: a replayed graph returns before it has run
+            seq = c.seq
+            seq.num_computed += c.length
+            # a block holding a pending token is published once that token is known (a later step's launch)
+            self.block_manager.commit_full_blocks(seq.table, seq.token_ids, seq.num_computed - seq.num_pending)
+        for seq in sampling:
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+        return InFlight(sampling, tokens, start)
+
+    def _complete(self, step: InFlight) -> None:
+        """Read a launched step's tokens (waiting for the device) and hand them to their requests."""
+        try:
+            tokens = step.tokens.wait()
+        except Exception as e:  # a device error surfaces here, after the launch: the step's requests share it
+            for seq in step.sampling:
+                if (handle := self._handles.get(seq.id)) is not None and handle.seq is seq:
+                    self._finish(handle, "error", f"{type(e).__name__}: {e}")
+            return
         now = time.perf_counter()
-        self.max_step_s = max(self.max_step_s, now - start)
-        for seq, token in zip(sampling, tokens, strict=True):
-            handle = self._handles[seq.id]
+        self.max_step_s = max(self.max_step_s, now - step.start)
+        for seq, token in zip(step.sampling, tokens, strict=True):
+            handle = self._handles.get(seq.id)
+            if handle is None or handle.seq is not seq:  # finished (stopped, cancelled) while the step ran
+                continue
+            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
             try:
                 self._on_token(handle, token, now)
             except Exception as e:  # one request's failure stays its own
                 self._finish(handle, "error", f"{type(e).__name__}: {e}")
-        self._step_tokens.append((now, len(sampling)))
+        self._step_tokens.append((now, len(step.sampling)))
         while self._step_tokens and now - self._step_tokens[0][0] > RATE_WINDOW_S:
             self._step_tokens.popleft()
 
     def _on_token(self, handle: RequestHandle, token: int, now: float) -> None:
         seq = handle.seq
-        seq.token_ids.append(token)
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -322,13 +366,16 @@ class Engine:
         text, stopped = self._outputs[seq.id].push(token)
         if stopped:
             return self._finish(handle, "stop", text=text, token_ids=(token,))
-        if seq.num_generated >= seq.max_tokens:
+        if seq.num_generated - seq.num_pending >= seq.max_tokens:
             return self._finish(handle, "length", text=text, token_ids=(token,))
         handle.events_queue.put(Event(seq.id, text, (token,)))
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, *, text: str = "",
                 token_ids: tuple[int, ...] = ()) -> None:
-        self.scheduler.finish(handle.seq)
+        seq = handle.seq
+        self.scheduler.finish(seq)
+        del seq.token_ids[len(seq.token_ids) - seq.num_pending :]  # samples past the end, never read
+        seq.num_pending = 0
         output = self._outputs.pop(handle.id)
         if reason in ("length", "stop") and not error:
             text += output.finish()

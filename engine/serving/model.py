@@ -45,6 +45,17 @@ class StepLists:
     context_lens: list[int]
     query_start_loc: list[int]
     logits_indices: list[int]
+    # input tokens sampled by the step still in flight: step rows pending_rows take that step's sampled tokens
+    # pending_from (its rows), on the device
+    pending_rows: list[int]
+    pending_from: list[int]
+
+
+def take_pending(input_ids: torch.Tensor, rows: torch.Tensor, pending: torch.Tensor | None, src: torch.Tensor
+                 ) -> None:
+    """Write the in-flight step's sampled tokens into this step's inputs, on the device."""
+    if rows.numel():
+        input_ids.index_copy_(0, rows, pending.index_select(0, src))
 
 
 def fuse(parts: list[Weight]) -> list[Weight]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from llamaterm.engine.serving.cuda_graph import StepGraphs
-from llamaterm.engine.serving.model import Model, StepInput, StepLists
+from llamaterm.engine.serving.model import Model, StepInput, StepLists, take_pending
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.kernels.dispatch import use_triton
 
@@ -30,6 +30,9 @@ class ModelRunner:
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         with self._timed("warm-up"):
             self._warm_up()
+        pinned = model.device.type == "cuda"
+        self._host_tokens = [torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_turn = 0
         self.graphs = None
         if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
             # capturing every bucket compiles every kernel variant a step can launch, before the first request
@@ -42,12 +45,21 @@ class ModelRunner:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits for every chunk that samples, in chunk order."""
-        step = step_lists(chunks, self.block_size)
+    def run(self, chunks: list[ScheduledChunk], pending: torch.Tensor | None = None,
+            pending_rows: dict[int, int] | None = None) -> torch.Tensor:
+        """Logits for every chunk that samples, in chunk order. A sequence's last token may still be on the
+        device: `pending` holds the sampled tokens of the step in flight and pending_rows maps a sequence id to
+        its row there."""
+        step = step_lists(chunks, self.block_size, pending_rows or {})
         if self.graphs and self.graphs.fits(step):
-            return self.graphs.forward(step)
-        return self.model.forward(step_input(step, self.model.device), self.kv_cache)
+            return self.graphs.forward(step, pending)
+        return self.model.forward(step_input(step, self.model.device, pending), self.kv_cache)
+
+    def to_host(self, tokens: torch.Tensor) -> HostTokens:
+        """Start copying a step's sampled tokens to the host; two pinned buffers in turn, since a step's tokens are
+        read before the step after next is launched."""
+        self._host_turn ^= 1
+        return HostTokens(tokens, self._host_tokens[self._host_turn] if tokens.is_cuda else None)
 
     @contextmanager
     def _timed(self, part: str):
@@ -81,12 +93,37 @@ def compiled_marker(model: Model, max_batch: int, max_tokens: int) -> Path:
     return cache / f"llamaterm-{key.hexdigest()[:32]}"
 
 
-def step_lists(chunks: list[ScheduledChunk], block_size: int) -> StepLists:
-    step = StepLists([], [], [], [], [], [0], [])
+class HostTokens:
+    """A step's sampled token ids on their way to the host: on CUDA a copy into pinned memory that does not block
+    the caller, and the event that marks it done."""
+
+    def __init__(self, tokens: torch.Tensor, buffer: torch.Tensor | None):
+        self.device_tokens = tokens  # read by the next step's inputs (ModelRunner.run's `pending`)
+        self.ready = None
+        if buffer is None:
+            self.host = tokens
+        else:
+            self.host = buffer[: tokens.numel()]
+            self.host.copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def wait(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def step_lists(chunks: list[ScheduledChunk], block_size: int, pending_rows: dict[int, int]) -> StepLists:
+    step = StepLists([], [], [], [], [], [0], [], [], [])
     for c in chunks:
         seq, end = c.seq, c.start + c.length
         table = seq.table.block_ids
         step.input_ids += seq.token_ids[c.start : end]
+        if seq.num_pending and end == len(seq.token_ids):  # its last token is the step in flight's sample
+            step.input_ids[-1] = 0
+            step.pending_rows.append(len(step.input_ids) - 1)
+            step.pending_from.append(pending_rows[seq.id])
         step.positions += range(c.start, end)
         step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
         step.block_tables.append(table)
@@ -97,13 +134,15 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int) -> StepLists:
     return step
 
 
-def step_input(step: StepLists, device: torch.device) -> StepInput:
+def step_input(step: StepLists, device: torch.device, pending: torch.Tensor | None = None) -> StepInput:
     """Tensors of exactly the step's size, for the eager forward pass."""
     width = max(len(t) for t in step.block_tables)
     tables = [t + [0] * (width - len(t)) for t in step.block_tables]
     as_tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)
+    input_ids = as_tensor(step.input_ids)
+    take_pending(input_ids, as_tensor(step.pending_rows), pending, as_tensor(step.pending_from))
     return StepInput(
-        input_ids=as_tensor(step.input_ids),
+        input_ids=input_ids,
         positions=as_tensor(step.positions),
         slot_mapping=as_tensor(step.slot_mapping),
         block_tables=as_tensor(tables, torch.int32),

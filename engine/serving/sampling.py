@@ -40,9 +40,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [S, vocab] fp32, one row per sequence -> one token id per sequence."""
-    tokens = logits.argmax(-1).tolist()  # the greedy answer for every row; sampled rows are replaced below
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [S, vocab] fp32, one row per sequence -> token ids [S] (int64, on logits' device). Nothing here waits
+    for the device (penalties aside, which copy the sequence's tokens to it), so the engine can schedule the next
+    step while this one runs."""
+    tokens = logits.argmax(-1)  # the greedy answer for every row; sampled rows are replaced below
     for i, seq in enumerate(seqs):
         p = seq.params
         penalised = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
@@ -50,12 +52,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             continue
         row = apply_penalties(logits[i].clone(), seq) if penalised else logits[i]
         if p.greedy:
-            tokens[i] = int(row.argmax())
+            tokens[i] = row.argmax()
             continue
         # shifted so the best logit is 0 before dividing: a tiny temperature sends the others to -inf (greedy,
         # its limit) instead of every logit to +-inf and the softmax to NaN (which sampled token 0)
         row = filter_logits((row - row.max()) / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = row.softmax(-1)
         race = torch.empty_like(probs).exponential_(generator=seq.generator)
-        tokens[i] = int((probs / race).argmax())
+        tokens[i] = (probs / race).argmax()
     return tokens
+
+
+def needs_history(seq: Sequence) -> bool:
+    """Penalties read the sequence's tokens on the host, so its previous token must have arrived there."""
+    p = seq.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)

@@ -46,8 +46,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
+                continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
             n = min(seq.num_to_compute, budget)
             while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
                 victim = self.running[-1]
@@ -64,6 +64,8 @@ class Scheduler:
         # Then admit waiting sequences while tokens, blocks and batch slots remain.
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if seq.done_sampling:  # preempted while its last token is in flight: it finishes when that arrives
+                break
             if seq.num_computed == 0 and not seq.table.block_ids:
                 cached = self.blocks.match_prefix(seq.token_ids, seq.table)
                 seq.num_computed = cached
