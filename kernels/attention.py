@@ -14,11 +14,8 @@ from llamaterm.kernels.ops_cpu import native_lib, paged_attention_cpu, write_kv_
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Store k, v [T, Hk, D] at flat cache slots (block * block_size + offset); slot -1 means skip."""
-    if use_triton(k):
-        from llamaterm.kernels.attention_triton import write_kv_triton
-
-        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    """Store k, v [T, Hk, D] at flat cache slots (block * block_size + offset); slot -1 means skip. (On CUDA the
+    rotary embedding's kernel writes the cache: kernels/rope.py.)"""
     contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
     if (lib := native_lib(k)) and k_cache.dtype == torch.float32 and contiguous:
         return write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib)

@@ -1,4 +1,5 @@
-"""Paged attention and KV-cache writes on CUDA (layouts and semantics in kernels/attention.py).
+"""Paged attention on CUDA (layouts and semantics in kernels/attention.py; the KV-cache writes are the rotary
+embedding's kernel's, kernels/rope_triton.py).
 
 One kernel serves decode and chunked prefill. A program owns one KV head and a block of query rows: BLOCK_Q
 consecutive query tokens of one sequence times the GROUP query heads that share the KV head, so every K/V tile
@@ -22,36 +23,6 @@ import triton.language as tl
 from llamaterm.kernels.triton_util import arith_dtype, num_sms
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, n_heads,
-                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < n_heads) & (d < HEAD_DIM)
-        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
-    t, n_heads, head_dim = k.shape
-    if t == 0:
-        return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_heads,
-        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(n_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
-    )
 
 
 @triton.jit

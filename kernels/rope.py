@@ -6,19 +6,21 @@ GGUF q/k rows are un-permuted at load (engine/checkpoints/gguf.py), so every sou
 
 import torch
 
+from llamaterm.kernels.attention import write_kv
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.ops_cpu import native_lib, rope_cpu
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-    """q [T, Hq, D], k [T, Hk, D], positions [T]; returns rotated (q, k)."""
+def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """q [T, Hq, D], k, v [T, Hk, D], positions [T]: returns the rotated q, and writes the rotated k and v to the
+    cache at slot_mapping (kernels/attention.py's write_kv). On CUDA one kernel does both."""
     if use_triton(q):
-        from llamaterm.kernels.rope_triton import rope_triton
+        from llamaterm.kernels.rope_triton import rope_write_kv_triton
 
-        return rope_triton(q, k, positions, inv_freq)
-    if lib := native_lib(q):
-        return rope_cpu(q, k, positions, inv_freq, lib)
-    return rope_ref(q, k, positions, inv_freq)
+        return rope_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    q, k = rope_cpu(q, k, positions, inv_freq, lib) if (lib := native_lib(q)) else rope_ref(q, k, positions, inv_freq)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def rope_ref(q, k, positions, inv_freq):

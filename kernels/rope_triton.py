@@ -1,7 +1,9 @@
-"""Rotary embedding of q and k in one launch on CUDA (half-split convention, see kernels/rope.py): one program
-per token computes cos/sin once for all its heads. q and k may be strided views (of the fused qkv output);
-the results are new contiguous tensors, as the reference returns. tl.cos / tl.sin lower to the precise libdevice
-routines (not cos.approx), which matters: positions times inverse frequencies reach 1e5 radians."""
+"""Rotary embedding of q and k and the KV-cache write, in one launch on CUDA (half-split convention, see
+kernels/rope.py; cache layout, kernels/attention.py): a program per token and KV head returns the rotated query
+heads of its group and stores the rotated k and the v at the token's cache slot (slot -1: no write), so k never
+makes a round trip through memory. q, k, v may be strided views (of the fused qkv output). tl.cos / tl.sin
+lower to the precise libdevice routines (not cos.approx), which matters: positions times inverse frequencies reach
+1e5 radians. Rounding follows the references: the rotation in fp32, then one cast to the cache's dtype."""
 
 import torch
 import triton
@@ -9,43 +11,55 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(src, dst, stride_h, n_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rotate(src, dst, stride_src, stride_dst, n_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_HALF: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < n_heads) & (i < HALF)
-    x1 = tl.load(src + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    out = dst + h * (2 * HALF) + i
+    x1 = tl.load(src + h * stride_src + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h * stride_src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    out = dst + h * stride_dst + i
     tl.store(out, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
     tl.store(out + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, n_q_heads, n_k_heads,
-                 stride_qt, stride_qh, stride_kt, stride_kh,
-                 HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, inv_freq_ptr,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, HALF: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)  # this program's KV head and the GROUP query heads that share it
     i = tl.arange(0, BLOCK_HALF)
     freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
     cos = tl.cos(freq)[None, :]
     sin = tl.sin(freq)[None, :]
-    _rotate(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * 2 * HALF, stride_qh, n_q_heads, cos, sin,
-            HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate(k_ptr + t * stride_kt, k_out_ptr + t * n_k_heads * 2 * HALF, stride_kh, n_k_heads, cos, sin,
-            HALF, BLOCK_HK, BLOCK_HALF)
+    q_head = kv * GROUP
+    q_out = q_out_ptr + (t * tl.num_programs(1) * GROUP + q_head) * 2 * HALF
+    _rotate(q_ptr + t * stride_qt + q_head * stride_qh, q_out, stride_qh, 2 * HALF, GROUP, cos, sin, HALF, BLOCK_G,
+            BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        at = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv * stride_ch
+        _rotate(k_ptr + t * stride_kt + kv * stride_kh, k_cache_ptr + at, 0, 0, 1, cos, sin, HALF, 1, BLOCK_HALF)
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        v = tl.load(v_ptr + t * stride_vt + kv * stride_vh + d, mask=d < 2 * HALF)
+        tl.store(v_cache_ptr + at + d, v.to(v_cache_ptr.dtype.element_ty), mask=d < 2 * HALF)
 
 
-def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+def rope_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """q [T, Hq, D], k, v [T, Hk, D] -> rotated q (contiguous); rotated k and v into the caches at the slots.
+    A program per token and KV head: at one token the heads still spread over many SMs."""
     t, n_q, d = q.shape
     n_k = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     q_out = torch.empty(t, n_q, d, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(t, n_k, d, dtype=k.dtype, device=k.device)
     if t > 0:
-        _rope_kernel[(t,)](
-            q, k, q_out, k_out, positions, inv_freq, n_q, n_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k),
-            BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=4,
+        _rope_write_kv_kernel[(t, n_k)](
+            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            GROUP=n_q // n_k, HALF=d // 2, PAGE=k_cache.shape[1], BLOCK_G=triton.next_power_of_2(n_q // n_k),
+            BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=1,
         )
-    return q_out, k_out
+    return q_out

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from llamaterm.kernels.activation import silu_and_mul, silu_and_mul_ref
-from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv_ref
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear, linear_ref
 from llamaterm.kernels.norm import rms_norm, rms_norm_ref
 from llamaterm.kernels.qweight import QuantWeight
-from llamaterm.kernels.rope import rope, rope_ref
+from llamaterm.kernels.rope import rope_ref, rope_write_kv
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -98,16 +98,15 @@ def test_small_ops_llama(dtype):
     q, k, v = q.view(t, 32, 128), k.view(t, 8, 128), v.reshape(t, 8, 128)
     positions = torch.randint(0, 131072, (t,), device="cuda")
     inv_freq = 500_000.0 ** -(torch.arange(0, 128, 2, device="cuda").float() / 128)
-    for out, ref in zip(rope(q, k, positions, inv_freq), rope_ref(q, k, positions, inv_freq), strict=True):
-        assert rel_err(out, ref) < TOL[dtype]
-
     k_cache, v_cache, _ = paged([200], dtype=dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:t]
     slots[3] = -1
-    write_kv(k, v, k_cache, v_cache, slots)
-    write_kv_ref(k, v, k_ref, v_ref, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    q_out = rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+    q_rot, k_rot = rope_ref(q, k, positions, inv_freq)
+    write_kv_ref(k_rot, v, k_ref, v_ref, slots)
+    assert rel_err(q_out, q_rot) < TOL[dtype] and rel_err(k_cache, k_ref) < TOL[dtype]
+    assert torch.equal(v_cache, v_ref)
 
     gate_up = torch.randn(t, 28672, device="cuda", dtype=dtype)
     assert rel_err(silu_and_mul(gate_up), silu_and_mul_ref(gate_up.float())) < TOL[dtype]

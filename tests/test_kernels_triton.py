@@ -15,14 +15,14 @@ pytest.importorskip("triton")
 from llamaterm.kernels.activation import silu_and_mul_ref  # noqa: E402
 from llamaterm.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
-from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton, write_kv_triton  # noqa: E402
+from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton  # noqa: E402
 from llamaterm.kernels.linear import linear_ref  # noqa: E402
 from llamaterm.kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
 from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
 from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
-from llamaterm.kernels.rope_triton import rope_triton  # noqa: E402
+from llamaterm.kernels.rope_triton import rope_write_kv_triton  # noqa: E402
 from tests.kernel_cases import DEVICE, FORMATS, random_paged_cache, random_qweight, rel_err  # noqa: E402
 
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
@@ -124,20 +124,6 @@ def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_write_kv(dtype):
-    t, n_kv, head_dim, page = 7, 3, 24, 4
-    fused = torch.randn(t, 4 * n_kv * head_dim, device=DEVICE).to(dtype)  # k and v as strided views, like qkv
-    k = fused[:, :n_kv * head_dim].view(t, n_kv, head_dim)
-    v = fused[:, 2 * n_kv * head_dim:3 * n_kv * head_dim].view(t, n_kv, head_dim)
-    slots = torch.tensor([5, -1, 0, 13, 22, -1, 8], device=DEVICE)
-    caches = [torch.full((6, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-    write_kv_triton(k, v, caches[0], caches[1], slots)
-    write_kv_ref(k, v, caches[2], caches[3], slots)
-    for out, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm(dtype, residual):
@@ -150,16 +136,25 @@ def test_rms_norm(dtype, residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_rope(dtype):
-    t, n_q, n_kv, head_dim = 6, 5, 3, 48
-    qkv = torch.randn(t, (n_q + 2 * n_kv) * head_dim, device=DEVICE).to(dtype)  # q, k as strided views
-    q = qkv[:, :n_q * head_dim].view(t, n_q, head_dim)
-    k = qkv[:, n_q * head_dim:(n_q + n_kv) * head_dim].view(t, n_kv, head_dim)
+def test_rope_write_kv(dtype):
+    """The rotated q comes back; the rotated k and v land at their slots (slot -1: nowhere), and nothing else in
+    the cache is touched (it starts as NaN)."""
+    t, n_q, n_kv, head_dim, page = 6, 9, 3, 48, 4  # groups of 3 query heads, as in SmolLM2
+    qkv = torch.randn(t, (n_q + 2 * n_kv) * head_dim, device=DEVICE).to(dtype)  # q, k, v as strided views
+    q, k, v = (x.view(t, -1, head_dim) for x in qkv.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1))
     positions = torch.tensor([0, 1, 7, 300, 8191, 100_000], device=DEVICE)
     inv_freq = 500_000.0 ** -(torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
     inv_freq[head_dim // 4:] /= 8  # Llama-3-style scaled low frequencies
-    for out, ref in zip(rope_triton(q, k, positions, inv_freq), rope_ref(q, k, positions, inv_freq), strict=True):
-        assert rel_err(out, ref) < TOL[dtype]
+    slots = torch.tensor([5, -1, 0, 13, 22, 8], device=DEVICE)
+    caches = [torch.full((6, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    q_out = rope_write_kv_triton(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
+    q_ref, k_ref = rope_ref(q, k, positions, inv_freq)
+    write_kv_ref(k_ref, v, caches[2], caches[3], slots)
+    assert rel_err(q_out, q_ref) < TOL[dtype]
+    for out, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(out.isnan(), ref.isnan())
+    assert rel_err(caches[0].nan_to_num(), caches[2].nan_to_num()) < TOL[dtype]
+    assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())  # v is copied as it is
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -12,12 +12,12 @@ import torch
 from llamaterm.engine.checkpoints.config import ModelConfig
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.activation import silu_and_mul
-from llamaterm.kernels.attention import paged_attention, write_kv
+from llamaterm.kernels.attention import paged_attention
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear
 from llamaterm.kernels.norm import rms_norm
 from llamaterm.kernels.qweight import QuantWeight
-from llamaterm.kernels.rope import rope
+from llamaterm.kernels.rope import rope_write_kv
 
 Weight = torch.Tensor | QuantWeight
 
@@ -154,8 +154,7 @@ class Model:
             q = q.view(n_tokens, c.n_heads, c.head_dim)
             k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
-            q, k = rope(q, k, step.positions, self.inv_freq)
-            write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+            q = rope_write_kv(q, k, v, step.positions, self.inv_freq, k_cache, v_cache, step.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                 step.query_start_loc, self.scale)
             h = linear(o.view(n_tokens, q_size), layer.o)
