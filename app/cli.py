@@ -50,8 +50,9 @@ def sampling_params(**values):
 
 
 def load_engine(model: str | None, device: str | None, kv_tokens: int | None, server: str | None = None,
-                api_key: str | None = None):
-    """The local engine on `model`, or with --server, that server's `model` (None: its first)."""
+                api_key: str | None = None, sessions: int = 1):
+    """The local engine on `model` for `sessions` requests at a time (so start-up prepares no more), or with
+    --server, that server's `model` (None: its first)."""
     if server:
         from llamaterm.app.remote import RemoteEngine
 
@@ -59,7 +60,8 @@ def load_engine(model: str | None, device: str | None, kv_tokens: int | None, se
     from llamaterm.engine.api import EngineConfig
     from llamaterm.engine.serving.engine import Engine
 
-    return Engine.from_model(EngineConfig(model=model, device=device, kv_tokens=kv_tokens))
+    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions))
+    return Engine.from_model(config)
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -147,7 +149,7 @@ def run(
         prompts = [read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens, server, api_key) as engine:
+    with load_engine(model, device, kv_tokens, server, api_key, sessions=len(prompts)) as engine:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [engine.submit(x, params, raw=raw) for x in inputs]
         if each_line:

@@ -269,6 +269,8 @@ def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Pro
         return None
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(2):  # a step size's first run is eager, its second captures its graph (cuda_graph.py)
+        engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
     steps = engine.num_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))

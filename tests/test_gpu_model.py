@@ -38,13 +38,23 @@ def logits_at(engine: Engine, ids: list[int], first: int) -> torch.Tensor:
     return model.forward(step, cache).float().cpu()
 
 
+# Where the fp32 reference's best two logits are closer than this, fp16 rounding may pick either (issue #12's
+# fidelity bar); everywhere else the GPU must pick the reference's token.
+MARGIN = 0.05
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    top = logits.topk(2).values
+    return (top[0] - top[1]).item()
+
+
 def assert_greedy_choices(cpu: Engine, prompt: list[int], generated: list[int]) -> None:
-    """Every token the GPU picked greedily is the fp32 reference's argmax after the same prefix, or within fp16
-    noise of it (1% of that step's logit span): fp16 activations may flip a near-tie, and nothing else."""
+    """Every token the GPU picked greedily is the fp32 reference's argmax after the same prefix, wherever the
+    reference's top-2 margin is above MARGIN."""
     ref = logits_at(cpu, prompt + generated[:-1], len(prompt) - 1)
     for t, tok in enumerate(generated):
-        margin = (ref[t].max() - ref[t, tok]).item()
-        assert margin <= 1e-2 * (ref[t].max() - ref[t].min()).item(), (t, tok, int(ref[t].argmax()), margin)
+        if top2_margin(ref[t]) > MARGIN:
+            assert tok == int(ref[t].argmax()), (t, tok, int(ref[t].argmax()), top2_margin(ref[t]))
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])
@@ -65,14 +75,18 @@ def test_gpu_matches_cpu_reference(engines, chat):
     cpu, gpu = engines
     ids = cpu.tokenizer.encode_chat(chat)
     ref, out = logits_at(cpu, ids, len(ids) - 1)[0], logits_at(gpu, ids, len(ids) - 1)[0]
-    span = (ref.max() - ref.min()).item()
-    assert (out - ref).abs().max().item() <= 1e-2 * span  # fp16 activations against fp32
+    span, error = (ref.max() - ref.min()).item(), (out - ref).abs().max().item()
+    print(f"max logit error on the GPU: {error:.4f} (logit span {span:.1f})")  # the figure BENCHMARKS.md reports
+    assert error <= 1e-2 * span  # fp16 activations against fp32
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     generated = gpu.generate(chat, params)[1].seq.generated
     assert len(generated) == 32
     assert_greedy_choices(cpu, ids, generated)
-    if chat is PROMPTS[0]:  # no near-tie in this one: the tokens are the reference's own
-        assert generated == cpu.generate(chat, params)[1].seq.generated
+    # so the greedy continuations agree up to the reference's first near-tie (from there they may part)
+    expected = cpu.generate(chat, params)[1].seq.generated
+    ref_steps = logits_at(cpu, ids + expected[:-1], len(ids) - 1)
+    tie = next((t for t in range(len(expected)) if top2_margin(ref_steps[t]) <= MARGIN), len(expected))
+    assert generated[:tie] == expected[:tie]
 
 
 def test_gpu_batch_matches_solo(engines):
@@ -99,7 +113,7 @@ def test_step_graphs_match_eager():
     model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
     caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
     caches[1].copy_(caches[0])
-    graphs = StepGraphs(model, caches[0], max_batch=8, max_tokens=64, max_blocks=8)
+    graphs = StepGraphs(model, caches[0], max_batch=8, max_tokens=64, max_blocks=8, compile_all=True)
     gen = torch.Generator().manual_seed(0)
 
     def step(lens: list[int], queries: list[int]) -> StepLists:
@@ -125,11 +139,13 @@ def test_step_graphs_match_eager():
     known[1].input_ids[0], known[1].input_ids[2] = 33, 222
     steps[1].pending_rows, steps[1].pending_from = [0, 2], [2, 1]
     for s, k in zip(steps, known, strict=True):
-        out = graphs.forward(s, pending).float()
         ref = model.forward(step_input(k, model.device), caches[1]).float()
-        assert out.shape == ref.shape == (len(s.context_lens), model.config.vocab_size)
-        assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
-        assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
+        for _ in range(2):  # a bucket above max_batch runs eagerly (padded) first, then from its new graph
+            out = graphs.forward(s, pending).float()
+            assert out.shape == ref.shape == (len(s.context_lens), model.config.vocab_size)
+            assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
+            assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 32, 64]  # decode buckets from the start, the others once used
 
 
 def test_engine_replays_every_step_kind(engines):

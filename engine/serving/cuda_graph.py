@@ -11,7 +11,11 @@ host buffer and copied with two transfers into fixed device buffers the graphs r
 The block-table buffer is as wide as the model's context, so one graph serves every context length (the
 attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
 Buckets: powers of two up to max_batch (pure decode steps), then coarser steps up to the step token budget
-(token_buckets).
+(token_buckets). Decode buckets, every session's steady state, are captured at start-up; a larger bucket runs
+eagerly over the same padded buffers the first time a step needs it and is captured the second time, so start-up
+captures a few graphs and a one-shot command never captures a prefill. Padded to its bucket, an eager step
+launches the kernel variants its graph would: on a first start (compile_all) a forward pass over every bucket
+compiles them all before the first request, and later starts find them in Triton's cache.
 """
 
 import torch
@@ -31,7 +35,8 @@ def token_buckets(max_batch: int, max_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_tokens: int, max_blocks: int):
+    def __init__(self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_tokens: int, max_blocks: int,
+                 compile_all: bool):
         self.model, self.kv_cache = model, kv_cache
         self.buckets = token_buckets(max_batch, max_tokens)
         self.max_batch = max_batch
@@ -48,15 +53,23 @@ class StepGraphs:
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = None
-        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
-            step = self._step(bucket)
-            model.forward(step, kv_cache)  # compile kernels and allocate their scratch outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = model.forward(step, kv_cache)
-            pool = graph.pool()
-            self.graphs[bucket] = graph, logits
+        self._pool = None  # the graphs share one memory pool: they never run at the same time
+        self._ran_eagerly: set[int] = set()
+        if compile_all:
+            for bucket in reversed(self.buckets):
+                model.forward(self._step(bucket), kv_cache)
+        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+            if bucket <= max_batch:
+                if not compile_all:  # a first run outside the capture: kernels load, scratch is allocated
+                    model.forward(self._step(bucket), kv_cache)
+                self._capture(bucket)
+
+    def _capture(self, bucket: int) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.forward(self._step(bucket), self.kv_cache)
+        self._pool = graph.pool()
+        self.graphs[bucket] = graph, logits
 
     def _seqs(self, bucket: int) -> int:
         return min(bucket, self.max_batch)
@@ -95,6 +108,11 @@ class StepGraphs:
         n_pending = len(step.pending_rows)
         take_pending(self._view(self.flat, "ids", t), self._view(self.flat, "prow", n_pending), pending,
                      self._view(self.flat, "pfrom", n_pending))
+        if bucket not in self.graphs:
+            if bucket not in self._ran_eagerly:
+                self._ran_eagerly.add(bucket)
+                return self.model.forward(self._step(bucket), self.kv_cache)[: len(step.logits_indices)]
+            self._capture(bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[: len(step.logits_indices)]

@@ -35,13 +35,14 @@ class ModelRunner:
         self._host_turn = 0
         self.graphs = None
         if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
-            # capturing every bucket compiles every kernel variant a step can launch, before the first request
+            # a first start compiles every kernel variant a step can launch, before the first request
             marker = compiled_marker(model, max_batch, max_tokens)
-            if not marker.exists():
+            first = not marker.exists()
+            if first:
                 log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
             max_blocks = -(-model.config.context_length // block_size)
             with self._timed("CUDA graphs"):
-                self.graphs = StepGraphs(model, self.kv_cache, max_batch, max_tokens, max_blocks)
+                self.graphs = StepGraphs(model, self.kv_cache, max_batch, max_tokens, max_blocks, first)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
