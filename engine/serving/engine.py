@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from llamaterm.engine.api import (
     decode_rate,
 )
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
-from llamaterm.engine.errors import RequestError
+from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
@@ -135,7 +136,10 @@ class Engine:
         # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
-        self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
+        with out_of_memory(f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
+                           f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})"):
+            self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens,
+                                      c.cuda_graphs)
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
@@ -163,7 +167,8 @@ class Engine:
         t1 = time.perf_counter()
         dev = resolve_device(config.device)
         dtype = torch.float32 if dev.type == "cpu" else torch.float16
-        model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        with out_of_memory("loading the weights", "free the GPU, or take a smaller model (or --device cpu)"):
+            model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
         engine = cls(model, tokenizer, config, name=shown)
@@ -382,6 +387,18 @@ class Engine:
         del self._handles[handle.id]
         handle.finished, handle.finish_time = True, time.perf_counter()
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
+
+
+@contextmanager
+def out_of_memory(doing: str, advice: str):
+    """The GPU running out of memory at start-up is one line that says what to change, not a traceback."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()  # what the failed step held goes back, so a caller that stays up can retry
+        free, total = torch.cuda.mem_get_info()
+        raise LlamatermError(f"the GPU ran out of memory {doing} ({free / 1e9:.3g} of {total / 1e9:.3g} GB free "
+                             f"now): {advice}") from None
 
 
 def default_kv_tokens(model: Model, share: float = 1.0) -> int:

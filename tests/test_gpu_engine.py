@@ -1,0 +1,72 @@
+"""The engine on the GPU where its CUDA graphs meet awkward work: requests arriving while a graph is being
+captured, more sequences than the largest batch bucket, prompts longer than any prefill bucket, and the GPU out
+of memory at start-up. Tokens are checked against the fp32 CPU reference (tests/test_gpu_model.py)."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.bench import NoText, synthetic_model
+from llamaterm.engine.checkpoints.gguf import load_gguf
+from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import Model
+from tests.test_gpu_model import assert_greedy_choices
+from tests.tiny_models import write_tiny_llama
+
+pytestmark = pytest.mark.cuda
+
+
+def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
+    path = write_tiny_llama(tmp_path / "tiny.gguf", vocab_from=None, vocab_size=512, n_layers=2, hidden=256,
+                            n_heads=8, n_kv_heads=2, intermediate=512, context_length=1024, seed=5)
+    ckpt = load_gguf(path)
+    cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), NoText())
+    # 4 sequences at most and 64 tokens a step: 12 requests queue, and the long prompts run in chunks
+    gpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), NoText(),
+                 EngineConfig(max_running=4, max_batch_tokens=64))
+    captured_at_start = set(gpu.runner.graphs.graphs)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (1, 5, 17, 40, 64, 65, 100, 300, 700, 3, 9, 129)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    handles: dict[int, object] = {}
+
+    def submit(part: int) -> None:  # three callers at once, while the engine captures graphs for new step sizes
+        for i in range(part, len(prompts), 3):
+            handles[i] = gpu.submit(None, params, prompt_ids=prompts[i])
+
+    try:
+        threads = [threading.Thread(target=submit, args=(p,)) for p in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, prompt in enumerate(prompts):
+            events = list(handles[i].events())
+            assert events[-1].finish_reason == "length", events[-1]
+            generated = [t for e in events for t in e.token_ids]
+            assert len(generated) == 16
+            assert_greedy_choices(cpu, prompt, generated)
+        assert set(gpu.runner.graphs.graphs) > captured_at_start  # graphs captured while requests streamed
+        assert gpu.block_manager.num_free == gpu.block_manager.num_blocks
+    finally:
+        gpu.shutdown()
+        cpu.shutdown()
+
+
+def test_out_of_memory_at_start_up_says_which_kv_tokens_to_try():
+    model = synthetic_model("tiny", True, torch.device("cuda"))
+    total = torch.cuda.get_device_properties(0).total_memory
+    # the allocator may take only what is in use and 256 MB more: the default pool (most of the free memory) fails
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (256 << 20)) / total)
+    try:
+        with pytest.raises(LlamatermError, match=r"ran out of memory .*give a smaller --kv-tokens \(e\.g\. \d+\)"):
+            Engine(model, NoText())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    with Engine(model, NoText(), EngineConfig(kv_tokens=4096)) as engine:  # the advice works, in the same process
+        assert engine.generate(None, SamplingParams(max_tokens=4), prompt_ids=[5, 6, 7])[1].stats().generated_tokens
