@@ -2,6 +2,7 @@
 captured, more sequences than the largest batch bucket, prompts longer than any prefill bucket, and the GPU out
 of memory at start-up. Tokens are checked against the fp32 CPU reference (tests/test_gpu_model.py)."""
 
+import gc
 import random
 import threading
 
@@ -59,6 +60,8 @@ def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
 
 
 def test_out_of_memory_at_start_up_says_which_kv_tokens_to_try():
+    gc.collect()  # earlier tests' pools, so that what is reserved now is this test's
+    torch.cuda.empty_cache()
     model = synthetic_model("tiny", True, torch.device("cuda"))
     total = torch.cuda.get_device_properties(0).total_memory
     # the allocator may take only what is in use and 256 MB more: the default pool (most of the free memory) fails

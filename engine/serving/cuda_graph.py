@@ -54,6 +54,7 @@ class StepGraphs:
         self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # the graphs share one memory pool: they never run at the same time
+        self._stream = torch.cuda.Stream(dev)  # captures record on a side stream
         self._ran_eagerly: set[int] = set()
         if compile_all:
             for bucket in reversed(self.buckets):
@@ -65,9 +66,17 @@ class StepGraphs:
                 self._capture(bucket)
 
     def _capture(self, bucket: int) -> None:
+        """Record the bucket's forward pass. Not through torch.cuda.graph, which first waits for the device and
+        empties the allocator's cache: in the middle of serving that would stall every session."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model.forward(self._step(bucket), self.kv_cache)
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                logits = self.model.forward(self._step(bucket), self.kv_cache)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self._stream)
         self._pool = graph.pool()
         self.graphs[bucket] = graph, logits
 
