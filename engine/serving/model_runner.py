@@ -116,23 +116,26 @@ class HostTokens:
 
 
 def step_lists(chunks: list[ScheduledChunk], block_size: int, pending_rows: dict[int, int]) -> StepLists:
-    step = StepLists([], [], [], [], [], [0], [], [], [])
+    """The step as flat lists. On the host path of every step, so locals rather than attribute lookups."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl, rows, pending, pending_from = [0], [], [], []
     for c in chunks:
-        seq, end = c.seq, c.start + c.length
-        table = seq.table.block_ids
-        step.input_ids += seq.token_ids[c.start : end]
-        if seq.num_pending and end == len(seq.token_ids):  # its last token is the step in flight's sample
-            step.input_ids[-1] = 0
-            step.pending_rows.append(len(step.input_ids) - 1)
-            step.pending_from.append(pending_rows[seq.id])
-        step.positions += range(c.start, end)
-        step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
-        step.block_tables.append(table)
-        step.context_lens.append(end)
-        step.query_start_loc.append(step.query_start_loc[-1] + c.length)
-        if c.samples:
-            step.logits_indices.append(step.query_start_loc[-1] - 1)
-    return step
+        seq, start, end = c.seq, c.start, c.start + c.length
+        table, known = seq.table.block_ids, len(seq.token_ids)
+        ids += seq.token_ids[start:end]
+        if seq.num_pending and end == known:  # its last token is the step in flight's sample
+            ids[-1] = 0
+            pending.append(len(ids) - 1)
+            pending_from.append(pending_rows[seq.id])
+        positions += range(start, end)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        qsl.append(qsl[-1] + c.length)
+        if end == known:  # the chunk samples (ScheduledChunk.samples)
+            rows.append(qsl[-1] - 1)
+    return StepLists(ids, positions, slots, [c.seq.table.block_ids for c in chunks],
+                     [c.start + c.length for c in chunks], qsl, rows, pending, pending_from)
 
 
 def step_input(step: StepLists, device: torch.device, pending: torch.Tensor | None = None) -> StepInput:
