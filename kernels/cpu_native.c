@@ -322,10 +322,11 @@ void silu_and_mul(const float *gate_up, long T, long I, float *out) {
 }
 
 /* Causal attention over the paged cache, as kernels/attention.py: q [T, Hq, D] -> out [T, Hq, D]; caches
- * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens. */
+ * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens.
+ * window > 0: each query sees its last `window` keys only (blocks before them may be freed: never read). */
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      long max_blocks, const int64_t *context_lens, const int64_t *query_start_loc, long B, long Hq,
-                     long Hk, long D, long block_size, float scale, float *out) {
+                     long Hk, long D, long block_size, float scale, long window, float *out) {
     long group = Hq / Hk, longest = 0;
     for (long b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     float *p = malloc((longest > 0 ? longest : 1) * sizeof(float));
@@ -333,12 +334,13 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         long s = query_start_loc[b], n = query_start_loc[b + 1] - s, ctx = context_lens[b];
         const int32_t *table = block_tables + b * max_blocks;
         for (long i = 0; i < n; i++) {
-            long seen = ctx - n + i + 1;  /* keys 0 .. ctx - n + i */
+            long seen = ctx - n + i + 1;  /* keys first .. ctx - n + i */
+            long first = window > 0 && seen > window ? seen - window : 0;
             for (long h = 0; h < Hq; h++) {
                 const float *qh = q + ((s + i) * Hq + h) * D;
                 long kv = h / group;
                 float top = -INFINITY, total = 0.0f;
-                for (long j = 0; j < seen; j++) {
+                for (long j = first; j < seen; j++) {
                     const float *kj = k_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
                     float d = 0.0f;
 #pragma omp simd reduction(+ : d)
@@ -346,10 +348,10 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                     p[j] = d * scale;
                     top = p[j] > top ? p[j] : top;
                 }
-                for (long j = 0; j < seen; j++) total += (p[j] = expf(p[j] - top));
+                for (long j = first; j < seen; j++) total += (p[j] = expf(p[j] - top));
                 float *oh = out + ((s + i) * Hq + h) * D;
                 for (long e = 0; e < D; e++) oh[e] = 0.0f;
-                for (long j = 0; j < seen; j++) {
+                for (long j = first; j < seen; j++) {
                     const float *vj = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
                     float w = p[j] / total;
 #pragma omp simd

@@ -43,3 +43,14 @@ def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3, device
         k_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)
         v_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)
     return k_cache, v_cache, tables
+
+
+def free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window):
+    """What the engine does with a sliding window (BlockManager.slide): the blocks wholly before the window of each
+    sequence's first query are given back, here NaN in the cache and a garbage id in the table, so a kernel that
+    reads one fails."""
+    page = k_cache.shape[1]
+    for b, (ctx, n) in enumerate(zip(ctxs, qlens, strict=True)):
+        for i in range(max(0, ctx - n - window + 1) // page):
+            k_cache[tables[b, i].long()] = v_cache[tables[b, i].long()] = float("nan")
+            tables[b, i] = 10**6
