@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -292,7 +293,6 @@ def test_missing_config_json(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "Qwen2ForCausalLM"),
-    ({"architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}, "sliding-window"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
@@ -306,7 +306,41 @@ def test_unsupported_config(tmp_path, extra, message):
 
 def test_mistral_without_sliding_window_loads(tmp_path):
     write_dense(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
-    assert load_safetensors(tmp_path).config.arch == "llama"
+    config = load_safetensors(tmp_path).config
+    assert config.arch == "llama" and config.sliding_window is None and config.kv_window() is None
+
+
+def test_sliding_window_is_read_as_transformers_reads_it(tmp_path):
+    """Absent: MistralConfig's and MinistralConfig's default; Llama ignores the key; Ministral's layer_types."""
+    base = config_json() | {"max_position_embeddings": 32768}
+    mistral = base | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    assert model_config(mistral, "m").sliding_window == transformers.MistralConfig().sliding_window == 4096
+    assert model_config(mistral | {"sliding_window": 64}, "m").kv_window() == 64
+    assert model_config(base | {"sliding_window": 64}, "llama").kv_window() is None
+    ministral = base | {"architectures": ["MinistralForCausalLM"], "model_type": "ministral", "sliding_window": 64,
+                        "layer_types": ["full_attention", "sliding_attention"]}
+    config = model_config(ministral, "m")
+    assert [config.layer_window(i) for i in range(LAYERS)] == [None, 64] and config.kv_window() is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"sliding_window": 0}, "sliding_window = 0 is not a positive integer"),
+    ({"sliding_window": -4096}, "sliding_window = -4096 is not a positive integer"),
+    ({"sliding_window": "4096"}, "sliding_window = '4096' is not a positive integer"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types must give one of"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must give one of"),
+])
+def test_bad_sliding_window_config(tmp_path, extra, message):
+    write_dense(tmp_path, architectures=["MinistralForCausalLM"], model_type="ministral", **extra)
+    with pytest.raises(ModelFormatError, match=message):
+        load_safetensors(tmp_path)
+
+
+def test_mistral_config_missing_a_field_it_needs(tmp_path):
+    write_dense(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=None,
+                num_hidden_layers=None)
+    with pytest.raises(ModelFormatError, match="config.json: num_hidden_layers is missing"):
+        load_safetensors(tmp_path)
 
 
 def test_pickle_weights_are_refused_unread(tmp_path, monkeypatch):

@@ -25,6 +25,8 @@ from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Families whose config.json sliding_window applies (transformers' Llama ignores the key)
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM")
 
 TOP_MODULES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER_MODULES = {
@@ -94,17 +96,16 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     n_heads = size("num_attention_heads")
     hidden_size = size("hidden_size")
     context_length = size("max_position_embeddings")
-    # MistralConfig defaults to a 4096-token window when the key is absent; a window covering the whole
-    # context is the same as none.
-    window = size("sliding_window", 4096 if arch == "MistralForCausalLM" and "sliding_window" not in hf else None)
-    if window is not None and window < context_length:
-        raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
+    n_layers = size("num_hidden_layers")
+    window, sliding_layers = None, None
+    if arch in SLIDING_WINDOW_ARCHITECTURES:  # Llama ignores a sliding_window key; these read it
+        window, sliding_layers = sliding_window(hf, n_layers)
     if (act := field(hf, "hidden_act", str, "silu")) != "silu":
         raise ModelFormatError(f"unsupported activation {act!r}: the Llama MLP uses silu")
     config = ModelConfig(
         arch="llama",
         name=name,
-        n_layers=size("num_hidden_layers"),
+        n_layers=n_layers,
         hidden_size=hidden_size,
         intermediate_size=size("intermediate_size"),
         n_heads=n_heads,
@@ -116,8 +117,25 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         rope_theta=float(field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0),
                                positive=True)),
         tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
     )
     return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
+
+
+def sliding_window(hf: dict, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) as transformers reads them: `sliding_window` (absent: 4096, Mistral's and
+    Ministral's default; null: none) and `layer_types` ("sliding_attention" or "full_attention" per layer;
+    absent: every layer slides)."""
+    window = field(hf, "sliding_window", int, 4096 if "sliding_window" not in hf else None, positive=True)
+    layer_types = field(hf, "layer_types", "strings", None)
+    if window is None or layer_types is None:
+        return window, None
+    kinds = {"sliding_attention": True, "full_attention": False}
+    if len(layer_types) != n_layers or not set(layer_types) <= kinds.keys():
+        raise ModelFormatError(f"config.json: layer_types must give one of {sorted(kinds)} for each of the "
+                               f"{n_layers} layers")
+    return window, tuple(kinds[t] for t in layer_types)
 
 
 def field(hf: dict, key: str, kind, default=MISSING, *, positive: bool = False):
