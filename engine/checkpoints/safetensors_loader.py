@@ -1,8 +1,9 @@
 """Load a Hugging Face checkpoint directory (config.json + *.safetensors) into a Checkpoint.
 
-Covers dense fp16 / bf16 / fp32 weights, GPTQ (4/8-bit, v1 and v2 zero points, act-order g_idx) and AWQ GEMM
-4-bit (AutoGPTQ's and AutoAWQ's packers). Quantized linears become QuantWeight (w = scale * q + offset, with
-offset = -scale * zero rounded once to fp16, or no offset when every zero is 2**(bits-1), which is exact);
+Covers dense fp16 / bf16 / fp32 weights, GPTQ (4/8-bit, v1 and v2 zero points, act-order g_idx), AWQ GEMM
+4-bit (AutoGPTQ's and AutoAWQ's packers) and compressed-tensors pack-quantized W4A16 / W8A16 (llm-compressor's).
+Quantized linears become QuantWeight (w = scale * q + offset, with offset = -scale * zero rounded once to fp16
+for GPTQ and AWQ, kept exact for compressed-tensors, or no offset when every zero is 2**(bits-1), which is exact);
 everything else stays a torch tensor in the dtype it was stored in. Tensors are renamed to the GGUF names the
 model uses; Hugging Face q/k rows are already in the half-split (NeoX) RoPE order the model expects.
 Weights are read with `safetensors` only: pickled *.bin files can run code when loaded and are refused.
@@ -52,10 +53,16 @@ AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int  # -1: one group spanning the whole input dimension
     zero_shift: int  # added to stored zeros: GPTQ v1 stores zero - 1 (AutoGPTQ's pack), v2 and AWQ store zero
+    symmetric: bool = False  # compressed-tensors: no zero points stored
+
+
+# compressed-tensors: what llamaterm reads, for its refusals
+COMPRESSED_TENSORS_SUPPORTED = ("compressed-tensors pack-quantized W4A16 / W8A16 (integer weights, group or "
+                                "channel scales, symmetric or asymmetric)")
 
 
 def load_safetensors(model_dir: Path) -> Checkpoint:
@@ -186,10 +193,13 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return compressed_tensors_scheme(qc)
     bits = qc.get("bits", qc.get("w_bit"))  # AutoAWQ spells them w_bit and q_group_size
     group_size = qc.get("group_size", qc.get("q_group_size"))
     if method not in ("gptq", "awq"):
-        raise ModelFormatError(f"unsupported quantization method {method!r}: llamaterm reads GPTQ and AWQ")
+        raise ModelFormatError(f"unsupported quantization method {method!r}: llamaterm reads GPTQ, AWQ and "
+                               "compressed-tensors")
     if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ModelFormatError(f"{method} quantization_config has an invalid group_size {group_size!r}")
     if method == "gptq":
@@ -207,6 +217,48 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
     if not qc.get("zero_point", True):
         raise ModelFormatError("AWQ without zero points is not supported")
     return QuantScheme("awq", 4, group_size, 0)
+
+
+def compressed_tensors_scheme(qc: dict) -> QuantScheme:
+    """A compressed-tensors quantization_config (as llm-compressor writes it) -> QuantScheme, refusing by name
+    what is not integer weight-only quantization packed into int32 words."""
+    get = lambda data, key, kind, default=MISSING, positive=False: read(
+        data, key, kind, default, where="config.json quantization_config", positive=positive)
+
+    def refuse(what: str) -> ModelFormatError:
+        return ModelFormatError(f"compressed-tensors {what} is not supported: llamaterm reads "
+                                f"{COMPRESSED_TENSORS_SUPPORTED}")
+
+    if (fmt := get(qc, "format", str, None)) != "pack-quantized":
+        raise refuse(f"format {fmt!r}")
+    for key, what in (("sparsity_config", "sparsity (e.g. 2:4)"), ("transform_config", "a weight transform"),
+                      ("kv_cache_scheme", "KV-cache quantization")):
+        if get(qc, key, dict, None):
+            raise refuse(what)
+    groups = get(qc, "config_groups", dict)
+    schemes = set()
+    for group in groups.values():
+        group = group if isinstance(group, dict) else {}
+        if get(group, "format", str, fmt) != "pack-quantized":
+            raise refuse(f"format {group['format']!r}")
+        for key in ("input_activations", "output_activations"):
+            if group.get(key) is not None:
+                raise refuse("activation quantization (e.g. W8A8)")
+        w = get(group, "weights", dict)
+        kind, bits, strategy = get(w, "type", str, "int"), get(w, "num_bits", int), get(w, "strategy", str)
+        if kind != "int":
+            raise refuse(f"{kind} weights (e.g. FP8)")
+        if bits not in (4, 8):
+            raise refuse(f"{bits}-bit weights")
+        if strategy not in ("group", "channel"):
+            raise refuse(f"the {strategy!r} strategy")
+        if get(w, "dynamic", bool, False) or get(w, "actorder", str, None) not in (None, "weight", "static"):
+            raise refuse("dynamic or activation-ordered groups (actorder: group)")
+        group_size = get(w, "group_size", int, positive=True) if strategy == "group" else -1
+        schemes.add(QuantScheme("compressed-tensors", bits, group_size, 0, get(w, "symmetric", bool, True)))
+    if len(schemes) != 1:
+        raise refuse("a mix of weight schemes" if schemes else "a config without config_groups")
+    return schemes.pop()
 
 
 # --- safetensors files -----------------------------------------------------------------------------------
@@ -307,10 +359,10 @@ def convert_tensors(
             if len(shape) != 2:
                 raise ModelFormatError(f"unexpected tensor {hf_module}.bias")
             tensors[f"{module}.bias"] = dense(parts.pop("bias"), (shape[0],), f"{hf_module}.bias")
-        if "qweight" in parts and len(shape) == 2 and module != "token_embd":
+        if parts.keys() & {"qweight", "weight_packed"} and len(shape) == 2 and module != "token_embd":
             if scheme is None:
                 raise ModelFormatError(f"{hf_module} is quantized but config.json has no quantization_config")
-            convert = gptq_weight if scheme.method == "gptq" else awq_weight
+            convert = {"gptq": gptq_weight, "awq": awq_weight, "compressed-tensors": packed_weight}[scheme.method]
             tensors[f"{module}.weight"] = convert(parts, shape, scheme, hf_module)
         elif set(parts) == {"weight"}:
             tensors[f"{module}.weight"] = dense(parts["weight"], shape, f"{hf_module}.weight")
@@ -405,6 +457,46 @@ def awq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_modu
 
     q, zeros = unpack(parts["qweight"]), unpack(parts["qzeros"])
     return quant_weight(q.T, parts["scales"].T, zeros.T, 4, group_size)
+
+
+def packed_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_module: str) -> QuantWeight:
+    """compressed-tensors pack-quantized: weight_packed int32 [N, K / per word] holds the values along K, lowest bits
+    first, as q + 2**(bits-1) (the signed q in unsigned form); weight_zero_point, asymmetric only, holds the zeros
+    the same way along N [N / per word, G]; w = scale * (q - zero) (its pack_to_int32 and dequantize)."""
+    n, k = shape
+    bits, per_word = scheme.bits, 32 // scheme.bits
+    names = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric else {"weight_zero_point"})
+    if set(parts) != names:
+        kind = "symmetric" if scheme.symmetric else "asymmetric"
+        raise ModelFormatError(f"{hf_module} has tensors {sorted(parts)}; {kind} compressed-tensors uses "
+                               f"{sorted(names)}")
+    for name, dtypes in (("weight_packed", (torch.int32,)), ("weight_zero_point", (torch.int32,)),
+                         ("weight_shape", (torch.int32, torch.int64)), ("weight_scale", DENSE_DTYPES)):
+        if name in parts and parts[name].dtype not in dtypes:
+            raise ModelFormatError(f"{hf_module}.{name} has dtype {parts[name].dtype}, expected one of {dtypes}")
+    if parts["weight_shape"].tolist() != [n, k]:
+        raise ModelFormatError(f"{hf_module}.weight_shape is {parts['weight_shape'].tolist()}, expected {[n, k]} "
+                               "from config.json")
+    group_size, groups = group_count(k, scheme, hf_module)
+    check_shape(parts["weight_packed"], (n, -(-k // per_word)), f"{hf_module}.weight_packed")
+    check_shape(parts["weight_scale"], (n, groups), f"{hf_module}.weight_scale")
+    scales = parts["weight_scale"]
+    if not scales.isfinite().all():
+        raise ModelFormatError(f"{hf_module}.weight_scale holds values that are not finite: the file is damaged")
+    q = unpack_int32(parts["weight_packed"], bits, dim=1)[:, :k]
+    if scheme.symmetric:
+        return QuantWeight.from_values(q, narrowest(scales), None, bits, group_size)
+    check_shape(parts["weight_zero_point"], (-(-n // per_word), groups), f"{hf_module}.weight_zero_point")
+    zeros = unpack_int32(parts["weight_zero_point"], bits, dim=0)[:n]
+    # exact in fp32 for fp16 and bf16 scales (at most 11 + 8 significant bits), and so is scale * q + offset
+    offsets = -scales.float() * zeros
+    return QuantWeight.from_values(q, narrowest(scales), narrowest(offsets), bits, group_size)
+
+
+def narrowest(t: torch.Tensor) -> torch.Tensor:
+    """fp16 where it holds every value exactly, else fp32: exact, and as few bytes as that allows."""
+    half = t.half()
+    return half if torch.equal(half.float(), t.float()) else t.float()
 
 
 def quant_weight(q, scales, zeros, bits: int, group_size: int, perm=None) -> QuantWeight:
