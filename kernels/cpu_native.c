@@ -3,7 +3,7 @@
  * Each weight row is expanded into fp32 values exactly as the torch reference does it (one rounding for the scale
  * product, one for the offset add: never fused into an FMA), then dotted with the activations, so the result is
  * fp32 math on the dequantized weights; only the order of the sums differs from a dense matmul.
- * K and the group size must be multiples of 16. The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
+ * K and the group size must be multiples of 16 (the last group may be shorter). The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
  * attention) follow at the end. Built at first use by kernels/cpu_native.py and called through ctypes.
  */
 #include <immintrin.h>
@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
                                                                  const void *offsets, int f16, int bits, int gs,
                                                                  long K, long n, float *w, const float *x,
                                                                  const int affine) {
-    const long groups = K / gs;
+    const long groups = (K + gs - 1) / gs;  /* the last one short when gs does not divide K */
     const uint8_t *p = packed + n * (K * bits / 8);
     vec16 acc = zero16(), acc1 = zero16();  /* two sums: consecutive FMAs do not wait on each other */
     for (long g = 0; g < groups; g++) {
@@ -99,7 +99,8 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
                             : affine  ? expand16(values, s, o, 1)
                                       : expand16(_mm_sub_epi8(values, _mm_set1_epi8(8)), s, o, 0);
 #endif
-        for (long c = g * gs; c < (g + 1) * gs; c += 16) {
+        const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
+        for (long c = g * gs; c < end; c += 16) {
 #ifdef __AVX512F__
             vec16 v = bits == 4 ? _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes16(p, c, 4, 1)), table)
                                 : expand16(bytes16(p, c, bits, affine), s, o, affine);

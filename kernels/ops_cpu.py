@@ -33,7 +33,7 @@ def cpu_params(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def qmatmul_cpu(x: torch.Tensor, w: QuantWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16."""
+    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16 (the last group may be short)."""
     n, k = w.shape
     if w.perm is not None:
         x = x[..., w.perm]

@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.safetensors_loader import COMPRESSED_TENSORS_SUPPORTED, load_safetensors
 from llamaterm.engine.errors import ModelFormatError
-from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.kernels.qweight import QuantWeight
 from tests.family_oracle import byte_level_bpe, hf_greedy, hf_logits
+from tests.test_families import greedy
 from tests.test_fidelity import our_last_logits
 from tests.test_safetensors_loader import gguf_name, write_dense
 
@@ -108,9 +108,7 @@ def test_tiny_llama_gives_transformers_tokens_on_the_dequantized_model(tmp_path,
     try:
         want = hf_logits(model, PROMPT)[-1]
         assert (our_last_logits(engine, PROMPT) - want).abs().max() <= 1e-4 * (want.max() - want.min())
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        handle = engine.submit(None, params, prompt_ids=PROMPT)
-        assert [t for e in handle.events() for t in e.token_ids] == hf_greedy(model, PROMPT, 24)
+        assert greedy(engine, PROMPT, 24) == hf_greedy(model, PROMPT, 24)
     finally:
         engine.shutdown()
 

@@ -16,7 +16,14 @@ from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.norm import rms_norm_ref
 from llamaterm.kernels.rope import rope_ref
-from tests.kernel_cases import FORMATS, free_outside_window, random_paged_cache, random_qweight, rel_err
+from tests.kernel_cases import (
+    FORMATS,
+    SHORT_GROUPS,
+    free_outside_window,
+    random_paged_cache,
+    random_qweight,
+    rel_err,
+)
 
 FP32_TOL = 1e-6  # fp32 sums in another order
 
@@ -45,6 +52,27 @@ def test_dequantize_is_exact(lib, bits, group, offsets, perm, scale_dtype):
 def test_qmatmul(lib, bits, group, offsets, perm, rows):
     w = random_qweight(45, 5 * group, bits, group, offsets, perm, device="cpu")
     x = torch.randn(rows, w.shape[1])
+    assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
+
+
+@pytest.mark.parametrize("bits,k,group,offsets,perm", SHORT_GROUPS)
+def test_reference_dequantize_with_a_short_last_group(bits, k, group, offsets, perm):
+    """QuantWeight's w = scale * q + offset (or scale * (q - 2**(bits-1))) in fp32, element by element: column c
+    is in group c // group, the last group holding what is left of K."""
+    w = random_qweight(7, k, bits, group, offsets, perm, device="cpu")
+    q, s = w.values().float(), w.scales.float()
+    want = torch.empty(7, k)
+    for c in range(k):
+        g = c // group
+        want[:, c] = s[:, g] * q[:, c] + w.offsets[:, g].float() if offsets else s[:, g] * (q[:, c] - 2**(bits - 1))
+    assert w.scales.shape == (7, -(-k // group)) and torch.equal(w.dequantize(), want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
+@pytest.mark.parametrize("bits,k,group,offsets,perm", SHORT_GROUPS)
+def test_qmatmul_with_a_short_last_group(lib, bits, k, group, offsets, perm, rows):
+    w = random_qweight(45, k, bits, group, offsets, perm, device="cpu")
+    x = torch.randn(rows, k)
     assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
 
 

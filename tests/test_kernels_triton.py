@@ -26,6 +26,7 @@ from llamaterm.kernels.rope_triton import rope_triton  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     DEVICE,
     FORMATS,
+    SHORT_GROUPS,
     free_outside_window,
     random_paged_cache,
     random_qweight,
@@ -96,6 +97,22 @@ def test_qmatmul_reads_nothing_past_k(bits, offsets, m, config):
         w.offsets = nan_guarded(w.offsets)
     x = torch.randn(m, 576, device=DEVICE).half()
     assert rel_err(qmatmul_triton(x, w, config), linear_ref(x.float(), w)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("bits,k,group,offsets,perm", SHORT_GROUPS)
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (3, CONFIGS[4])])
+def test_qmatmul_with_a_short_last_group(bits, k, group, offsets, perm, m, config):
+    """The last group shorter than group_size (GPTQModel's 576 in groups of 128): its scales and offsets cover
+    only the values K has; nothing past K is read (NaN beyond the scales)."""
+    w = random_qweight(40, k, bits, group, offsets, perm)
+    w.scales = nan_guarded(w.scales)
+    if offsets:
+        w.offsets = nan_guarded(w.offsets)
+    x = torch.randn(m, k, device=DEVICE).half()
+    assert rel_err(qmatmul_triton(x, w, config), linear_ref(x.float(), w)) < TOL[torch.float16]
+    ids = torch.tensor([3, 0, 39], device=DEVICE)
+    assert rel_err(dequantize_rows_triton(w, ids, torch.float16), w.rows(ids, torch.float16)) < TOL[torch.float16]
+    assert rel_err(dequantize_rows_triton(w, None, torch.float32), w.dequantize()) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

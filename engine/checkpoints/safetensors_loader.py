@@ -397,11 +397,11 @@ def quant_parts(parts: dict, names: set[str], hf_module: str, scheme: QuantSchem
         raise ModelFormatError(f"{hf_module}.scales has dtype {parts['scales'].dtype}, expected float16")
 
 
-def group_count(k: int, scheme: QuantScheme, hf_module: str) -> tuple[int, int]:
+def group_count(k: int, scheme: QuantScheme) -> tuple[int, int]:
+    """(group size, groups): a group size that does not divide k leaves a short last group (GPTQModel writes
+    group 128 for 576-wide layers)."""
     group_size = k if scheme.group_size == -1 else scheme.group_size
-    if k % group_size:
-        raise ModelFormatError(f"{hf_module}: input size {k} is not a multiple of group_size {group_size}")
-    return group_size, k // group_size
+    return group_size, -(-k // group_size)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -418,7 +418,7 @@ def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_mod
     n, k = shape
     bits, per_word = scheme.bits, 32 // scheme.bits
     quant_parts(parts, {"qweight", "qzeros", "scales", "g_idx"}, hf_module, scheme)
-    group_size, groups = group_count(k, scheme, hf_module)
+    group_size, groups = group_count(k, scheme)
     if k % per_word or n % per_word:
         raise ModelFormatError(f"{hf_module}: shape {[n, k]} does not pack into int32 words of {bits} bits")
     check_shape(parts["qweight"], (k // per_word, n), f"{hf_module}.qweight")
@@ -429,9 +429,11 @@ def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_mod
     zeros = unpack_int32(parts["qzeros"], bits, dim=1) + scheme.zero_shift  # [G, N], packed along the output
     g_idx = parts["g_idx"].long()
     in_range = g_idx.min() >= 0 and g_idx.max() < groups
-    if not in_range or (torch.bincount(g_idx, minlength=groups) != group_size).any():
+    sizes = (torch.arange(k) // group_size).bincount()  # group_size each, the last one what is left
+    if not in_range or not torch.equal(torch.bincount(g_idx, minlength=groups), sizes):
         raise ModelFormatError(
-            f"{hf_module}.g_idx does not assign {group_size} input channels to each of {groups} groups"
+            f"{hf_module}.g_idx does not assign {group_size} input channels to each of {groups} groups (the last "
+            f"one {sizes[-1]})"
         )
     perm = None
     if not torch.equal(g_idx, torch.arange(k) // group_size):
@@ -444,7 +446,7 @@ def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_mod
 def awq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_module: str) -> QuantWeight:
     n, k = shape
     quant_parts(parts, {"qweight", "qzeros", "scales"}, hf_module, scheme)
-    group_size, groups = group_count(k, scheme, hf_module)
+    group_size, groups = group_count(k, scheme)
     if n % 8:
         raise ModelFormatError(f"{hf_module}: output size {n} is not a multiple of 8")
     check_shape(parts["qweight"], (k, n // 8), f"{hf_module}.qweight")
@@ -477,7 +479,7 @@ def packed_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_m
     if parts["weight_shape"].tolist() != [n, k]:
         raise ModelFormatError(f"{hf_module}.weight_shape is {parts['weight_shape'].tolist()}, expected {[n, k]} "
                                "from config.json")
-    group_size, groups = group_count(k, scheme, hf_module)
+    group_size, groups = group_count(k, scheme)
     check_shape(parts["weight_packed"], (n, -(-k // per_word)), f"{hf_module}.weight_packed")
     check_shape(parts["weight_scale"], (n, groups), f"{hf_module}.weight_scale")
     scales = parts["weight_scale"]
