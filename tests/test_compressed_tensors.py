@@ -19,6 +19,7 @@ from compressed_tensors.quantization.utils.helpers import is_module_quantized
 from safetensors.torch import load_file
 
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.checkpoints.checkpoint_info import read_safetensors
 from llamaterm.engine.checkpoints.safetensors_loader import COMPRESSED_TENSORS_SUPPORTED, load_safetensors
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.serving.engine import Engine
@@ -111,6 +112,13 @@ def test_tiny_llama_gives_transformers_tokens_on_the_dequantized_model(tmp_path,
         assert greedy(engine, PROMPT, 24) == hf_greedy(model, PROMPT, 24)
     finally:
         engine.shutdown()
+
+
+def test_info_counts_the_packed_weights(tmp_path):
+    pack(tmp_path, torch.bfloat16, num_bits=4, strategy="group", group_size=32, symmetric=False)
+    info = read_safetensors(tmp_path)
+    assert info.quant == "COMPRESSED-TENSORS-4bit"
+    assert info.parameters == transformers.LlamaForCausalLM(CONFIG).num_parameters()
 
 
 # --- refused by name ---------------------------------------------------------------------------------------
