@@ -6,7 +6,7 @@ Readers check a file's architecture here first, so every "not supported" error l
 # GGUF general.architecture values (llama.cpp's names; it writes Mistral models as "llama")
 GGUF_ARCHITECTURES = ("llama",)
 # config.json architectures[0] values (transformers' model classes)
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM")
 
 
 def supported_list() -> str:

@@ -103,7 +103,10 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
         raise ModelFormatError(f"{folder / 'config.json'} does not hold a JSON object")
     get = lambda data, key, kind: read(data, key, kind, None, where=str(folder / "config.json"))
     qconfig = get(config, "quantization_config", dict) or {}
-    bits = get(qconfig, "bits", int) or get(qconfig, "w_bit", int)
+    # compressed-tensors gives bits per config group: its first group's weights
+    group = next(iter((get(qconfig, "config_groups", dict) or {}).values()), None)
+    weights = (get(group, "weights", dict) if isinstance(group, dict) else None) or {}
+    bits = get(qconfig, "bits", int) or get(qconfig, "w_bit", int) or get(weights, "num_bits", int)
     if (method := get(qconfig, "quant_method", str)) and bits:
         quant = f"{method.upper()}-{bits}bit"
     else:
@@ -117,9 +120,10 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
                 continue
             types[t["dtype"]] += 1
             numel = math.prod(t["shape"])
-            if name.endswith(".qweight") and bits and 0 < bits <= 32:
-                parameters += numel * (32 // bits)  # GPTQ / AWQ pack 32 // bits weights into each int32
-            elif not name.endswith((".qzeros", ".scales", ".g_idx")):  # quantization bookkeeping, not weights
+            if name.endswith((".qweight", ".weight_packed")) and bits and 0 < bits <= 32:
+                parameters += numel * (32 // bits)  # GPTQ / AWQ / compressed-tensors: 32 // bits weights an int32
+            elif not name.endswith((".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point",
+                                    ".weight_shape")):  # quantization bookkeeping, not weights
                 parameters += numel
     return CheckpointInfo(
         format="safetensors",

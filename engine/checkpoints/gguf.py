@@ -276,12 +276,14 @@ def _config(f: GGUFFile) -> ModelConfig:
         if get(key, head_dim) != head_dim:
             raise _bad(path, f"{arch}.{key} differs from head_dim {head_dim}, which llamaterm does not run",
                        "Pick a standard Llama-family model.")
+    n_layers = get("block_count")
+    window, sliding_layers = _sliding_window(f, arch, n_layers)
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
     fields = dict(
         arch=arch,
         name=str(meta.get("general.name") or path.stem),
-        n_layers=get("block_count"),
+        n_layers=n_layers,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
         n_heads=n_heads,
@@ -292,11 +294,28 @@ def _config(f: GGUFFile) -> ModelConfig:
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=get("rope.freq_base", 10000.0, float),
         tie_word_embeddings="output.weight" not in f.tensors,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
     )
     try:
         return ModelConfig(**fields)
     except ModelFormatError as e:  # the checks every reader shares
         raise _bad(path, str(e)) from None
+
+
+def _sliding_window(f: GGUFFile, arch: str, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) from {arch}.attention.sliding_window (0 or absent: none, as llama.cpp reads
+    it) and .sliding_window_pattern (a bool per layer, true: sliding; absent: every layer slides)."""
+    where, key = str(f.path), f"{arch}.attention.sliding_window"
+    window = read(f.metadata, key, int, 0, where=where)
+    if window < 0:
+        raise _bad(f.path, f"{key} = {window} is negative (0 means no sliding window)")
+    pattern = read(f.metadata, f"{key}_pattern", "bools", None, where=where)
+    if window == 0 or pattern is None:
+        return window or None, None
+    if len(pattern) != n_layers:
+        raise _bad(f.path, f"{key}_pattern has {len(pattern)} entries for {n_layers} layers")
+    return int(window), tuple(bool(x) for x in pattern)
 
 
 def _rope_freq_factors(f: GGUFFile, c: ModelConfig) -> tuple[float, ...] | None:

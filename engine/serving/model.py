@@ -82,8 +82,9 @@ def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
 
 
 class Layer:
-    def __init__(self, t: dict[str, Weight], i: int, device, dtype):
+    def __init__(self, t: dict[str, Weight], i: int, device, dtype, window: int | None):
         get = lambda name: to_device(t[f"blk.{i}.{name}.weight"], device, dtype)
+        self.window = window  # sliding-window attention's keys per query; None: the whole context
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
         self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
@@ -107,7 +108,7 @@ class Model:
         self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
         self.lm_head = (self.token_embd if config.tie_word_embeddings
                         else to_device(tensors["output.weight"], device, dtype))
-        self.layers = [Layer(tensors, i, device, dtype) for i in range(config.n_layers)]
+        self.layers = [Layer(tensors, i, device, dtype, config.layer_window(i)) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
         self.scale = config.head_dim**-0.5
 
@@ -156,7 +157,7 @@ class Model:
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
             q = rope_write_kv(q, k, v, step.positions, self.inv_freq, k_cache, v_cache, step.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
-                                step.query_start_loc, self.scale)
+                                step.query_start_loc, self.scale, layer.window)
             h = linear(o.view(n_tokens, q_size), layer.o)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
             h = linear(silu_and_mul(linear_parts(x, layer.gate_up)), layer.down)

@@ -222,7 +222,7 @@ def decode_table(bw: float, sweep: bool) -> list[str]:
                     for splits in sorted({1, 2 * num_sms(q.device) // (batch * 8) or 1,
                                           4 * num_sms(q.device) // (batch * 8) or 1}):
                         cfg = AttentionConfig(1, block_n, warps, stages, max(1, min(splits, context // 256)))
-                        us = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 0.1, cfg))  # noqa: B023
+                        us = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 0.1, config=cfg))  # noqa: B023
                         print(f"  sweep decode b{batch} c{context} {cfg}: {us:.1f} us")
     return rows
 
@@ -247,7 +247,7 @@ def prefill_table(peak: float, sweep: bool) -> list[str]:
                                                     (8, 64, 4, 3), (32, 64, 4, 3)):
                 cfg = AttentionConfig(block_q, block_n, warps, stages, 1)
                 try:
-                    us = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 0.1, cfg))  # noqa: B023
+                    us = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 0.1, config=cfg))  # noqa: B023
                     print(f"  sweep prefill b{batch} chunk {chunk} prefix {prefix} {cfg}: {us:.1f} us")
                 except Exception as e:
                     print(f"  skip {cfg}: {type(e).__name__}")
