@@ -7,6 +7,7 @@ object with --json); the progress bar to stderr. The workloads live in engine/be
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from typing import Annotated
@@ -51,7 +52,7 @@ def bench(
     grid: Annotated[bool, typer.Option(
         "--grid", help="The ColossalAI / vLLM table: input 128/512/1024 x output 128/256 x batch 16/32/64.")] = False,
     peer: Annotated[str | None, typer.Option(help="hf: Hugging Face transformers on the same model, one "
-                                                  "session.")] = None,
+                                                  "session, three runs each.")] = None,
     tokens: Annotated[int, typer.Option(min=2, help="New tokens per session in static batches.")] = 128,
     prompt: Annotated[int, typer.Option(min=1, help="Prompt tokens per session.")] = 128,
     window: Annotated[float, typer.Option(min=0.1, help="Seconds the closed loop is measured for.")] = 10.0,
@@ -151,13 +152,16 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
                                      "max_step_ms": 1e3 * max_step}
 
         if peer == "hf":
-            progress.step("Hugging Face transformers, one session")
-            ids = prompts(min(prompt_len, ctx - tokens - 1))
-            ours, ours_tokens = wl.greedy_tokens(engine, ids, tokens)
-            theirs, their_tokens = wl.hf_decode_rate(b, ids, tokens)
-            out["peer"] = {"name": "Hugging Face transformers", "tokens": tokens, "ours_tok_s": ours,
-                           "peer_tok_s": theirs, "speedup": ours / theirs,
-                           "same_tokens": ours_tokens == their_tokens if b.path else None}
+            progress.step("Hugging Face transformers, one session, 3 runs")
+            same = [prompts(min(prompt_len, ctx - tokens - 1)) for _ in range(3)]
+            ours, theirs = wl.our_greedy_runs(b, same, tokens), wl.hf_greedy_runs(b, same, tokens)
+            median = lambda xs: statistics.median(xs)
+            side = lambda r: {"tok_s": median(r.tok_s), "runs_tok_s": r.tok_s, "ttft_ms": 1e3 * median(r.ttft_s),
+                              "load_s": r.load_s}
+            out["peer"] = {"name": "Hugging Face transformers", "tokens": tokens, "prompt_tokens": len(same[0]),
+                           "ours": side(ours), "peer": side(theirs),
+                           "speedup": median(ours.tok_s) / median(theirs.tok_s),
+                           "same_tokens": ours.tokens == theirs.tokens if b.path else None}
         if grid:
             cells = []
             for i, o, n in GRID:
@@ -207,8 +211,12 @@ def format_tables(r: dict) -> str:
     if "peer" in r:
         p = r["peer"]
         same = "" if p["same_tokens"] is None else f"; same tokens: {p['same_tokens']}"
-        lines += ["", f"one session, {p['tokens']} tokens: llamaterm {p['ours_tok_s']:,.1f} tok/s, {p['name']} "
-                      f"{p['peer_tok_s']:,.1f} tok/s ({p['speedup']:.2f}x){same}"]
+        lines += ["", f"one session, {p['prompt_tokens']}-token prompts, {p['tokens']} new tokens, medians of 3 "
+                      "runs:", f"{'':28}{'tok/s':>9} {'TTFT ms':>8} {'load s':>7}   runs (tok/s)"]
+        for name, side in (("llamaterm", p["ours"]), (p["name"], p["peer"])):
+            lines.append(f"{name:28}{side['tok_s']:9,.1f} {side['ttft_ms']:8.0f} {side['load_s']:7.2f}   "
+                         + " ".join(f"{x:.1f}" for x in side["runs_tok_s"]))
+        lines.append(f"speed-up {p['speedup']:.2f}x{same}")
     if "grid" in r:
         lines += ["", f"{'in':>5} {'out':>4} {'batch':>5} {'batch s':>8} {'ms/token':>9} {'tok/s':>9} "
                       f"{'TFLOP/s':>8} {'alloc GB':>9} {'reserved GB':>12}"]

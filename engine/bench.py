@@ -283,13 +283,41 @@ def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Pro
     return {"steps": steps, "launches_per_step": launches / steps, "kernels_per_step": kernels / steps}
 
 
-def hf_decode_rate(bench: Bench, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    """Hugging Face transformers, greedy with its KV cache, one sequence: the same checkpoint dequantized, or
-    random weights in the same shapes. Returns (decode tok/s, tokens)."""
+@dataclass
+class GreedyRuns:
+    """One engine's greedy runs on the same prompts as its peer's: decode tok/s (first token to last) and time to
+    first token per run, the tokens of each run, and the seconds from the checkpoint to a model ready to serve."""
+
+    load_s: float
+    tok_s: list[float]
+    ttft_s: list[float]
+    tokens: list[list[int]]
+
+
+def our_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> GreedyRuns:
+    """Each prompt is new to the engine (no cached prefix), so TTFT includes the whole prefill."""
+    engine = bench.engine
+    runs = GreedyRuns(sum(engine.startup_s.values()), [], [], [])
+    for prompt in prompts:
+        handle = engine.submit(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompt)
+        times, out = [], []
+        for event in handle.events():
+            times += [time.perf_counter()] * len(event.token_ids)
+            out += event.token_ids
+        runs.tok_s.append((len(times) - 1) / (times[-1] - times[0]))
+        runs.ttft_s.append(handle.stats().ttft_s)
+        runs.tokens.append(out)
+    return runs
+
+
+def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> GreedyRuns:
+    """Hugging Face transformers, greedy with its KV cache, one sequence at a time: the same checkpoint
+    dequantized, or random weights in the same shapes."""
     import transformers
 
     engine = bench.engine
     dev, dtype = engine.model.device, engine.model.dtype
+    t = time.perf_counter()
     if bench.path is not None and bench.path.endswith(".gguf"):
         from pathlib import Path
 
@@ -305,23 +333,23 @@ def hf_decode_rate(bench: Bench, prompt: list[int], tokens: int) -> tuple[float,
             head_dim=c.head_dim, max_position_embeddings=c.context_length, rope_theta=c.rope_theta,
             tie_word_embeddings=c.tie_word_embeddings)).to(dtype)
     hf = hf.to(dev).eval()
-    out, times = [], []
-    with torch.inference_mode():
-        x, past = torch.tensor([prompt], device=dev), None
-        for _ in range(tokens):
-            r = hf(input_ids=x, past_key_values=past, use_cache=True)
-            past, token = r.past_key_values, int(r.logits[0, -1].argmax())
-            out.append(token)
-            times.append(time.perf_counter())
-            x = torch.tensor([[token]], device=dev)
+    sync(dev)
+    runs = GreedyRuns(time.perf_counter() - t, [], [], [])
+    for prompt in prompts:
+        out, times = [], []
+        with torch.inference_mode():
+            x, past, start = torch.tensor([prompt], device=dev), None, time.perf_counter()
+            for _ in range(tokens):
+                r = hf(input_ids=x, past_key_values=past, use_cache=True)
+                past, token = r.past_key_values, int(r.logits[0, -1].argmax())
+                out.append(token)
+                times.append(time.perf_counter())
+                x = torch.tensor([[token]], device=dev)
+        runs.tok_s.append((len(times) - 1) / (times[-1] - times[0]))
+        runs.ttft_s.append(times[0] - start)
+        runs.tokens.append(out)
     del hf, past
-    return (len(times) - 1) / (times[-1] - times[0]), out
-
-
-def greedy_tokens(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    """One session's decode tok/s (over its last 32 tokens) and its tokens."""
-    _, h = engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompt)
-    return h.stats().tokens_per_s, h.seq.generated
+    return runs
 
 
 def linear_params(model: Model) -> tuple[int, int]:

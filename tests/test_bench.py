@@ -37,3 +37,19 @@ def test_bench_table_and_bad_input():
     assert bad.returncode == 1 and bad.stderr.startswith("llamaterm: unknown model 'synthetic:nope'")
     bad = llamaterm("bench", "--sessions", "one")
     assert bad.returncode == 2 and "--sessions takes counts" in bad.stderr
+
+
+def test_bench_beside_transformers_on_cpu():
+    """make bench-cpu's table: three runs of each engine on the same prompts, medians, TTFT and load time."""
+    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "8",
+                    "--prompt", "8", "--peer", "hf")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    at = lines.index("one session, 8-token prompts, 8 new tokens, medians of 3 runs:")
+    assert lines[at + 1].split() == ["tok/s", "TTFT", "ms", "load", "s", "runs", "(tok/s)"]
+    for line, name in zip(lines[at + 2 : at + 4], ("llamaterm", "Hugging Face transformers"), strict=True):
+        assert line.startswith(name)
+        figures = line[len(name):].split()
+        assert len(figures) == 6 and float(figures[0].replace(",", "")) > 0  # median, TTFT, load, three runs
+        assert sorted(map(float, figures[3:]))[1] == float(figures[0].replace(",", ""))
+    assert lines[at + 4].startswith("speed-up ")  # random weights on each side: no token comparison
