@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.device import resolve_device
@@ -79,13 +79,13 @@ def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
         return QuantWeight.from_values(q, scales, offsets, bits, fmt.group)
 
     tensors = {}
-    for name_, shape in weight_shapes(config).items():
-        if name_ == "output" and config.tie_word_embeddings:
+    for name_, shape in tensor_shapes(config).items():
+        if name_ == "output.weight" and config.tie_word_embeddings:
             continue
         if len(shape) == 1:
-            tensors[f"{name_}.weight"] = torch.ones(shape, device=device)
+            tensors[name_] = torch.ones(shape, device=device)
         else:
-            tensors[f"{name_}.weight"] = matrix(*shape, fmt.embd_bits if name_ == "token_embd" else fmt.bits)
+            tensors[name_] = matrix(*shape, fmt.embd_bits if name_ == "token_embd.weight" else fmt.bits)
     return Model(config, tensors, device, dtype)
 
 

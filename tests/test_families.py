@@ -14,6 +14,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, save_tiny_model
 from tests.test_fidelity import our_last_logits
+from tests.test_gpu_model import assert_greedy_choices
 
 VOCAB = 384
 PROMPT = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12, 45, 46, 47, 48, 301, 2, 9]
@@ -35,9 +36,18 @@ def small(**kw) -> dict:
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, **kw)
 
 
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")  # Qwen2.5's tokenizer.json
+
 FAMILIES = {
     "llama": Family(transformers.LlamaForCausalLM, transformers.LlamaConfig(**small(tie_word_embeddings=False)),
                     "llama-bpe"),
+    # Qwen2.5-0.5B / 1.5B / 3B tie their embeddings, 7B does not; q/k/v biases either way
+    "qwen2": Family(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**small(tie_word_embeddings=True)),
+                    "qwen2", QWEN2_SPLIT),
+    "qwen2-untied": Family(transformers.Qwen2ForCausalLM,
+                           transformers.Qwen2Config(**small(tie_word_embeddings=False, rope_theta=1e6)), "qwen2",
+                           QWEN2_SPLIT),
 }
 
 
@@ -94,3 +104,20 @@ def test_transformers_reads_the_same_logits_from_the_converted_gguf(family_model
         pytest.fail(f"transformers cannot read {arch} from GGUF ({e}); drop this check for the family and say why")
     want = hf_logits(model, fam.prompt)
     assert torch.allclose(hf_logits(back, fam.prompt), want, atol=1e-4 * float(want.max() - want.min()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_gpu_gives_the_cpu_paths_greedy_tokens(family_model, source):
+    """The family's tiny model on the GPU (Triton kernels, fp16): every token it picks is the fp32 CPU path's argmax
+    (or within fp16 noise of it, which assert_greedy_choices reports), and so the same greedy tokens."""
+    fam, _, folder, gguf = family_model
+    path = folder if source == "safetensors" else gguf
+    cpu, gpu = ours(path), Engine.from_model(EngineConfig(model=str(path), device="cuda", kv_tokens=1024))
+    try:
+        got = greedy(gpu, fam.prompt, GREEDY_STEPS)
+        assert_greedy_choices(cpu, fam.prompt, got)
+        assert got == greedy(cpu, fam.prompt, GREEDY_STEPS)
+    finally:
+        cpu.shutdown()
+        gpu.shutdown()

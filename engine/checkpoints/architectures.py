@@ -1,14 +1,40 @@
 """The model families llamaterm runs, by the names their files give them, and the variants refused by name.
 
-Readers check a file's architecture here first, so every "not supported" error lists the same families.
+Readers look a file's architecture up here first, so every "not supported" error lists the same families.
+A family is named by its GGUF architecture (llama.cpp's name), which is also ModelConfig.arch.
 """
 
-# GGUF general.architecture values (llama.cpp's names; it writes Mistral models as "llama")
-GGUF_ARCHITECTURES = ("llama",)
-# config.json architectures[0] values (transformers' model classes)
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # GGUF general.architecture
+    hf_classes: tuple[str, ...]  # config.json architectures[0] (transformers' model classes)
+    models: str  # the models people know it by
+
+
+FAMILIES = (
+    # llama.cpp writes Mistral models as "llama"
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "Llama 2/3, Mistral, SmolLM"),
+    Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen"),
+)
+GGUF_ARCHITECTURES = tuple(f.arch for f in FAMILIES)
+HF_ARCHITECTURES = {cls: f.arch for f in FAMILIES for cls in f.hf_classes}
+
+# Variants of the families above (or close kin) that do not run, under each name a file may give them
+REFUSED = {
+    "qwen2moe": "Qwen2 MoE (a mixture of experts)",
+    "Qwen2MoeForCausalLM": "Qwen2 MoE (a mixture of experts)",
+}
 
 
 def supported_list() -> str:
     """One line naming what runs, for error messages."""
-    return f"GGUF {', '.join(GGUF_ARCHITECTURES)}; Hugging Face {', '.join(HF_ARCHITECTURES)}"
+    return "; ".join(f"{f.models} ({f.arch})" for f in FAMILIES)
+
+
+def not_supported(name: str | None) -> str:
+    """Why an architecture outside FAMILIES does not load: a known variant by what it is, else by its name."""
+    what = f"{REFUSED[name]}, {name!r}," if name in REFUSED else f"the architecture {name!r}"
+    return f"{what} is not supported (llamaterm runs: {supported_list()})"

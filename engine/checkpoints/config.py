@@ -9,7 +9,7 @@ from llamaterm.engine.errors import ModelFormatError
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama"
+    arch: str  # the family, by its GGUF architecture name (checkpoints/architectures.py)
     name: str
     n_layers: int
     hidden_size: int
@@ -24,6 +24,8 @@ class ModelConfig:
     # Llama-3 style frequency divisors (GGUF rope_freqs / config.json rope_scaling), head_dim // 2 values
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
+    # Per-family features, as data the one forward pass (engine/serving/model.py) reads
+    qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's attention_bias)
 
     def __post_init__(self):
         """Every reader builds a ModelConfig, so the checks that keep the forward pass sane live here once."""
@@ -44,13 +46,17 @@ class ModelConfig:
         return inv
 
 
-def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF module name -> weight shape ([out, in] for linears) of every module a Llama model has. The lm_head
-    ("output") is listed whether or not it is tied to the embedding: readers decide whether it must be there."""
+def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> shape ([out, in] for linears) of every tensor the model has, by llama.cpp's names. The
+    lm_head ("output.weight") is listed whether or not it is tied to the embedding: readers decide whether it must
+    be there."""
     q, kv, h, ffn = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
-    shapes = {"token_embd": (c.vocab_size, h), "output_norm": (h,), "output": (c.vocab_size, h)}
+    shapes = {"token_embd.weight": (c.vocab_size, h), "output_norm.weight": (h,), "output.weight": (c.vocab_size, h)}
     layer = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
              "ffn_norm": (h,), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn)}
+    layer = {f"{name}.weight": shape for name, shape in layer.items()}
+    if c.qkv_bias:
+        layer |= {f"attn_{p}.bias": layer[f"attn_{p}.weight"][:1] for p in "qkv"}
     for i in range(c.n_layers):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     return shapes

@@ -9,7 +9,8 @@ container: the GGUF spec (ggml's docs/gguf.md); block layouts: ggml's ggml-commo
 
 Quantized tensors become QuantWeight: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly; Q4_K, Q5_K (group 32) and Q6_K
 (group 16) with each super-block scale times sub-block scale rounded once to fp16. The converter's q/k row
-permutation is undone, so rows are in Hugging Face order and the model applies half-split (NeoX) RoPE.
+permutation of Llama models is undone, so rows are in Hugging Face order and the model applies half-split (NeoX)
+RoPE, as llama.cpp does for the other families, whose rows the converter leaves in that order.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, supported_list
+from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
-from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
@@ -237,8 +238,7 @@ def _config(f: GGUFFile) -> ModelConfig:
     meta, path = f.metadata, f.path
     arch = read(meta, "general.architecture", str, where=str(path))
     if arch not in GGUF_ARCHITECTURES:
-        raise _bad(path, f"the architecture {arch!r} is not supported (llamaterm runs: {supported_list()})",
-                   "Pick a Llama-family model (Llama 2/3, Mistral, SmolLM, TinyLlama) in GGUF format.")
+        raise _bad(path, not_supported(arch), "Pick a model of one of those families.")
     required = MISSING
 
     def get(key: str, default: object = required, kind: type = int):
@@ -267,6 +267,8 @@ def _config(f: GGUFFile) -> ModelConfig:
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=get("rope.freq_base", 10000.0, float),
         tie_word_embeddings="output.weight" not in f.tensors,
+        # Qwen2 always has them; a Llama has them when it was trained with attention_bias
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
     )
     try:
         return ModelConfig(**fields)
@@ -301,18 +303,14 @@ def _rope_freq_factors(f: GGUFFile, c: ModelConfig) -> tuple[float, ...] | None:
 
 
 def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """Every tensor a llama GGUF may hold, with its numpy shape; and the names that must be there."""
-    modules = weight_shapes(c)
-    shapes = {f"{name}.weight": shape for name, shape in modules.items()}
-    # optional biases of the blocks' linears (Llama's attention_bias / mlp_bias)
-    shapes |= {f"{name}.bias": shape[:1] for name, shape in modules.items()
-               if name.startswith("blk.") and len(shape) == 2}
-    required = {f"{name}.weight" for name in modules} - {"output.weight"}  # no output: tied to the embedding
+    """Every tensor the GGUF may hold, with its numpy shape; and the names that must be there."""
+    shapes = tensor_shapes(c)
+    required = set(shapes) - {"output.weight"}  # no output: tied to the embedding
     return shapes | {"rope_freqs.weight": (c.head_dim // 2,)}, required
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
-    if c.n_layers * 9 > len(f.tensors):  # before building per-layer tables from an absurd block_count
+    if c.n_layers * 6 > len(f.tensors):  # before building per-layer tables from an absurd block_count
         raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
     shapes, required = _expected_shapes(c)
     if missing := sorted(required - f.tensors.keys()):
@@ -320,7 +318,7 @@ def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
     for name, t in f.tensors.items():
         if name not in shapes:
             raise _bad(f.path, f"tensor {name!r} is not part of a {c.arch} model",
-                       "Pick a standard Llama-family model.")
+                       "It is a variant llamaterm does not run: pick a standard model of the family.")
         if t.shape != shapes[name]:
             raise _bad(f.path, f"tensor {name!r} has shape {t.shape}; the metadata implies {shapes[name]}")
         if t.type in _UNPACK and len(t.shape) == 1:
@@ -438,7 +436,7 @@ def _unpermute(t: RawTensor, n_head: int) -> RawTensor:
 
 
 def load_gguf(path: str | Path) -> Checkpoint:
-    """Load a Llama-family GGUF model; the first part of a split model loads all parts. Any problem with the
+    """Load a GGUF model of a supported family; the first part of a split model loads all parts. Any problem with the
     file raises ModelFormatError."""
     f = read_gguf_parts(Path(path))
     config = _config(f)
@@ -448,7 +446,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     for name, t in f.tensors.items():
         if name == "rope_freqs.weight":  # already in config.rope_freq_factors
             continue
-        if ".attn_q." in name or ".attn_k." in name:
+        if config.arch == "llama" and (".attn_q." in name or ".attn_k." in name):  # the one family permuted
             t = _unpermute(t, config.n_heads if ".attn_q." in name else config.n_kv_heads)
         tensors[name] = w = convert_tensor(t)
         if isinstance(w, QuantWeight) and not all(x.isfinite().all() for x in (w.scales, w.offsets)

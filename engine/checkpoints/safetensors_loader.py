@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, supported_list
+from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
@@ -41,7 +41,7 @@ LAYER_MODULES = {
 # A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
 IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
-# Llama-family head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
+# Head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
 MAX_HEAD_DIM = 4096
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into nibble i of word c: column j is in nibble REVERSE[j].
@@ -84,12 +84,14 @@ def read_config_json(model_dir: Path) -> dict:
 
 
 def model_config(hf: dict, name: str) -> ModelConfig:
-    """config.json (as a dict) -> ModelConfig, refusing what the Llama forward pass cannot run."""
+    """config.json (as a dict) -> ModelConfig, refusing what the forward pass cannot run."""
     architectures = field(hf, "architectures", "strings", [])
     arch = architectures[0] if architectures else None
-    if arch not in HF_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
-        raise ModelFormatError(f"unsupported architecture {arch or hf.get('model_type')!r}: llamaterm runs "
-                               f"{supported_list()}")
+    if arch is None and hf.get("model_type") == "llama":
+        arch = "LlamaForCausalLM"
+    if arch not in HF_ARCHITECTURES:
+        raise ModelFormatError(f"config.json: {not_supported(arch or hf.get('model_type'))}")
+    family = HF_ARCHITECTURES[arch]
     size = lambda key, default=MISSING: field(hf, key, int, default, positive=True)
     n_heads = size("num_attention_heads")
     hidden_size = size("hidden_size")
@@ -97,12 +99,14 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     # MistralConfig defaults to a 4096-token window when the key is absent; a window covering the whole
     # context is the same as none.
     window = size("sliding_window", 4096 if arch == "MistralForCausalLM" and "sliding_window" not in hf else None)
+    if family == "qwen2" and not field(hf, "use_sliding_window", bool, False):
+        window = None  # Qwen configs name a window that applies only with use_sliding_window
     if window is not None and window < context_length:
         raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
     if (act := field(hf, "hidden_act", str, "silu")) != "silu":
-        raise ModelFormatError(f"unsupported activation {act!r}: the Llama MLP uses silu")
+        raise ModelFormatError(f"unsupported activation {act!r}: the {arch} MLP uses silu")
     config = ModelConfig(
-        arch="llama",
+        arch=family,
         name=name,
         n_layers=size("num_hidden_layers"),
         hidden_size=hidden_size,
@@ -116,6 +120,7 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         rope_theta=float(field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0),
                                positive=True)),
         tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
+        qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
     )
     return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
 
@@ -141,7 +146,7 @@ def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None
     if rope_type != "llama3":
         raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: only 'llama3' is supported")
     if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
-        raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any Llama model's "
+        raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any model's "
                                f"(at most {MAX_HEAD_DIM}); the file is damaged")
     factor, low, high = (field(params, k, float, positive=True) for k in ("factor", "low_freq_factor",
                                                                           "high_freq_factor"))
@@ -267,28 +272,32 @@ def convert_tensors(
         hf_module, _, part = name.rpartition(".")
         module = gguf_module(hf_module)
         if module is None:
-            raise ModelFormatError(f"unexpected tensor {name!r}: not part of a Llama model")
+            raise ModelFormatError(f"unexpected tensor {name!r}: not part of a {config.arch} model")
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
     if config.n_layers * len(LAYER_MODULES) > len(modules):  # before per-layer tables for an absurd count
         raise ModelFormatError(f"config.json: num_hidden_layers = {config.n_layers}, but the checkpoint holds "
                                f"only {len(raw)} tensors")
     if config.tie_word_embeddings:
         modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
-    shapes = weight_shapes(config)
+    shapes = tensor_shapes(config)
     if config.tie_word_embeddings:
-        del shapes["output"]
-    if missing := [name for name in shapes if name not in modules]:
+        del shapes["output.weight"]
+    wanted = {name.rpartition(".")[0] for name in shapes}
+    if missing := [name for name in wanted if name not in modules]:
         raise ModelFormatError(f"the checkpoint lacks tensors for {missing[:5]} (from config.json)")
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     for module, (hf_module, parts) in modules.items():
-        if module not in shapes:
+        if module not in wanted:
             layers = config.n_layers
             raise ModelFormatError(f"unexpected tensors {hf_module}.* ({layers} layers in config.json)")
-        shape = shapes[module]
+        shape = shapes[f"{module}.weight"]
+        if "bias" in parts and f"{module}.bias" not in shapes:
+            raise ModelFormatError(f"{hf_module}.bias is not part of a {config.arch} model as config.json describes "
+                                   "it (llamaterm runs biases of q/k/v only: Qwen2's, or Llama's attention_bias)")
+        if "bias" not in parts and f"{module}.bias" in shapes:
+            raise ModelFormatError(f"{hf_module}.bias is missing: the checkpoint is incomplete")
         if "bias" in parts:
-            if len(shape) != 2:
-                raise ModelFormatError(f"unexpected tensor {hf_module}.bias")
-            tensors[f"{module}.bias"] = dense(parts.pop("bias"), (shape[0],), f"{hf_module}.bias")
+            tensors[f"{module}.bias"] = dense(parts.pop("bias"), shapes[f"{module}.bias"], f"{hf_module}.bias")
         if "qweight" in parts and len(shape) == 2 and module != "token_embd":
             if scheme is None:
                 raise ModelFormatError(f"{hf_module} is quantized but config.json has no quantization_config")

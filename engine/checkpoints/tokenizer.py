@@ -185,8 +185,12 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
-        """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
+    def from_hf_dir(cls, path: str | Path, model_vocab_size: int = 0) -> "Tokenizer":
+        """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json.
+
+        model_vocab_size: the rows of the model's embedding. Models pad it beyond the tokenizer's ids (Qwen2.5:
+        152064 rows for 151665 tokens); those ids decode to nothing, as they do in transformers (llama.cpp's
+        converter pads the GGUF vocabulary with [PAD] tokens to the same end)."""
         folder = Path(path)
         spec_text = read_text(folder / "tokenizer.json")
         if spec_text is None:
@@ -220,7 +224,7 @@ class Tokenizer:
         if top >= 2 * len(vocab):  # ids index a table of max id + 1 entries: a sparse one is a damaged file
             raise ModelFormatError(f"{folder / 'tokenizer.json'}: token {token!r} has id {top}, far beyond the "
                                    f"{len(vocab)} tokens of the vocabulary; the file is damaged")
-        tokens = [""] * (top + 1)
+        tokens = [""] * max(top + 1, model_vocab_size)
         token_types = [UNUSED] * len(tokens)
         for token, i in vocab.items():
             tokens[i] = token

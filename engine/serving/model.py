@@ -1,4 +1,5 @@
-"""The Llama-family forward pass over a paged KV cache.
+"""The forward pass over a paged KV cache, one for every family: what differs between families is data in
+ModelConfig (biases, norms, activation, RoPE), read here.
 
 One flat batch of tokens per step: prefill chunks and decode tokens of many sequences side by side,
 described by `StepInput` (names as in vLLM: slot mapping, block tables, context lengths). Every op goes through
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from llamaterm.engine.checkpoints.config import ModelConfig
-from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.activation import silu_and_mul
 from llamaterm.kernels.attention import paged_attention, write_kv
 from llamaterm.kernels.embedding import embedding
@@ -71,14 +71,12 @@ def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
 
 
 class Layer:
-    def __init__(self, t: dict[str, Weight], i: int, device, dtype):
-        get = lambda name: to_device(t[f"blk.{i}.{name}.weight"], device, dtype)
+    def __init__(self, c: ModelConfig, t: dict[str, Weight], i: int, device, dtype):
+        get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
         self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
-        # Llama checkpoints with attention_bias=true carry q/k/v biases; the rest have none
-        biases = [t.get(f"blk.{i}.attn_{p}.bias") for p in "qkv"]
-        self.qkv_bias = torch.cat(biases).to(device, dtype) if all(b is not None for b in biases) else None
+        self.qkv_bias = torch.cat([get(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
         self.o = get("attn_output")
         self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
         self.down = get("ffn_down")
@@ -88,15 +86,11 @@ class Model:
     def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device,
                  dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
-        qkv_biases = ("attn_q", "attn_k", "attn_v")
-        unsupported = [n for n in tensors if n.endswith(".bias") and n.split(".")[-2] not in qkv_biases]
-        if unsupported:
-            raise ModelFormatError(f"{unsupported[0]}: biases outside q/k/v are not supported")
         self.token_embd = to_device(tensors["token_embd.weight"], device, dtype)
         self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
         self.lm_head = (self.token_embd if config.tie_word_embeddings
                         else to_device(tensors["output.weight"], device, dtype))
-        self.layers = [Layer(tensors, i, device, dtype) for i in range(config.n_layers)]
+        self.layers = [Layer(config, tensors, i, device, dtype) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
         self.scale = config.head_dim**-0.5
 
