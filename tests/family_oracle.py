@@ -81,6 +81,31 @@ def convert_to_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre: str |
     return out
 
 
+def rewrite_gguf(src: Path, dst: Path, keys: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """src written afresh with gguf-py: metadata `keys` set (name -> (value, GGUFValueType)) and the tensors in
+    `drop` left out. For files that contradict themselves (the converter's output is f32 throughout)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader, keys = GGUFReader(src), dict(keys or {})
+    arch = keys.pop("general.architecture", (reader.fields["general.architecture"].contents(),))[0]
+    writer = GGUFWriter(dst, arch)
+    for name, f in reader.fields.items():
+        if not name.startswith("GGUF.") and name not in ("general.architecture", *keys):
+            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, f.contents(), f.types[0], sub)
+    for name, (value, vtype) in keys.items():
+        writer.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def _run_converter(argv: list[str]) -> None:
     pre = None
     if "--pre" in argv:

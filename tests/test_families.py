@@ -2,17 +2,25 @@
 safetensors (same logits within 1e-4 of their range, same greedy tokens) and converted to GGUF by llama.cpp's
 converter (same greedy tokens). tests/family_oracle.py builds the models and runs the oracles."""
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from gguf import GGUFValueType, GGUFWriter
 
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.checkpoints.architectures import FAMILIES as SUPPORTED
+from llamaterm.engine.checkpoints.architectures import REFUSED
+from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
+from llamaterm.engine.checkpoints.safetensors_loader import model_config
+from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
-from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, save_tiny_model
+from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, rewrite_gguf, save_tiny_model
 from tests.test_fidelity import our_last_logits
 from tests.test_gpu_model import assert_greedy_choices
 
@@ -27,6 +35,8 @@ class Family:
     config: transformers.PretrainedConfig
     pre: str  # the GGUF pre-tokenizer llama.cpp's converter would detect for the family's real tokenizer
     pre_split: str | None = None  # the family's pre-tokenizer regex, for the test tokenizer
+    needs_tensor: str = "blk.1.ffn_down.weight"  # a GGUF tensor without which the family's model does not load
+    needs_key: str = "num_hidden_layers"  # a config.json key without which it does not load
     prompt: list[int] = field(default_factory=lambda: PROMPT)
 
 
@@ -44,10 +54,15 @@ FAMILIES = {
                     "llama-bpe"),
     # Qwen2.5-0.5B / 1.5B / 3B tie their embeddings, 7B does not; q/k/v biases either way
     "qwen2": Family(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**small(tie_word_embeddings=True)),
-                    "qwen2", QWEN2_SPLIT),
+                    "qwen2", QWEN2_SPLIT, needs_tensor="blk.0.attn_v.bias"),
     "qwen2-untied": Family(transformers.Qwen2ForCausalLM,
                            transformers.Qwen2Config(**small(tie_word_embeddings=False, rope_theta=1e6)), "qwen2",
                            QWEN2_SPLIT),
+    # Qwen3: head_dim from the config, 128 as in every Qwen3 (0.6B: 1024 / 16 heads would give 64); transformers'
+    # GGUF reader assumes 128, so its check of the converter's output holds only there
+    "qwen3": Family(transformers.Qwen3ForCausalLM,
+                    transformers.Qwen3Config(**small(tie_word_embeddings=True) | dict(head_dim=128, rope_theta=1e6)),
+                    "qwen2", QWEN2_SPLIT, needs_tensor="blk.1.attn_k_norm.weight", needs_key="head_dim"),
 }
 
 
@@ -104,6 +119,47 @@ def test_transformers_reads_the_same_logits_from_the_converted_gguf(family_model
         pytest.fail(f"transformers cannot read {arch} from GGUF ({e}); drop this check for the family and say why")
     want = hf_logits(model, fam.prompt)
     assert torch.allclose(hf_logits(back, fam.prompt), want, atol=1e-4 * float(want.max() - want.min()))
+
+
+# ---- bad input ----
+
+
+def test_gguf_whose_metadata_contradicts_its_tensors(family_model, tmp_path):
+    fam, _, _, gguf = family_model
+    arch = read_gguf_file(gguf).metadata["general.architecture"]
+    one_kv_head = {f"{arch}.attention.head_count_kv": (1, GGUFValueType.UINT32)}
+    fewer_kv_heads = rewrite_gguf(gguf, tmp_path / "kv.gguf", one_kv_head)
+    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.attn_k\.(weight|bias)' has shape .*; the metadata "
+                                               "implies"):
+        load_gguf(fewer_kv_heads)
+    lacking = rewrite_gguf(gguf, tmp_path / "lacking.gguf", drop=(fam.needs_tensor,))
+    with pytest.raises(ModelFormatError, match=f"tensors are missing: {re.escape(fam.needs_tensor)}"):
+        load_gguf(lacking)
+
+
+def test_config_missing_a_field_the_family_needs(family_model):
+    fam, _, folder, _ = family_model
+    hf = json.loads((folder / "config.json").read_text())
+    del hf[fam.needs_key]
+    with pytest.raises(ModelFormatError, match=f"config.json: {fam.needs_key} is missing"):
+        model_config(hf, "tiny")
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_variants_are_refused_by_name_with_what_runs(tmp_path, name):
+    if name[0].isupper():  # a transformers class: config.json
+        with pytest.raises(ModelFormatError) as err:
+            model_config({"architectures": [name]}, "m")
+    else:  # a GGUF's general.architecture
+        writer = GGUFWriter(tmp_path / "v.gguf", name)
+        writer.add_block_count(2)
+        for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+            write()
+        with pytest.raises(ModelFormatError) as err:
+            load_gguf(tmp_path / "v.gguf")
+    message = str(err.value)
+    assert f"{REFUSED[name]}, '{name}', is not supported" in message
+    assert all(f"{f.models} ({f.arch})" in message for f in SUPPORTED)
 
 
 @pytest.mark.cuda

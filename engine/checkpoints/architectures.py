@@ -18,6 +18,7 @@ FAMILIES = (
     # llama.cpp writes Mistral models as "llama"
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "Llama 2/3, Mistral, SmolLM"),
     Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen"),
+    Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3 (dense)"),
 )
 GGUF_ARCHITECTURES = tuple(f.arch for f in FAMILIES)
 HF_ARCHITECTURES = {cls: f.arch for f in FAMILIES for cls in f.hf_classes}
@@ -26,6 +27,8 @@ HF_ARCHITECTURES = {cls: f.arch for f in FAMILIES for cls in f.hf_classes}
 REFUSED = {
     "qwen2moe": "Qwen2 MoE (a mixture of experts)",
     "Qwen2MoeForCausalLM": "Qwen2 MoE (a mixture of experts)",
+    "qwen3moe": "Qwen3 MoE (a mixture of experts)",
+    "Qwen3MoeForCausalLM": "Qwen3 MoE (a mixture of experts)",
 }
 
 

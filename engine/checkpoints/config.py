@@ -26,6 +26,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # Per-family features, as data the one forward pass (engine/serving/model.py) reads
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's attention_bias)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
 
     def __post_init__(self):
         """Every reader builds a ModelConfig, so the checks that keep the forward pass sane live here once."""
@@ -57,6 +58,8 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     layer = {f"{name}.weight": shape for name, shape in layer.items()}
     if c.qkv_bias:
         layer |= {f"attn_{p}.bias": layer[f"attn_{p}.weight"][:1] for p in "qkv"}
+    if c.qk_norm:
+        layer |= {"attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,)}
     for i in range(c.n_layers):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     return shapes

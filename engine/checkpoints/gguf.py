@@ -269,6 +269,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         # Qwen2 always has them; a Llama has them when it was trained with attention_bias
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
+        qk_norm=arch == "qwen3",
     )
     try:
         return ModelConfig(**fields)
@@ -310,7 +311,7 @@ def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[st
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
-    if c.n_layers * 6 > len(f.tensors):  # before building per-layer tables from an absurd block_count
+    if c.n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
         raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
     shapes, required = _expected_shapes(c)
     if missing := sorted(required - f.tensors.keys()):

@@ -33,6 +33,8 @@ LAYER_MODULES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -99,7 +101,7 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     # MistralConfig defaults to a 4096-token window when the key is absent; a window covering the whole
     # context is the same as none.
     window = size("sliding_window", 4096 if arch == "MistralForCausalLM" and "sliding_window" not in hf else None)
-    if family == "qwen2" and not field(hf, "use_sliding_window", bool, False):
+    if family in ("qwen2", "qwen3") and not field(hf, "use_sliding_window", bool, False):
         window = None  # Qwen configs name a window that applies only with use_sliding_window
     if window is not None and window < context_length:
         raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
@@ -113,7 +115,8 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         intermediate_size=size("intermediate_size"),
         n_heads=n_heads,
         n_kv_heads=size("num_key_value_heads", n_heads),
-        head_dim=size("head_dim", max(hidden_size // n_heads, 1)),
+        # Qwen3's config defaults differ from hidden / heads (transformers: 128), and its files always say
+        head_dim=size("head_dim", MISSING if family == "qwen3" else max(hidden_size // n_heads, 1)),
         vocab_size=size("vocab_size"),
         context_length=context_length,
         rms_norm_eps=float(field(hf, "rms_norm_eps", float, 1e-6, positive=True)),
@@ -121,6 +124,7 @@ def model_config(hf: dict, name: str) -> ModelConfig:
                                positive=True)),
         tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
         qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
+        qk_norm=family == "qwen3",
     )
     return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
 
@@ -274,7 +278,7 @@ def convert_tensors(
         if module is None:
             raise ModelFormatError(f"unexpected tensor {name!r}: not part of a {config.arch} model")
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
-    if config.n_layers * len(LAYER_MODULES) > len(modules):  # before per-layer tables for an absurd count
+    if config.n_layers * 6 > len(modules):  # a block has at least 6 modules; checked before per-layer tables
         raise ModelFormatError(f"config.json: num_hidden_layers = {config.n_layers}, but the checkpoint holds "
                                f"only {len(raw)} tensors")
     if config.tie_word_embeddings:

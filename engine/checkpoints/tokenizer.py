@@ -300,20 +300,23 @@ class Tokenizer:
         # Compiled on first use, so a model with a broken template still loads for raw prompts
         return ChatTemplate(self._chat_template_source or CHATML_TEMPLATE)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            enable_thinking: bool | None = None) -> str:
+        """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none).
+        enable_thinking: the template's thinking switch, where it has one (None: its default)."""
         return self._chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token="" if self.bos_id is None else self._tokens[self.bos_id],
             eos_token="" if self.eos_id is None else self._tokens[self.eos_id],
+            enable_thinking=enable_thinking,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None) -> list[int]:
         """The prompt's ids: template markers parsed as special tokens, BOS added once if the model asks."""
-        ids = self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special=False, parse_special=True
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
+        ids = self.encode(text, add_special=False, parse_special=True)
         if self.add_bos and ids[:1] != [self.bos_id]:  # templates such as Llama 3's write BOS themselves
             ids.insert(0, self.bos_id)
         return ids

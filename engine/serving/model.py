@@ -77,6 +77,7 @@ class Layer:
         self.ffn_norm = get("ffn_norm")
         self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
         self.qkv_bias = torch.cat([get(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
+        self.q_norm, self.k_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else (None, None)
         self.o = get("attn_output")
         self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
         self.down = get("ffn_down")
@@ -137,6 +138,9 @@ class Model:
             q = q.view(n_tokens, c.n_heads, c.head_dim)
             k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q, _ = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k, _ = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q, k = rope(q, k, step.positions, self.inv_freq)
             write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
