@@ -288,14 +288,15 @@ void rms_norm(const float *x, const float *residual, const float *weight, float 
     }
 }
 
-/* q [T, Hq, D], k [T, Hk, D] rotated into q_out, k_out (half-split convention), as kernels/rope.py. */
+/* q [T, Hq, D], k [T, Hk, D] rotated into q_out, k_out (half-split convention), as kernels/rope.py. Token t's
+   inverse frequencies start at inv_freq + t * inv_stride (0: one row for all tokens). */
 void rope(const float *q, const float *k, float *q_out, float *k_out, const int64_t *positions, const float *inv_freq,
-          long T, long Hq, long Hk, long D) {
+          long inv_stride, long T, long Hq, long Hk, long D) {
     long half = D / 2;
     float c[half], s[half];
     for (long t = 0; t < T; t++) {
         for (long i = 0; i < half; i++) {
-            float f = (float)positions[t] * inv_freq[i];
+            float f = (float)positions[t] * inv_freq[t * inv_stride + i];
             c[i] = cosf(f);
             s[i] = sinf(f);
         }

@@ -64,8 +64,9 @@ def rope_cpu(q, k, positions, inv_freq, lib):
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     positions, inv_freq = positions.to(torch.int64).contiguous(), inv_freq.float().contiguous()
-    lib.rope(ptr(q), ptr(k), ptr(q_out), ptr(k_out), ptr(positions), ptr(inv_freq), q.shape[0], q.shape[1],
-             k.shape[1], q.shape[2])
+    inv_stride = inv_freq.shape[-1] if inv_freq.dim() == 2 else 0  # a row per token, or one for all
+    lib.rope(ptr(q), ptr(k), ptr(q_out), ptr(k_out), ptr(positions), ptr(inv_freq), inv_stride, q.shape[0],
+             q.shape[1], k.shape[1], q.shape[2])
     return q_out, k_out
 
 

@@ -1,7 +1,8 @@
 """Rotary position embedding, half-split (NeoX / Hugging Face) convention.
 
 GGUF q/k rows are un-permuted at load (engine/checkpoints/gguf.py), so every source uses this one convention.
-`inv_freq` already holds any frequency scaling (Llama-3 rope_freqs / rope_scaling).
+`inv_freq` already holds any frequency scaling (Llama-3 rope_freqs / rope_scaling): [D/2] for every token, or
+[T, D/2], a row per token (LongRoPE's factors differ with the position).
 """
 
 import torch
@@ -11,7 +12,7 @@ from llamaterm.kernels.ops_cpu import native_lib, rope_cpu
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-    """q [T, Hq, D], k [T, Hk, D], positions [T]; returns rotated (q, k)."""
+    """q [T, Hq, D], k [T, Hk, D], positions [T], inv_freq [D/2] or [T, D/2]; returns rotated (q, k)."""
     if use_triton(q):
         from llamaterm.kernels.rope_triton import rope_triton
 
@@ -22,7 +23,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
 
 
 def rope_ref(q, k, positions, inv_freq):
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    freqs = positions.float()[:, None] * inv_freq.float()  # [T, D/2]
     cos = freqs.cos()[:, None, :]
     sin = freqs.sin()[:, None, :]
 

@@ -23,11 +23,12 @@ def _rotate(src, dst, stride_h, n_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, n_q_heads, n_k_heads,
-                 stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_inv,
                  HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
-    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + t * stride_inv + i, mask=i < HALF, other=0.0).to(tl.float32)
+    freq = tl.load(pos_ptr + t).to(tl.float32) * inv_freq
     cos = tl.cos(freq)[None, :]
     sin = tl.sin(freq)[None, :]
     _rotate(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * 2 * HALF, stride_qh, n_q_heads, cos, sin,
@@ -37,14 +38,16 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, n_q_
 
 
 def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+    """inv_freq [D/2], or [T, D/2] with a row per token."""
     t, n_q, d = q.shape
     n_k = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and inv_freq.stride(-1) == 1
     q_out = torch.empty(t, n_q, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(t, n_k, d, dtype=k.dtype, device=k.device)
     if t > 0:
         _rope_kernel[(t,)](
             q, k, q_out, k_out, positions, inv_freq, n_q, n_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            inv_freq.stride(0) if inv_freq.dim() == 2 else 0,
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k),
             BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=4,
         )

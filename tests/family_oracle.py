@@ -24,7 +24,8 @@ CORPUS = ["The capital of France is Paris. What is the capital of Italy? Rome!",
           "Sliding windows, rotary embeddings and a paged KV cache: 我想在 apple 工作 😁"] * 4
 
 
-def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None) -> None:
+def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None,
+                   tokenizer_class: str = "PreTrainedTokenizerFast") -> None:
     """A byte-level BPE tokenizer of `vocab_size` tokens (special tokens last) trained on CORPUS, written as
     tokenizer.json + tokenizer_config.json, the way Qwen2 / Llama-3 / Phi-4 ship theirs. `pre_split`: the family's
     pre-tokenizer regex (else GPT-2's)."""
@@ -42,7 +43,7 @@ def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_sp
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[-1], "bos_token": None,
+        "tokenizer_class": tokenizer_class, "eos_token": specials[-1], "bos_token": None,
         "add_bos_token": False, "model_max_length": 4096}))
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 import transformers
 from gguf import GGUFValueType, GGUFWriter
@@ -17,6 +18,7 @@ from llamaterm.engine.checkpoints.architectures import FAMILIES as SUPPORTED
 from llamaterm.engine.checkpoints.architectures import REFUSED
 from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
 from llamaterm.engine.checkpoints.safetensors_loader import model_config
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
@@ -35,8 +37,11 @@ class Family:
     config: transformers.PretrainedConfig
     pre: str  # the GGUF pre-tokenizer llama.cpp's converter would detect for the family's real tokenizer
     pre_split: str | None = None  # the family's pre-tokenizer regex, for the test tokenizer
+    tokenizer_class: str = "PreTrainedTokenizerFast"  # as the family's tokenizer_config.json names it
     needs_tensor: str = "blk.1.ffn_down.weight"  # a GGUF tensor without which the family's model does not load
-    needs_key: str = "num_hidden_layers"  # a config.json key without which it does not load
+    needs_key: str = "num_hidden_layers"  # a config.json key (a.b: b in object a) without which it does not load
+    # transformers' GGUF reader reads the family back (a check of the converter); where it does not, why
+    hf_misreads_gguf: str | None = None
     prompt: list[int] = field(default_factory=lambda: PROMPT)
 
 
@@ -46,12 +51,22 @@ def small(**kw) -> dict:
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, **kw)
 
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Llama 3's tokenizer.json
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")  # Qwen2.5's tokenizer.json
 
+GPT4O_SPLIT = (  # Phi-4-mini's tokenizer.json (o200k)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# transformers' GGUF loader maps no LongRoPE keys or factor tensors for phi3: it rebuilds the model with plain RoPE
+PHI3_GGUF_IN_TRANSFORMERS = "transformers reads phi3 GGUFs without their rope_factors_long/short (plain RoPE)"
+
 FAMILIES = {
     "llama": Family(transformers.LlamaForCausalLM, transformers.LlamaConfig(**small(tie_word_embeddings=False)),
-                    "llama-bpe"),
+                    "llama-bpe", LLAMA3_SPLIT),
     # Qwen2.5-0.5B / 1.5B / 3B tie their embeddings, 7B does not; q/k/v biases either way
     "qwen2": Family(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**small(tie_word_embeddings=True)),
                     "qwen2", QWEN2_SPLIT, needs_tensor="blk.0.attn_v.bias"),
@@ -63,18 +78,49 @@ FAMILIES = {
     "qwen3": Family(transformers.Qwen3ForCausalLM,
                     transformers.Qwen3Config(**small(tie_word_embeddings=True) | dict(head_dim=128, rope_theta=1e6)),
                     "qwen2", QWEN2_SPLIT, needs_tensor="blk.1.attn_k_norm.weight", needs_key="head_dim"),
+    # Phi-4-mini: LongRoPE on 3/4 of each head (its tokenizer is o200k's, GPT2Tokenizer with the gpt-4o split);
+    # tied embeddings. The greedy runs stay within the original context (64 tokens, 4096 in Phi-3.5 and Phi-4-mini):
+    # past it see test_longrope_past_the_original_context
+    "phi3": Family(transformers.Phi3ForCausalLM, transformers.Phi3Config(**small(
+        tie_word_embeddings=True, original_max_position_embeddings=64, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(6)],
+                      "long_factor": [1.5 + i for i in range(6)]}, pad_token_id=0, eos_token_id=1)),
+        "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", needs_tensor="blk.0.attn_qkv.weight",
+        needs_key="rope_parameters.long_factor", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    # Phi-3.5-mini: LongRoPE on the whole head, untied
+    "phi3-full-rotary": Family(transformers.Phi3ForCausalLM, transformers.Phi3Config(**small(
+        tie_word_embeddings=False, original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
+                      "long_factor": [2.0 + i / 2 for i in range(8)]}, pad_token_id=0, eos_token_id=1)),
+        "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_model(request, tmp_path_factory):
-    """(family, transformers model, safetensors folder, GGUF file) for one family."""
-    fam = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param) / "hf"
-    model = save_tiny_model(fam.model_cls, fam.config, folder)
-    byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split)
-    gguf = convert_to_gguf(folder, folder.parent / f"{request.param}.f32.gguf", pre=fam.pre)
-    return fam, model, folder, gguf
+_BUILT: dict[str, tuple] = {}
+
+
+def built(name: str, tmp_path_factory) -> tuple[Family, torch.nn.Module, Path, Path]:
+    """(family, transformers model, safetensors folder, GGUF file), made once per session."""
+    if name not in _BUILT:
+        fam = FAMILIES[name]
+        folder = tmp_path_factory.mktemp(name) / "hf"
+        model = save_tiny_model(fam.model_cls, fam.config, folder)
+        byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class)
+        _BUILT[name] = fam, model, folder, convert_to_gguf(folder, folder.parent / f"{name}.f32.gguf", pre=fam.pre)
+    return _BUILT[name]
+
+
+def families(names) -> pytest.fixture:
+    """A fixture over the families `names`, each built once."""
+    @pytest.fixture(scope="module", params=sorted(names))
+    def fixture(request, tmp_path_factory):
+        return built(request.param, tmp_path_factory)
+    return fixture
+
+
+family_model = families(FAMILIES)
+longrope_model = families(n for n, f in FAMILIES.items() if "long_factor" in (f.config.rope_parameters or {}))
+gguf_readable_model = families(n for n, f in FAMILIES.items() if f.hf_misreads_gguf is None)
 
 
 def ours(path: Path) -> Engine:
@@ -108,10 +154,11 @@ def test_gguf_from_llama_cpp_converter_gives_transformers_tokens(family_model):
         engine.shutdown()
 
 
-def test_transformers_reads_the_same_logits_from_the_converted_gguf(family_model):
+def test_transformers_reads_the_same_logits_from_the_converted_gguf(gguf_readable_model):
     """The converter is the oracle for the GGUF path, so check it: transformers' own GGUF reader on its output
-    gives the original model's logits (where transformers can read that architecture from GGUF)."""
-    fam, model, _, gguf = family_model
+    gives the original model's logits (where transformers can read that architecture from GGUF: see
+    Family.hf_misreads_gguf)."""
+    fam, model, _, gguf = gguf_readable_model
     arch = type(model).__name__
     try:
         back = fam.model_cls.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -119,6 +166,42 @@ def test_transformers_reads_the_same_logits_from_the_converted_gguf(family_model
         pytest.fail(f"transformers cannot read {arch} from GGUF ({e}); drop this check for the family and say why")
     want = hf_logits(model, fam.prompt)
     assert torch.allclose(hf_logits(back, fam.prompt), want, atol=1e-4 * float(want.max() - want.min()))
+
+
+def test_longrope_past_the_original_context(longrope_model):
+    """Tokens from the original context on take LongRoPE's long factors: each one's logits are those of
+    transformers' forward pass decoding token by token over its own KV cache. (transformers' generate() instead drops
+    the cache when a sequence first passes the original context and recomputes it all with the long factors; the
+    engine keeps the cache, whose earlier keys stay rotated by the short ones.)"""
+    _, model, folder, _ = longrope_model
+    start = model.config.original_max_position_embeddings
+    ids = [(7 * i) % VOCAB for i in range(start + 8)]
+    engine = ours(folder)
+    try:
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(torch.tensor([ids[: start - 4]]), cache=cache, use_cache=True)  # short: all before
+            for n in range(start - 4, len(ids)):  # one token at a time across the original context
+                want = model(torch.tensor([ids[n:n + 1]]), cache=cache, use_cache=True).logits[0, -1]
+                got = our_last_logits(engine, ids[: n + 1])
+                assert (got - want).abs().max() <= 1e-4 * (want.max() - want.min()), n
+    finally:
+        engine.shutdown()
+
+
+TEXTS = ["Hello world! It's 2024: 12345 apples, 6.78 pears.", "  def f(x):\n\treturn x**2  # ok\n\n",
+         "Ünïcödé and 我想在 apple 工作 😁 — mixed CASE words, don't STOP", "<|im_start|>user\nHi<|im_end|>"]
+
+
+def test_gguf_tokenizer_encodes_as_the_tokenizer_json(family_model):
+    """The converter's GGUF vocabulary, read as llama.cpp reads it (the family's pre-tokenizer type), gives the
+    ids the tokenizers library gives from the folder's tokenizer.json, built with that family's split."""
+    _, _, folder, gguf = family_model
+    ours_ = Tokenizer.from_gguf_metadata(read_gguf_file(gguf).metadata)
+    theirs = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in TEXTS:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours_.encode(text, add_special=False, parse_special=True) == want, text
 
 
 # ---- bad input ----
@@ -129,8 +212,8 @@ def test_gguf_whose_metadata_contradicts_its_tensors(family_model, tmp_path):
     arch = read_gguf_file(gguf).metadata["general.architecture"]
     one_kv_head = {f"{arch}.attention.head_count_kv": (1, GGUFValueType.UINT32)}
     fewer_kv_heads = rewrite_gguf(gguf, tmp_path / "kv.gguf", one_kv_head)
-    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.attn_k\.(weight|bias)' has shape .*; the metadata "
-                                               "implies"):
+    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.attn_(k|qkv)\.(weight|bias)' has shape .*; the "
+                                               "metadata implies"):
         load_gguf(fewer_kv_heads)
     lacking = rewrite_gguf(gguf, tmp_path / "lacking.gguf", drop=(fam.needs_tensor,))
     with pytest.raises(ModelFormatError, match=f"tensors are missing: {re.escape(fam.needs_tensor)}"):
@@ -140,8 +223,9 @@ def test_gguf_whose_metadata_contradicts_its_tensors(family_model, tmp_path):
 def test_config_missing_a_field_the_family_needs(family_model):
     fam, _, folder, _ = family_model
     hf = json.loads((folder / "config.json").read_text())
-    del hf[fam.needs_key]
-    with pytest.raises(ModelFormatError, match=f"config.json: {fam.needs_key} is missing"):
+    *outer, key = fam.needs_key.split(".")
+    del (hf[outer[0]] if outer else hf)[key]
+    with pytest.raises(ModelFormatError, match=f"config.json: {key} is missing"):
         model_config(hf, "tiny")
 
 

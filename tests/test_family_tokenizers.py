@@ -88,6 +88,7 @@ CONVERSATIONS = [
 TEMPLATES = {  # file in tests/data -> (bos, eos) as the family's tokenizer_config.json names them
     "qwen2.5-7b-instruct.jinja": ("", "<|im_end|>"),
     "phi-3.5-mini-instruct.jinja": ("<s>", "<|endoftext|>"),
+    "phi-4-mini-instruct.jinja": ("<|endoftext|>", "<|endoftext|>"),
 }
 
 

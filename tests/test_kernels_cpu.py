@@ -63,6 +63,10 @@ def test_rope(lib):
     for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, inv_freq, lib), rope_ref(q, k, positions, inv_freq),
                         strict=True):
         assert rel_err(out, ref) < FP32_TOL
+    per_token = inv_freq * torch.rand(7, 1)  # a row per token (LongRoPE)
+    for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, per_token, lib), rope_ref(q, k, positions, per_token),
+                        strict=True):
+        assert rel_err(out, ref) < FP32_TOL
 
 
 def test_silu_and_mul(lib):

@@ -160,6 +160,18 @@ def test_rope(dtype):
     inv_freq[head_dim // 4:] /= 8  # Llama-3-style scaled low frequencies
     for out, ref in zip(rope_triton(q, k, positions, inv_freq), rope_ref(q, k, positions, inv_freq), strict=True):
         assert rel_err(out, ref) < TOL[dtype]
+    per_token = inv_freq * torch.rand(t, 1, device=DEVICE)  # a row per token, as LongRoPE's long and short factors
+    for out, ref in zip(rope_triton(q, k, positions, per_token), rope_ref(q, k, positions, per_token), strict=True):
+        assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_rope_ref_rows_are_per_token():
+    """The reference's [T, D/2] form is, for each token, the shared form with that token's row."""
+    q, k, positions = torch.randn(4, 3, 16), torch.randn(4, 1, 16), torch.tensor([0, 5, 4096, 9000])
+    inv_freq = 10000.0 ** -(torch.arange(8) / 8) * torch.rand(4, 1)
+    rows = [rope_ref(q[i:i + 1], k[i:i + 1], positions[i:i + 1], inv_freq[i]) for i in range(4)]
+    for got, want in zip(rope_ref(q, k, positions, inv_freq), map(torch.cat, zip(*rows, strict=True)), strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

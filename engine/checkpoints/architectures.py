@@ -19,6 +19,7 @@ FAMILIES = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "Llama 2/3, Mistral, SmolLM"),
     Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen"),
     Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3 (dense)"),
+    Family("phi3", ("Phi3ForCausalLM",), "Phi-3, Phi-3.5, Phi-4-mini"),
 )
 GGUF_ARCHITECTURES = tuple(f.arch for f in FAMILIES)
 HF_ARCHITECTURES = {cls: f.arch for f in FAMILIES for cls in f.hf_classes}
@@ -29,6 +30,8 @@ REFUSED = {
     "Qwen2MoeForCausalLM": "Qwen2 MoE (a mixture of experts)",
     "qwen3moe": "Qwen3 MoE (a mixture of experts)",
     "Qwen3MoeForCausalLM": "Qwen3 MoE (a mixture of experts)",
+    "phimoe": "Phi MoE (Phi-3.5-MoE, a mixture of experts)",
+    "PhiMoEForCausalLM": "Phi MoE (Phi-3.5-MoE, a mixture of experts)",
 }
 
 

@@ -21,12 +21,20 @@ class ModelConfig:
     context_length: int
     rms_norm_eps: float
     rope_theta: float
-    # Llama-3 style frequency divisors (GGUF rope_freqs / config.json rope_scaling), head_dim // 2 values
+    # Frequency divisors, rotary_dim // 2 values: Llama-3's (GGUF rope_freqs / config.json rope_scaling), or
+    # LongRoPE's short factors
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     # Per-family features, as data the one forward pass (engine/serving/model.py) reads
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's attention_bias)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
+    fused_projections: bool = False  # q/k/v as one attn_qkv, gate and up as one ffn_up of 2 x intermediate (Phi-3)
+    rope_dim: int | None = None  # the dims of each head that RoPE rotates (Phi-4-mini: 96 of 128); None: all
+    # LongRoPE (Phi-3.5, Phi-4-mini): tokens from position rope_long_from on take these divisors instead of the short
+    # ones; rope_attention_factor scales the rotated dims of q and k (transformers multiplies cos and sin by it)
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_long_from: int | None = None
+    rope_attention_factor: float = 1.0
 
     def __post_init__(self):
         """Every reader builds a ModelConfig, so the checks that keep the forward pass sane live here once."""
@@ -38,13 +46,42 @@ class ModelConfig:
             raise ModelFormatError(f"inconsistent attention shape: {self.n_heads} heads, {self.n_kv_heads} kv "
                                    f"heads, head_dim {self.head_dim} (heads must be a multiple of kv heads, "
                                    "head_dim even)")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ModelFormatError(f"RoPE rotates {self.rotary_dim} dims of a head of {self.head_dim}: it must be "
+                                   "an even number, at most the head size")
+        for name in ("rope_freq_factors", "rope_long_factors"):
+            factors = getattr(self, name)
+            if factors is not None and len(factors) != self.rotary_dim // 2:
+                raise ModelFormatError(f"{len(factors)} RoPE {name.split('_')[1]} factors for {self.rotary_dim} "
+                                       f"rotated dims: there must be {self.rotary_dim // 2}")
+        if (self.rope_long_factors is None) != (self.rope_long_from is None):
+            raise ModelFormatError("LongRoPE needs both its long factors and the original context length")
 
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, computed the way Hugging Face does (fp32) so logits match it closely."""
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        if self.rope_freq_factors is not None:
-            inv = inv / torch.tensor(self.rope_freq_factors, dtype=torch.float32)
-        return inv
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def inv_freq(self, long: bool = False) -> torch.Tensor:
+        """RoPE inverse frequencies [head_dim // 2] (the long ones of LongRoPE), computed the way Hugging Face does
+        (fp32) so logits match it closely. Past the rotated dims they are 0: see rotary_order."""
+        dim = self.rotary_dim
+        inv = 1.0 / self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        factors = self.rope_long_factors if long else self.rope_freq_factors
+        if factors is not None:
+            inv = inv / torch.tensor(factors, dtype=torch.float32)
+        return torch.cat([inv, torch.zeros((self.head_dim - dim) // 2)])
+
+    def rotary_order(self) -> torch.Tensor | None:
+        """Partial rotary (Phi-4-mini rotates 96 of 128 dims, pairing dim i with i + 48): the order of a head's
+        q/k rows under which the full-width half-split RoPE, pairing i with i + 64, rotates the model's pairs and
+        turns the other dims by frequency 0, which leaves them as they are. The first halves of the rotated and
+        of the other dims, then their second halves. None when RoPE rotates the whole head."""
+        if self.rotary_dim == self.head_dim:
+            return None
+        r, rest = self.rotary_dim // 2, (self.head_dim - self.rotary_dim) // 2
+        first, second = torch.arange(r), torch.arange(r, 2 * r)
+        rest_first = torch.arange(2 * r, 2 * r + rest)
+        return torch.cat([first, rest_first, second, rest_first + rest])
 
 
 def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -55,6 +92,9 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"token_embd.weight": (c.vocab_size, h), "output_norm.weight": (h,), "output.weight": (c.vocab_size, h)}
     layer = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
              "ffn_norm": (h,), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn)}
+    if c.fused_projections:
+        del layer["attn_q"], layer["attn_k"], layer["attn_v"], layer["ffn_gate"]
+        layer |= {"attn_qkv": (q + 2 * kv, h), "ffn_up": (2 * ffn, h)}
     layer = {f"{name}.weight": shape for name, shape in layer.items()}
     if c.qkv_bias:
         layer |= {f"attn_{p}.bias": layer[f"attn_{p}.weight"][:1] for p in "qkv"}

@@ -246,11 +246,13 @@ def _config(f: GGUFFile) -> ModelConfig:
 
     hidden, n_heads = get("embedding_length"), get("attention.head_count")
     n_kv_heads = get("attention.head_count_kv", n_heads)
-    head_dim = get("attention.key_length", get("rope.dimension_count", max(hidden // n_heads, 1)))
-    for key in ("attention.value_length", "rope.dimension_count"):  # differing values: a variant we don't run
-        if get(key, head_dim) != head_dim:
-            raise _bad(path, f"{arch}.{key} differs from head_dim {head_dim}, which llamaterm does not run",
-                       "Pick a standard Llama-family model.")
+    # llama.cpp's defaults: a head is hidden / heads wide unless key_length says otherwise; RoPE rotates all of it
+    # unless rope.dimension_count says less (Phi-4-mini)
+    head_dim = get("attention.key_length", max(hidden // n_heads, 1))
+    rope_dim = get("rope.dimension_count", head_dim)
+    if get("attention.value_length", head_dim) != head_dim:
+        raise _bad(path, f"{arch}.attention.value_length differs from key_length {head_dim}, which llamaterm "
+                         "does not run", "Pick a standard model of the family.")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
     fields = dict(
@@ -262,6 +264,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
+        rope_dim=None if rope_dim == head_dim else rope_dim,
         vocab_size=vocab_size,
         context_length=get("context_length"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
@@ -270,6 +273,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         # Qwen2 always has them; a Llama has them when it was trained with attention_bias
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
         qk_norm=arch == "qwen3",
+        fused_projections=arch == "phi3",
     )
     try:
         return ModelConfig(**fields)
@@ -277,37 +281,54 @@ def _config(f: GGUFFile) -> ModelConfig:
         raise _bad(path, str(e)) from None
 
 
-def _rope_freq_factors(f: GGUFFile, c: ModelConfig) -> tuple[float, ...] | None:
-    """RoPE frequency divisors: Llama-3 scaling comes baked into the rope_freqs tensor, linear scaling is one
-    factor for all. Called once the tensors have been checked against the config, which bounds head_dim."""
-    arch, head_dim = c.arch, c.head_dim
+# Tensors of RoPE frequency divisors, rotary_dim // 2 each: Llama 3's, LongRoPE's (Phi-3)
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
+    """The ModelConfig fields of RoPE scaling: Llama-3's comes baked into the rope_freqs tensor, linear scaling is
+    one factor for all, LongRoPE (Phi-3) has short and long factor tensors. Called once the tensors have been
+    checked against the config, which bounds their shapes."""
+    arch, half = c.arch, c.rotary_dim // 2
     get = lambda key, kind, default=None: read(f.metadata, f"{arch}.{key}", kind, default, where=str(f.path),
                                                positive=kind is float)
-    factors = None
-    if (t := f.tensors.get("rope_freqs.weight")) is not None:
-        if t.type != GGMLQuantizationType.F32 or t.shape != (head_dim // 2,):
-            raise _bad(f.path, f"rope_freqs.weight is {t.type.name} {t.shape}, not F32 ({head_dim // 2},)")
-        factors = t.data.view(np.float32).tolist()
-        if not all(0 < x < math.inf for x in factors):
-            raise _bad(f.path, "rope_freqs.weight holds values that are not positive and finite")
+
+    def factors(name: str) -> list[float] | None:
+        if (t := f.tensors.get(name)) is None:
+            return None
+        if t.type != GGMLQuantizationType.F32:
+            raise _bad(f.path, f"{name} is {t.type.name}, not F32")
+        values = t.data.view(np.float32).tolist()
+        if not all(0 < x < math.inf for x in values):
+            raise _bad(f.path, f"{name} holds values that are not positive and finite")
+        return values
+
+    freqs, short, long = map(factors, ROPE_FACTORS)
+    if (short is None) != (long is None):
+        raise _bad(f.path, "it has one of rope_factors_short and rope_factors_long but not the other")
+    if long is not None:
+        # llama.cpp's defaults: the original context is the trained one, the attention factor 1
+        return dict(rope_freq_factors=tuple(short), rope_long_factors=tuple(long),
+                    rope_long_from=int(get("rope.scaling.original_context_length", int, c.context_length)),
+                    rope_attention_factor=float(get("rope.scaling.attn_factor", float, 1.0)))
     legacy_linear = get("rope.scale_linear", float)  # the old spelling of linear scaling
     scaling = get("rope.scaling.type", str, "none" if legacy_linear is None else "linear")
     if scaling == "linear":
         factor = get("rope.scaling.factor", float, legacy_linear)
         if factor is None:
             raise _bad(f.path, f"{arch}.rope.scaling.factor is missing for linear RoPE scaling")
-        factors = [x * factor for x in (factors or [1.0] * (head_dim // 2))]
+        freqs = [x * factor for x in (freqs or [1.0] * half)]
     elif scaling != "none":
-        raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear and Llama-3 are)",
+        raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear, Llama-3 and LongRoPE are)",
                    "Pick a model without that context extension.")
-    return None if factors is None else tuple(factors)
+    return dict(rope_freq_factors=None if freqs is None else tuple(freqs))
 
 
 def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Every tensor the GGUF may hold, with its numpy shape; and the names that must be there."""
     shapes = tensor_shapes(c)
     required = set(shapes) - {"output.weight"}  # no output: tied to the embedding
-    return shapes | {"rope_freqs.weight": (c.head_dim // 2,)}, required
+    return shapes | {name: (c.rotary_dim // 2,) for name in ROPE_FACTORS}, required
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
@@ -442,10 +463,14 @@ def load_gguf(path: str | Path) -> Checkpoint:
     f = read_gguf_parts(Path(path))
     config = _config(f)
     _check_tensors(f, config)
-    config = dataclasses.replace(config, rope_freq_factors=_rope_freq_factors(f, config))
+    scaling = _rope_scaling(f, config)
+    try:
+        config = dataclasses.replace(config, **scaling)
+    except ModelFormatError as e:  # the checks every reader shares
+        raise _bad(f.path, str(e)) from None
     tensors = {}
     for name, t in f.tensors.items():
-        if name == "rope_freqs.weight":  # already in config.rope_freq_factors
+        if name in ROPE_FACTORS:  # already in the config
             continue
         if config.arch == "llama" and (".attn_q." in name or ".attn_k." in name):  # the one family permuted
             t = _unpermute(t, config.n_heads if ".attn_q." in name else config.n_kv_heads)

@@ -32,12 +32,14 @@ LAYER_MODULES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused q/k/v
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused gate and up, as llama.cpp names it
     "mlp.down_proj": "ffn_down",
 }
 # A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
@@ -107,6 +109,10 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
     if (act := field(hf, "hidden_act", str, "silu")) != "silu":
         raise ModelFormatError(f"unsupported activation {act!r}: the {arch} MLP uses silu")
+    # Qwen3's config defaults differ from hidden / heads (transformers: 128), and its files always say
+    head_dim = size("head_dim", MISSING if family == "qwen3" else max(hidden_size // n_heads, 1))
+    partial = field(rope_params(hf), "partial_rotary_factor", float, field(hf, "partial_rotary_factor", float, 1.0),
+                    positive=True)
     config = ModelConfig(
         arch=family,
         name=name,
@@ -115,8 +121,8 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         intermediate_size=size("intermediate_size"),
         n_heads=n_heads,
         n_kv_heads=size("num_key_value_heads", n_heads),
-        # Qwen3's config defaults differ from hidden / heads (transformers: 128), and its files always say
-        head_dim=size("head_dim", MISSING if family == "qwen3" else max(hidden_size // n_heads, 1)),
+        head_dim=head_dim,
+        rope_dim=None if partial == 1 else int(head_dim * partial),
         vocab_size=size("vocab_size"),
         context_length=context_length,
         rms_norm_eps=float(field(hf, "rms_norm_eps", float, 1e-6, positive=True)),
@@ -125,8 +131,9 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
         qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
         qk_norm=family == "qwen3",
+        fused_projections=family == "phi3",
     )
-    return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
+    return replace(config, **rope_scaling(hf, config))
 
 
 def field(hf: dict, key: str, kind, default=MISSING, *, positive: bool = False):
@@ -142,13 +149,16 @@ def rope_params(hf: dict) -> dict:
     return {**params[0], **params[1]}
 
 
-def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None:
+def rope_scaling(hf: dict, config: ModelConfig) -> dict:
+    """The ModelConfig fields of the config's RoPE scaling: Llama 3's or LongRoPE (Phi-3's, once called "su")."""
     params = rope_params(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return None
+        return {}
+    if rope_type in ("longrope", "su"):
+        return longrope(hf, params, config)
     if rope_type != "llama3":
-        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: only 'llama3' is supported")
+        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: llamaterm runs 'llama3' and 'longrope'")
     if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
         raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any model's "
                                f"(at most {MAX_HEAD_DIM}); the file is damaged")
@@ -169,7 +179,20 @@ def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None
         else:
             smooth = (old_context / wavelen - low) / (high - low)
             factors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return tuple(factors)
+    return {"rope_freq_factors": tuple(factors)}
+
+
+def longrope(hf: dict, params: dict, config: ModelConfig) -> dict:
+    """LongRoPE as transformers computes it (_compute_longrope_parameters): short factors up to the original
+    context, long ones past it; the attention factor sqrt(1 + ln(s) / ln(original)), s = context / original,
+    unless the config gives one."""
+    key = "original_max_position_embeddings"  # in the RoPE settings, or beside them (Phi-3.5)
+    old = field(params if key in params else hf, key, int, positive=True)
+    short, long = (tuple(float(x) for x in field(params, f"{k}_factor", "numbers")) for k in ("short", "long"))
+    scale = field(params, "factor", float, config.context_length / old, positive=True)
+    default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(old))
+    return {"rope_freq_factors": short, "rope_long_factors": long, "rope_long_from": old,
+            "rope_attention_factor": float(field(params, "attention_factor", float, default, positive=True))}
 
 
 def quant_scheme(qc: dict | None) -> QuantScheme | None:

@@ -40,6 +40,11 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+_GPT4O_SPLIT = (  # the regex of o200k's tokenizer.json (Phi-4-mini), as llama.cpp gives it for the "gpt-4o" pre-type
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZER_SPLITS = {
     "llama-bpe": (_LLAMA3_SPLIT,),
     "llama3": (_LLAMA3_SPLIT,),
@@ -47,6 +52,7 @@ PRE_TOKENIZER_SPLITS = {
     "smollm": (r"\p{N}", _GPT2_SPLIT),
     "gpt-2": (_GPT2_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
+    "gpt-4o": (_GPT4O_SPLIT,),
 }
 # Llama 3 vocabularies take a pre-token that is a whole vocabulary entry as is, and add BOS by default
 _LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3"})

@@ -65,6 +65,23 @@ def linear_parts(x: torch.Tensor, parts: list[Weight]) -> torch.Tensor:
     return torch.cat([linear(x, p) for p in parts], dim=-1)
 
 
+def take_rows(parts: list[Weight], index: torch.Tensor) -> list[Weight]:
+    """The rows `index` of the matrix the parts stack into; each part's rows must stay within it."""
+    out, start = [], 0
+    for w in parts:
+        rows = (index[start:start + w.shape[0]] - start).to(w.scales.device if isinstance(w, QuantWeight) else w.device)
+        out.append(w.take_rows(rows) if isinstance(w, QuantWeight) else w[rows])
+        start += w.shape[0]
+    return out
+
+
+def rotary_rows(c: ModelConfig) -> torch.Tensor:
+    """For partial rotary, the q/k/v rows with each q and k head in ModelConfig.rotary_order."""
+    heads = lambda n: (torch.arange(n)[:, None] * c.head_dim + c.rotary_order()).flatten()
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return torch.cat([heads(c.n_heads), q + heads(c.n_kv_heads), torch.arange(q + kv, q + 2 * kv)])
+
+
 def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     """Quantized weights keep their format; dense ones (norms, fp16 linears) take the compute dtype."""
     return w.to(device) if isinstance(w, QuantWeight) else w.to(device, dtype)
@@ -75,11 +92,17 @@ class Layer:
         get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
-        self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
+        if c.fused_projections:
+            self.qkv, self.gate_up = [get("attn_qkv")], [get("ffn_up")]
+        else:
+            self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
+            self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
         self.qkv_bias = torch.cat([get(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
+        if c.rotary_order() is not None:
+            self.qkv = take_rows(self.qkv, rotary_rows(c))
+            self.qkv_bias = None if self.qkv_bias is None else take_rows([self.qkv_bias], rotary_rows(c))[0]
         self.q_norm, self.k_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else (None, None)
         self.o = get("attn_output")
-        self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
         self.down = get("ffn_down")
 
 
@@ -93,7 +116,12 @@ class Model:
                         else to_device(tensors["output.weight"], device, dtype))
         self.layers = [Layer(config, tensors, i, device, dtype) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
+        self.long_inv_freq = None if config.rope_long_factors is None else config.inv_freq(long=True).to(device)
         self.scale = config.head_dim**-0.5
+        self.q_scale = None  # LongRoPE's attention factor on the rotated dims of q and k, squared onto q's alone
+        if config.rope_attention_factor != 1:
+            rotated = self.inv_freq.repeat(2) != 0
+            self.q_scale = torch.where(rotated, config.rope_attention_factor**2, 1.0).to(dtype)
 
     def keep_dense_weights(self, budget: int) -> int:
         """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized
@@ -128,6 +156,9 @@ class Model:
         n_tokens = step.input_ids.shape[0]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         h = embedding(step.input_ids, self.token_embd, self.dtype)
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None:  # LongRoPE: from the original context on, the long factors
+            inv_freq = torch.where((step.positions >= c.rope_long_from)[:, None], self.long_inv_freq, inv_freq)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual)
@@ -141,7 +172,9 @@ class Model:
             if c.qk_norm:
                 q, _ = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k, _ = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q, k = rope(q, k, step.positions, self.inv_freq)
+            q, k = rope(q, k, step.positions, inv_freq)
+            if self.q_scale is not None:
+                q = q * self.q_scale
             write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                 step.query_start_loc, self.scale)
