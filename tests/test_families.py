@@ -16,6 +16,7 @@ from gguf import GGUFValueType, GGUFWriter
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.architectures import FAMILIES as SUPPORTED
 from llamaterm.engine.checkpoints.architectures import REFUSED
+from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
 from llamaterm.engine.checkpoints.safetensors_loader import model_config
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, rewrite_gguf, save_tiny_model
+from tests.test_cli import llamaterm
 from tests.test_fidelity import our_last_logits
 from tests.test_gpu_model import assert_greedy_choices
 
@@ -204,6 +206,13 @@ def test_gguf_tokenizer_encodes_as_the_tokenizer_json(family_model):
         assert ours_.encode(text, add_special=False, parse_special=True) == want, text
 
 
+def test_info_names_the_family(family_model):
+    """`llamaterm ls` and `info` show the family a checkpoint runs as, whichever format: the converter's GGUF name."""
+    _, _, folder, gguf = family_model
+    arch = read_gguf_file(gguf).metadata["general.architecture"]
+    assert read_checkpoint(folder).family == read_checkpoint(gguf).family == arch
+
+
 # ---- bad input ----
 
 
@@ -244,6 +253,11 @@ def test_variants_are_refused_by_name_with_what_runs(tmp_path, name):
     message = str(err.value)
     assert f"{REFUSED[name]}, '{name}', is not supported" in message
     assert all(f"{f.models} ({f.arch})" in message for f in SUPPORTED)
+    if name == "qwen3moe":  # and from the command line: `info` says so, `run` fails in one line
+        info = llamaterm("info", str(tmp_path / "v.gguf"))
+        assert info.returncode == 0 and f"architecture  qwen3moe: {REFUSED[name]}" in info.stdout
+        run = llamaterm("run", "--model", str(tmp_path / "v.gguf"), "hi")
+        assert run.returncode == 1 and run.stderr.count("\n") == 1 and "is not supported" in run.stderr
 
 
 @pytest.mark.cuda

@@ -12,14 +12,15 @@ class Family:
     arch: str  # GGUF general.architecture
     hf_classes: tuple[str, ...]  # config.json architectures[0] (transformers' model classes)
     models: str  # the models people know it by
+    hf_model_types: tuple[str, ...]  # config.json model_type
 
 
 FAMILIES = (
     # llama.cpp writes Mistral models as "llama"
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "Llama 2/3, Mistral, SmolLM"),
-    Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen"),
-    Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3 (dense)"),
-    Family("phi3", ("Phi3ForCausalLM",), "Phi-3, Phi-3.5, Phi-4-mini"),
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "Llama 2/3, Mistral, SmolLM", ("llama", "mistral")),
+    Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen", ("qwen2",)),
+    Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3 (dense)", ("qwen3",)),
+    Family("phi3", ("Phi3ForCausalLM",), "Phi-3, Phi-3.5, Phi-4-mini", ("phi3",)),
 )
 GGUF_ARCHITECTURES = tuple(f.arch for f in FAMILIES)
 HF_ARCHITECTURES = {cls: f.arch for f in FAMILIES for cls in f.hf_classes}
@@ -33,6 +34,11 @@ REFUSED = {
     "phimoe": "Phi MoE (Phi-3.5-MoE, a mixture of experts)",
     "PhiMoEForCausalLM": "Phi MoE (Phi-3.5-MoE, a mixture of experts)",
 }
+
+
+def family_of(name: str | None) -> str | None:
+    """The family a file's architecture name (GGUF's, a transformers class or model_type) runs as; None if none."""
+    return next((f.arch for f in FAMILIES if name == f.arch or name in f.hf_classes + f.hf_model_types), None)
 
 
 def supported_list() -> str:
