@@ -4,6 +4,9 @@ Layout: k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim]. A b
 tokens: sequence b owns q[query_start_loc[b]:query_start_loc[b+1]], which are the last tokens of its context of
 context_lens[b] tokens (their K/V already written to the cache); block_tables[b] lists its blocks in order.
 Prefill chunks and decode steps (one query token) share this one description, so a step can mix them.
+With a sliding window W, the query at position p sees keys p - W + 1 .. p only (as transformers' Mistral), and the
+kernels read no key before the window of a sequence's first query in the step: the engine may have freed those
+blocks (engine/serving/block_manager.py), and their block-table entries are then stale.
 """
 
 import torch
@@ -33,18 +36,20 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    """q [T, Hq, D] -> out [T, Hq, D], causal within each sequence, grouped-query aware."""
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window=None):
+    """q [T, Hq, D] -> out [T, Hq, D], causal within each sequence (within `window` keys, if given), grouped-query
+    aware."""
+    args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window)
     if use_triton(q):
         from llamaterm.kernels.attention_triton import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+        return paged_attention_triton(*args)
     if (lib := native_lib(q)) and k_cache.dtype == torch.float32:
-        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, lib)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+        return paged_attention_cpu(*args, lib)
+    return paged_attention_ref(*args)
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window=None):
     out = torch.empty_like(q)
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // n_kv
@@ -54,13 +59,20 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         n = e - s
         if n == 0:
             continue
-        blocks = block_tables[b, : (ctx + block_size - 1) // block_size]
-        k = k_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)  # [Hk, ctx, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)
+        lo = 0 if window is None else max(0, ctx - n - window + 1)  # the first key the first query sees
+        first = lo // block_size
+        blocks = block_tables[b, first : (ctx + block_size - 1) // block_size]
+        keys = slice(lo - first * block_size, ctx - first * block_size)  # keys lo .. ctx - 1 of those blocks
+        k = k_cache[blocks].flatten(0, 1)[keys].to(q.dtype).transpose(0, 1)  # [Hk, keys, D]
+        v = v_cache[blocks].flatten(0, 1)[keys].to(q.dtype).transpose(0, 1)
         qb = q[s:e].transpose(0, 1)  # [Hq, n, D]
         mask = None
-        if n > 1:  # query i sits at position ctx - n + i and sees keys 0..ctx - n + i
-            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        if n > 1:  # query i sits at position ctx - n + i and sees keys 0 (or its window's first) .. ctx - n + i
+            key_pos = torch.arange(lo, ctx, device=q.device)[None, :]
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask = key_pos <= q_pos
+            if window is not None:
+                mask &= key_pos > q_pos - window
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[s:e] = o.transpose(0, 1)
     return out

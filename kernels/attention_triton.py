@@ -11,6 +11,8 @@ the GPU, the KV range is also split across programs (flash-decoding): each split
 output and log-sum-exp, and a second kernel merges them. The split count comes from the block table's width,
 an upper bound on context length known on the host; each sequence's keys are shared among the splits in the
 kernel, so a batch of short sequences (or a CUDA graph captured for the longest context) splits their real length.
+With a sliding window (SLIDING) a program's keys start at its first query's window, so a long context costs
+only the window, and blocks before it (possibly freed) are never read.
 """
 
 from dataclasses import dataclass
@@ -57,10 +59,11 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr,
-    part_o_ptr, part_lse_ptr, qk_scale, num_seqs, num_tokens,
+    part_o_ptr, part_lse_ptr, qk_scale, window, num_seqs, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
+    DT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,16 +94,19 @@ def _paged_attention_kernel(
         qi = i0 + r // GROUP
         head = kv_head * GROUP + r % GROUP
         row_mask = (r < BLOCK_Q * GROUP) & (qi < n_q)
-        pos = ctx - n_q + qi  # query qi sits at position pos and sees keys 0..pos
+        pos = ctx - n_q + qi  # query qi sits at position pos and sees keys 0..pos (SLIDING: pos - window + 1..pos)
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
         q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
         kv_end = ctx - n_q + tl.minimum(i0 + BLOCK_Q, n_q)  # one past the last key any row of the block sees
+        kv_start = 0  # the first key any row sees: its first row's window start
+        if SLIDING:
+            kv_start = tl.maximum(ctx - n_q + i0 - window + 1, 0)
         # splits share this sequence's own keys (not the batch's longest): whole BLOCK_N steps each
-        per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = kv_start + split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -114,7 +120,10 @@ def _paged_attention_kernel(
             k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None],
                         other=0.0)
             s = tl.dot(q.to(DT), k.to(DT)) * qk_scale  # log2 domain
-            s = tl.where(t_mask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+            visible = t_mask[None, :] & (t[None, :] <= pos[:, None])
+            if SLIDING:
+                visible &= t[None, :] > pos[:, None] - window
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero
             alpha = tl.exp2(m_i - m_safe)
@@ -150,7 +159,7 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, n_heads,
     d = tl.arange(0, BLOCK_D)
     row = (s * num_tokens + t).to(tl.int64) * n_heads + h
     lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always sees key 0, so the max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))  # some split holds the query's own key, so the max is finite
     o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
                 mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     o = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
@@ -181,7 +190,7 @@ def pick_config(num_tokens: int, num_seqs: int, n_kv: int, group: int, head_dim:
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                           config: AttentionConfig | None = None):
+                           window: int | None = None, config: AttentionConfig | None = None):
     num_tokens, n_heads, head_dim = q.shape
     num_seqs = context_lens.numel()
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -191,6 +200,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         return out
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     max_context = block_tables.shape[1] * page  # an upper bound known without a device sync
+    if window is not None:  # keys per query
+        max_context = min(max_context, window)
     cfg = config or pick_config(num_tokens, num_seqs, n_kv, group, head_dim, max_context, num_sms(q.device))
     n_blocks = num_tokens if cfg.block_q == 1 else num_tokens // cfg.block_q + num_seqs
     splits = cfg.splits
@@ -202,12 +213,13 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
 
     _paged_attention_kernel[(n_blocks, n_kv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_o, part_lse,
-        scale * _LOG2E, num_seqs, num_tokens,
+        scale * _LOG2E, window or 0, num_seqs, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
         BLOCK_Q=cfg.block_q, BLOCK_M=max(16, triton.next_power_of_2(cfg.block_q * group)), BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1, DT=arith_dtype(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT=splits > 1, SLIDING=window is not None, DT=arith_dtype(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, n_heads)](

@@ -3,7 +3,7 @@
  * Each weight row is expanded into fp32 values exactly as the torch reference does it (one rounding for the scale
  * product, one for the offset add: never fused into an FMA), then dotted with the activations, so the result is
  * fp32 math on the dequantized weights; only the order of the sums differs from a dense matmul.
- * K and the group size must be multiples of 16. The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
+ * K and the group size must be multiples of 16 (the last group may be shorter). The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
  * attention) follow at the end. Built at first use by kernels/cpu_native.py and called through ctypes.
  */
 #include <immintrin.h>
@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
                                                                  const void *offsets, int f16, int bits, int gs,
                                                                  long K, long n, float *w, const float *x,
                                                                  const int affine) {
-    const long groups = K / gs;
+    const long groups = (K + gs - 1) / gs;  /* the last one short when gs does not divide K */
     const uint8_t *p = packed + n * (K * bits / 8);
     vec16 acc = zero16(), acc1 = zero16();  /* two sums: consecutive FMAs do not wait on each other */
     for (long g = 0; g < groups; g++) {
@@ -99,7 +99,8 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
                             : affine  ? expand16(values, s, o, 1)
                                       : expand16(_mm_sub_epi8(values, _mm_set1_epi8(8)), s, o, 0);
 #endif
-        for (long c = g * gs; c < (g + 1) * gs; c += 16) {
+        const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
+        for (long c = g * gs; c < end; c += 16) {
 #ifdef __AVX512F__
             vec16 v = bits == 4 ? _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes16(p, c, 4, 1)), table)
                                 : expand16(bytes16(p, c, bits, affine), s, o, affine);
@@ -323,10 +324,11 @@ void silu_and_mul(const float *gate_up, long T, long I, float *out) {
 }
 
 /* Causal attention over the paged cache, as kernels/attention.py: q [T, Hq, D] -> out [T, Hq, D]; caches
- * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens. */
+ * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens.
+ * window > 0: each query sees its last `window` keys only (blocks before them may be freed: never read). */
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      long max_blocks, const int64_t *context_lens, const int64_t *query_start_loc, long B, long Hq,
-                     long Hk, long D, long block_size, float scale, float *out) {
+                     long Hk, long D, long block_size, float scale, long window, float *out) {
     long group = Hq / Hk, longest = 0;
     for (long b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     float *p = malloc((longest > 0 ? longest : 1) * sizeof(float));
@@ -334,12 +336,13 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         long s = query_start_loc[b], n = query_start_loc[b + 1] - s, ctx = context_lens[b];
         const int32_t *table = block_tables + b * max_blocks;
         for (long i = 0; i < n; i++) {
-            long seen = ctx - n + i + 1;  /* keys 0 .. ctx - n + i */
+            long seen = ctx - n + i + 1;  /* keys first .. ctx - n + i */
+            long first = window > 0 && seen > window ? seen - window : 0;
             for (long h = 0; h < Hq; h++) {
                 const float *qh = q + ((s + i) * Hq + h) * D;
                 long kv = h / group;
                 float top = -INFINITY, total = 0.0f;
-                for (long j = 0; j < seen; j++) {
+                for (long j = first; j < seen; j++) {
                     const float *kj = k_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
                     float d = 0.0f;
 #pragma omp simd reduction(+ : d)
@@ -347,10 +350,10 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                     p[j] = d * scale;
                     top = p[j] > top ? p[j] : top;
                 }
-                for (long j = 0; j < seen; j++) total += (p[j] = expf(p[j] - top));
+                for (long j = first; j < seen; j++) total += (p[j] = expf(p[j] - top));
                 float *oh = out + ((s + i) * Hq + h) * D;
                 for (long e = 0; e < D; e++) oh[e] = 0.0f;
-                for (long j = 0; j < seen; j++) {
+                for (long j = first; j < seen; j++) {
                     const float *vj = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hk + kv) * D;
                     float w = p[j] / total;
 #pragma omp simd

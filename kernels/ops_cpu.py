@@ -33,7 +33,7 @@ def cpu_params(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def qmatmul_cpu(x: torch.Tensor, w: QuantWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16."""
+    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16 (the last group may be short)."""
     n, k = w.shape
     if w.perm is not None:
         x = x[..., w.perm]
@@ -86,11 +86,11 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib):
                  k.shape[0], row)
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, lib):
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, lib):
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     lib.paged_attention(ptr(q), ptr(k_cache.contiguous()), ptr(v_cache.contiguous()), ptr(tables), tables.shape[1],
                         ptr(context_lens.to(torch.int64).contiguous()),
                         ptr(query_start_loc.to(torch.int64).contiguous()), context_lens.shape[0], q.shape[1],
-                        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, ptr(out))
+                        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, window or 0, ptr(out))
     return out

@@ -1,7 +1,8 @@
 """The one in-memory quantized weight type that every checkpoint format converts to.
 
 A weight of shape [N, K] (out, in) holds unsigned integer values q of `bits` bits (4 or 8), grouped along K in
-groups of `group_size`, with one scale per group and, for affine sources, one offset per group:
+groups of `group_size` (the last group shorter when group_size does not divide K, as GPTQModel writes group 128
+for 576-wide layers), with one scale per group and, for affine sources, one offset per group:
 
     w = scale * q + offset            (offsets present: Q4_1, Q5_1, Q4_K, Q5_K, AWQ, asymmetric GPTQ)
     w = scale * (q - 2**(bits - 1))   (offsets None: Q4_0, Q8_0, Q6_K, symmetric GPTQ; stores no offset bytes)
@@ -22,8 +23,8 @@ import torch
 @dataclass
 class QuantWeight:
     packed: torch.Tensor  # uint8 [N, K * bits // 8]
-    scales: torch.Tensor  # [N, K // group_size]
-    offsets: torch.Tensor | None  # [N, K // group_size], or None for symmetric
+    scales: torch.Tensor  # [N, groups], groups = ceil(K / group_size)
+    offsets: torch.Tensor | None  # [N, groups], or None for symmetric
     bits: int
     group_size: int
     shape: tuple[int, int]  # (N, K)
@@ -44,10 +45,11 @@ class QuantWeight:
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         n, k = q.shape
-        if k % group_size:
-            raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
-        if scales.shape != (n, k // group_size) or (offsets is not None and offsets.shape != scales.shape):
-            raise ValueError(f"scales/offsets must be [{n}, {k // group_size}], got {tuple(scales.shape)}")
+        groups = -(-k // group_size)
+        if bits == 4 and k % 2:
+            raise ValueError(f"K={k} is odd: 4-bit values pack in pairs")
+        if scales.shape != (n, groups) or (offsets is not None and offsets.shape != scales.shape):
+            raise ValueError(f"scales/offsets must be [{n}, {groups}], got {tuple(scales.shape)}")
         q = q.to(torch.uint8).contiguous()
         if bits == 4:  # each little-endian byte pair read as one int16 is q[2j] | q[2j+1] << 8: contiguous ops only
             pairs = q.view(torch.int16)
@@ -120,10 +122,11 @@ class QuantWeight:
 
 def dequantize_rows(q, scales, offsets, bits, group_size) -> torch.Tensor:
     n, k = q.shape
-    qf = q.to(torch.float32).view(n, k // group_size, group_size)
+    groups = scales.shape[1]  # a short last group is padded to a whole one, then cut off
+    qf = torch.nn.functional.pad(q.to(torch.float32), (0, groups * group_size - k)).view(n, groups, group_size)
     s = scales.to(torch.float32).unsqueeze(-1)
     if offsets is None:
         w = s * (qf - 2 ** (bits - 1))
     else:
         w = s * qf + offsets.to(torch.float32).unsqueeze(-1)
-    return w.view(n, k)
+    return w.view(n, groups * group_size)[:, :k]

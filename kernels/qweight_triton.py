@@ -106,7 +106,7 @@ def _make_layout(w: QuantWeight) -> GpuLayout:
     n_pad = -(-n // ROW_PAD.value) * ROW_PAD.value
     q = torch.nn.functional.pad(w.values(), (0, steps * g * per_step - k, 0, n_pad - n)).view(n_pad, steps, per_step, g)
     b = q[:, :, 0] | (q[:, :, 1] << 4) if w.bits == 4 else q[:, :, 0]
-    pad = lambda t: (torch.nn.functional.pad(t, (0, steps * per_step - k // g, 0, n_pad - n))
+    pad = lambda t: (torch.nn.functional.pad(t, (0, steps * per_step - t.shape[1], 0, n_pad - n))
                      .view(n_pad, steps, per_step).transpose(0, 1).contiguous())
     return GpuLayout(b.transpose(0, 1).contiguous(), pad(w.scales), None if w.offsets is None else pad(w.offsets))
 

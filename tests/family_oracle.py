@@ -3,8 +3,10 @@ saved as safetensors beside a small tokenizer; its logits and greedy tokens from
 same folder converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama.cpp sources in
 llama-cpp-python's sdist, fetched by `make test` into .venv/oracle; see the Makefile).
 
-Run as a script, this file is that converter with one change: a tokenizer built for a test has no entry in the
-converter's table of known pre-tokenizer hashes, so the test names the pre-tokenizer (`--pre qwen2`) instead.
+Run as a script, this file is that converter with two changes: a tokenizer built for a test has no entry in the
+converter's table of known pre-tokenizer hashes, so the test names the pre-tokenizer (`--pre qwen2`) instead; and
+`--sliding-window` has it write config.json's sliding_window as {arch}.attention.sliding_window (with its own
+writer), which it leaves out for Mistral (llama.cpp runs Mistral GGUFs with full attention).
 """
 
 from __future__ import annotations
@@ -66,17 +68,26 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
+    """The argmax after each step, on transformers' own KV cache, end-of-text tokens included (as the engine with
+    ignore_eos: generate()'s min_new_tokens would mask them instead)."""
+    out, cache, x = [], None, torch.tensor([ids])
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
-    return out[0, len(ids):].tolist()
+        for _ in range(steps):
+            r = model(input_ids=x, cache=cache, use_cache=True)
+            cache, token = r.cache, int(r.logits[0, -1].argmax())
+            out.append(token)
+            x = torch.tensor([[token]])
+    return out
 
 
-def convert_to_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+def convert_to_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None,
+                    sliding_window: bool = False) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on model_dir (in a subprocess: the converter brings its own gguf-py)."""
     if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
         raise FileNotFoundError(f"{CONVERTER} is missing: `make test` fetches llama.cpp's converter (see Makefile)")
     args = [sys.executable, __file__, str(model_dir), "--outfile", str(out), "--outtype", outtype]
-    done = subprocess.run(args + (["--pre", pre] if pre else []), capture_output=True, text=True)
+    args += (["--pre", pre] if pre else []) + (["--sliding-window"] if sliding_window else [])
+    done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     return out
@@ -112,12 +123,22 @@ def _run_converter(argv: list[str]) -> None:
     if "--pre" in argv:
         at = argv.index("--pre")
         pre, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    sliding_window = "--sliding-window" in argv
+    argv = [a for a in argv if a != "--sliding-window"]
     sys.path[:0] = [str(CONVERTER), str(CONVERTER / "gguf-py")]
     import convert_hf_to_gguf  # noqa: PLC0415 (the oracle's own module, importable only from CONVERTER)
     from conversion.base import TextModel  # noqa: PLC0415
 
     if pre is not None:
         TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+    if sliding_window:
+        parameters = TextModel.set_gguf_parameters
+
+        def with_window(self):
+            parameters(self)
+            self.gguf_writer.add_sliding_window(self.hparams["sliding_window"])
+
+        TextModel.set_gguf_parameters = with_window
     sys.argv = ["convert_hf_to_gguf.py", *argv]
     convert_hf_to_gguf.main()
 

@@ -16,12 +16,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16, device=DEVICE) -> QuantWeight:
+    """A group that does not divide k leaves a short last group."""
     q = torch.randint(0, 2**bits, (n, k))
-    scales = (torch.rand(n, k // group) * 0.02 + 0.002).to(scale_dtype)
-    offs = (torch.randn(n, k // group) * 0.02).to(scale_dtype) if offsets else None
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups) * 0.02 + 0.002).to(scale_dtype)
+    offs = (torch.randn(n, groups) * 0.02).to(scale_dtype) if offsets else None
     return QuantWeight.from_values(q, scales, offs, bits, group, torch.randperm(k) if perm else None).to(device)
 
 
+# (bits, k, group, offsets, perm) whose last group is short: SmolLM2's 576 in groups of 128 (4.5), and smaller
+SHORT_GROUPS = [(4, 576, 128, True, False), (4, 576, 128, False, True), (8, 80, 32, True, True),
+                (8, 576, 128, False, False), (4, 48, 32, False, False)]
 # (bits, group, offsets, perm): every group size, both widths, offsets and act-order each on and off
 FORMATS = [(4, 32, False, False), (4, 64, True, True), (4, 128, False, True), (4, 128, True, False),
            (8, 16, False, False), (8, 32, True, True), (4, 16, True, False), (8, 128, False, True)]
@@ -43,3 +48,14 @@ def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3, device
         k_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)
         v_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)
     return k_cache, v_cache, tables
+
+
+def free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window):
+    """What the engine does with a sliding window (BlockManager.slide): the blocks wholly before the window of each
+    sequence's first query are given back, here NaN in the cache and a garbage id in the table, so a kernel that
+    reads one fails."""
+    page = k_cache.shape[1]
+    for b, (ctx, n) in enumerate(zip(ctxs, qlens, strict=True)):
+        for i in range(max(0, ctx - n - window + 1) // page):
+            k_cache[tables[b, i].long()] = v_cache[tables[b, i].long()] = float("nan")
+            tables[b, i] = 10**6

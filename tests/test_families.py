@@ -45,6 +45,7 @@ class Family:
     # transformers' GGUF reader reads the family back (a check of the converter); where it does not, why
     hf_misreads_gguf: str | None = None
     prompt: list[int] = field(default_factory=lambda: PROMPT)
+    gguf_window: bool = False  # have llama.cpp's converter write the sliding window it leaves out for the family
 
 
 def small(**kw) -> dict:
@@ -95,6 +96,9 @@ FAMILIES = {
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
                       "long_factor": [2.0 + i / 2 for i in range(8)]}, pad_token_id=0, eos_token_id=1)),
         "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    # a window of 8, far shorter than the 19-token prompt and its 24 greedy tokens
+    "mistral": Family(transformers.MistralForCausalLM, transformers.MistralConfig(**small(sliding_window=8)),
+                      "llama-bpe", LLAMA3_SPLIT, gguf_window=True),
 }
 
 
@@ -108,7 +112,8 @@ def built(name: str, tmp_path_factory) -> tuple[Family, torch.nn.Module, Path, P
         folder = tmp_path_factory.mktemp(name) / "hf"
         model = save_tiny_model(fam.model_cls, fam.config, folder)
         byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class)
-        _BUILT[name] = fam, model, folder, convert_to_gguf(folder, folder.parent / f"{name}.f32.gguf", pre=fam.pre)
+        gguf = convert_to_gguf(folder, folder.parent / f"{name}.f32.gguf", pre=fam.pre, sliding_window=fam.gguf_window)
+        _BUILT[name] = fam, model, folder, gguf
     return _BUILT[name]
 
 
@@ -166,6 +171,8 @@ def test_transformers_reads_the_same_logits_from_the_converted_gguf(gguf_readabl
         back = fam.model_cls.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     except (ValueError, KeyError, NotImplementedError) as e:
         pytest.fail(f"transformers cannot read {arch} from GGUF ({e}); drop this check for the family and say why")
+    if fam.gguf_window:  # transformers' GGUF reader leaves the window out, as the converter does: the weights are
+        back.config.sliding_window = fam.config.sliding_window  # what this checks
     want = hf_logits(model, fam.prompt)
     assert torch.allclose(hf_logits(back, fam.prompt), want, atol=1e-4 * float(want.max() - want.min()))
 
@@ -187,6 +194,27 @@ def test_longrope_past_the_original_context(longrope_model):
                 want = model(torch.tensor([ids[n:n + 1]]), cache=cache, use_cache=True).logits[0, -1]
                 got = our_last_logits(engine, ids[: n + 1])
                 assert (got - want).abs().max() <= 1e-4 * (want.max() - want.min()), n
+    finally:
+        engine.shutdown()
+
+
+# --- sliding windows beyond the FAMILIES harness ------------------------------------------------------------
+
+
+def test_ministral_interleaved_sliding_and_full_layers_match_transformers(tmp_path):
+    """MinistralForCausalLM's layer_types: a window in one layer, full attention in the other (llama.cpp's
+    converter has no Ministral, so safetensors only). A full layer reads every key: no block is ever freed."""
+    config = transformers.MinistralConfig(**small(sliding_window=8, layer_types=["sliding_attention",
+                                                                                 "full_attention"]))
+    model = save_tiny_model(transformers.MinistralForCausalLM, config, tmp_path)
+    byte_level_bpe(tmp_path, VOCAB, ["<|im_start|>", "<|im_end|>"])
+    engine = ours(tmp_path)
+    try:
+        assert [engine.model.config.layer_window(i) for i in range(2)] == [8, None]
+        assert engine.block_manager.window is None
+        want = hf_logits(model, PROMPT)[-1]
+        assert (our_last_logits(engine, PROMPT) - want).abs().max() <= 1e-4 * (want.max() - want.min())
+        assert greedy(engine, PROMPT, GREEDY_STEPS) == hf_greedy(model, PROMPT, GREEDY_STEPS)
     finally:
         engine.shutdown()
 
@@ -272,6 +300,67 @@ def test_gpu_gives_the_cpu_paths_greedy_tokens(family_model, source):
         got = greedy(gpu, fam.prompt, GREEDY_STEPS)
         assert_greedy_choices(cpu, fam.prompt, got)
         assert got == greedy(cpu, fam.prompt, GREEDY_STEPS)
+    finally:
+        cpu.shutdown()
+        gpu.shutdown()
+
+
+@pytest.mark.parametrize("family_model", ["mistral"], indirect=True)
+def test_sliding_window_caps_kv_use_of_a_long_generation(family_model):
+    """A pool of 64 tokens runs a 19-token prompt through 200 greedy tokens: a sequence holds its window's blocks
+    (and one step's), never its whole length, and still gives transformers' tokens."""
+    fam, model, folder, _ = family_model
+    window, steps, block_size = fam.config.sliding_window, 200, 16
+    engine = Engine.from_model(EngineConfig(model=str(folder), device="cpu", kv_tokens=64, block_size=block_size,
+                                            max_batch_tokens=16))
+    try:
+        assert engine.block_manager.num_blocks == 4
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        handle = engine.submit(None, params, prompt_ids=fam.prompt)
+        tokens, most = [], 0
+        for event in handle.events():
+            tokens += event.token_ids
+            most = max(most, engine.stats().kv_blocks_used)
+        assert tokens == hf_greedy(model, fam.prompt, steps)
+        assert most <= -(-(window + 16) // block_size) + 1
+    finally:
+        engine.shutdown()
+
+
+# --- on the GPU (the lead runs these on an H200) ------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_sliding_window_caps_kv_use_of_a_long_chat_on_the_gpu(tmp_path):
+    """Eight turns of a chat, each resending the whole conversation, through a pool of 256 tokens: the chat grows to
+    1600 tokens (100 blocks), while the engine holds at most the window's blocks and one step's, prefix-caches the
+    window across turns, and picks the fp32 CPU path's tokens."""
+    window, block_size, turn_prompt, turn_reply = 64, 16, 40, 160
+    config = transformers.MistralConfig(**small(sliding_window=window) | dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096))
+    save_tiny_model(transformers.MistralForCausalLM, config, tmp_path)
+    byte_level_bpe(tmp_path, VOCAB, ["<|im_start|>", "<|im_end|>"])
+    cpu = Engine.from_model(EngineConfig(model=str(tmp_path), device="cpu"))
+    # steps of at most 64 tokens: a sequence's window and one step fit the small pool (Engine.sequence_limit)
+    gpu = Engine.from_model(EngineConfig(model=str(tmp_path), device="cuda", kv_tokens=256, block_size=block_size,
+                                         max_batch_tokens=64))
+    try:
+        gen, chat, most = torch.Generator().manual_seed(0), [], 0
+        params = SamplingParams(max_tokens=turn_reply, temperature=0.0, ignore_eos=True)
+        for _ in range(8):
+            chat += torch.randint(0, VOCAB, (turn_prompt,), generator=gen).tolist()
+            handle = gpu.submit(None, params, prompt_ids=chat)
+            reply = []
+            for event in handle.events():
+                reply += event.token_ids
+                most = max(most, gpu.stats().kv_blocks_used)
+            assert_greedy_choices(cpu, chat, reply)
+            assert handle.stats().cached_tokens >= len(chat) - turn_prompt - block_size  # the window, cached
+            chat += reply
+        assert len(chat) == 8 * (turn_prompt + turn_reply) > 6 * gpu.pool_tokens()
+        # the window, one turn's new tokens and the uncomputed tail of the last reply, a block of alignment
+        assert most <= -(-(window + turn_prompt + block_size) // block_size) + 1
     finally:
         cpu.shutdown()
         gpu.shutdown()

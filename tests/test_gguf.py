@@ -1,6 +1,7 @@
 """The GGUF loader against independent oracles: gguf-py's reader and dequantizers, transformers' GGUF
 config and q/k reverse permutation."""
 
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -226,6 +227,35 @@ def test_tiny_model_carries_the_default_tokenizer(tmp_path, reader):
 def test_linear_rope_scaling_divides_every_frequency(tmp_path):
     path = write_tiny_llama(tmp_path / "tiny.gguf", vocab_from=None, rope_scaling=("linear", 4.0))
     assert load_gguf(path).config.rope_freq_factors == (4.0,) * 8
+
+
+SWA_KEYS = {"window": "llama.attention.sliding_window", "pattern": "llama.attention.sliding_window_pattern"}
+U32, ARRAY = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.ARRAY  # as llama.cpp's GGUFWriter types them
+
+
+def window_gguf(tmp_path, **typed) -> Path:
+    """A tiny model with the sliding-window keys given as (value, GGUF type)."""
+    return write_tiny_llama(tmp_path / "swa.gguf", vocab_from=None,
+                            metadata={SWA_KEYS[k]: v for k, v in typed.items()})
+
+
+def test_sliding_window_keys(tmp_path):
+    c = load_gguf(window_gguf(tmp_path, window=(8, U32))).config
+    assert (c.sliding_window, c.kv_window(), [c.layer_window(i) for i in range(2)]) == (8, 8, [8, 8])
+    c = load_gguf(window_gguf(tmp_path, window=(8, U32), pattern=([False, True], ARRAY))).config
+    assert ([c.layer_window(i) for i in range(2)], c.kv_window()) == ([None, 8], None)
+    assert load_gguf(window_gguf(tmp_path, window=(0, U32))).config.sliding_window is None  # llama.cpp: 0 is none
+    assert load_gguf(window_gguf(tmp_path)).config.sliding_window is None
+
+
+@pytest.mark.parametrize("typed, problem", [
+    ({"window": ("8", gguf.GGUFValueType.STRING)}, "sliding_window = '8' is not an integer"),
+    ({"window": (-8, gguf.GGUFValueType.INT32)}, "sliding_window = -8 is negative"),
+    ({"window": (8, U32), "pattern": ([True] * 3, ARRAY)}, "sliding_window_pattern has 3 entries for 2 layers"),
+    ({"window": (8, U32), "pattern": ([1, 0], ARRAY)}, "sliding_window_pattern = .* is not an array of true/false"),
+])
+def test_bad_sliding_window_keys(tmp_path, typed, problem):
+    assert re.search(problem, load_error(window_gguf(tmp_path, **typed)))
 
 
 def test_split_model_loads_all_parts(tmp_path):

@@ -16,7 +16,14 @@ from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.norm import rms_norm_ref
 from llamaterm.kernels.rope import rope_ref
-from tests.kernel_cases import FORMATS, random_paged_cache, random_qweight, rel_err
+from tests.kernel_cases import (
+    FORMATS,
+    SHORT_GROUPS,
+    free_outside_window,
+    random_paged_cache,
+    random_qweight,
+    rel_err,
+)
 
 FP32_TOL = 1e-6  # fp32 sums in another order
 
@@ -45,6 +52,27 @@ def test_dequantize_is_exact(lib, bits, group, offsets, perm, scale_dtype):
 def test_qmatmul(lib, bits, group, offsets, perm, rows):
     w = random_qweight(45, 5 * group, bits, group, offsets, perm, device="cpu")
     x = torch.randn(rows, w.shape[1])
+    assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
+
+
+@pytest.mark.parametrize("bits,k,group,offsets,perm", SHORT_GROUPS)
+def test_reference_dequantize_with_a_short_last_group(bits, k, group, offsets, perm):
+    """QuantWeight's w = scale * q + offset (or scale * (q - 2**(bits-1))) in fp32, element by element: column c
+    is in group c // group, the last group holding what is left of K."""
+    w = random_qweight(7, k, bits, group, offsets, perm, device="cpu")
+    q, s = w.values().float(), w.scales.float()
+    want = torch.empty(7, k)
+    for c in range(k):
+        g = c // group
+        want[:, c] = s[:, g] * q[:, c] + w.offsets[:, g].float() if offsets else s[:, g] * (q[:, c] - 2**(bits - 1))
+    assert w.scales.shape == (7, -(-k // group)) and torch.equal(w.dequantize(), want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
+@pytest.mark.parametrize("bits,k,group,offsets,perm", SHORT_GROUPS)
+def test_qmatmul_with_a_short_last_group(lib, bits, k, group, offsets, perm, rows):
+    w = random_qweight(45, k, bits, group, offsets, perm, device="cpu")
+    x = torch.randn(rows, k)
     assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
 
 
@@ -80,14 +108,38 @@ def test_silu_and_mul(lib):
     ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4),  # chunked prefill: whole prompts, prefix + chunk, decode
     ([40], [75], 3, 1, 16, 16),  # a long chunk over a prefix, MQA
 ])
-def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page):
+@pytest.mark.parametrize("window", [None, 1, 6, 21])  # sliding windows: itself only, under a page, across pages
+def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page, window):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, torch.float32, device="cpu")
+    if window is not None:
+        free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
     lens = torch.tensor(ctxs)
     q = torch.randn(int(qsl[-1]), n_q, head_dim)
-    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, lib)
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
+    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, lib)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window)
     assert rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("n,ctx,window", [(1, 30, 7), (30, 30, 7), (12, 30, 4), (9, 30, 100), (5, 9, 1)])
+def test_reference_window_is_transformers_sliding_window_mask(n, ctx, window):
+    """The reference's sliding window against transformers' own mask definition (what MistralForCausalLM applies),
+    in a dense softmax over an unpaged context: query i at position ctx - n + i, GQA 2."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    n_q, n_kv, head_dim, page = 4, 2, 16, 4
+    k_cache, v_cache, tables = random_paged_cache([ctx], n_kv, head_dim, page, torch.float32, device="cpu")
+    q = torch.randn(n, n_q, head_dim)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, torch.tensor([ctx]), torch.tensor([0, n]),
+                              head_dim**-0.5, window)
+    slots = (tables[0, : -(-ctx // page), None].long() * page + torch.arange(page)).flatten()[:ctx]
+    k = k_cache.view(-1, n_kv, head_dim)[slots].repeat_interleave(n_q // n_kv, 1)  # [ctx, Hq, D]
+    v = v_cache.view(-1, n_kv, head_dim)[slots].repeat_interleave(n_q // n_kv, 1)
+    seen = sliding_window_causal_mask_function(window)  # called on broadcast index tensors, as transformers does
+    mask = seen(0, 0, torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :])
+    scores = torch.einsum("ihd,jhd->hij", q, k) * head_dim**-0.5
+    p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    assert rel_err(ref, torch.einsum("hij,jhd->ihd", p, v)) < FP32_TOL
 
 
 def test_write_kv(lib):

@@ -23,7 +23,15 @@ from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
 from llamaterm.kernels.rope_triton import rope_triton  # noqa: E402
-from tests.kernel_cases import DEVICE, FORMATS, random_paged_cache, random_qweight, rel_err  # noqa: E402
+from tests.kernel_cases import (  # noqa: E402
+    DEVICE,
+    FORMATS,
+    SHORT_GROUPS,
+    free_outside_window,
+    random_paged_cache,
+    random_qweight,
+    rel_err,
+)
 
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
@@ -91,6 +99,22 @@ def test_qmatmul_reads_nothing_past_k(bits, offsets, m, config):
     assert rel_err(qmatmul_triton(x, w, config), linear_ref(x.float(), w)) < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("bits,k,group,offsets,perm", SHORT_GROUPS)
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (3, CONFIGS[4])])
+def test_qmatmul_with_a_short_last_group(bits, k, group, offsets, perm, m, config):
+    """The last group shorter than group_size (GPTQModel's 576 in groups of 128): its scales and offsets cover
+    only the values K has; nothing past K is read (NaN beyond the scales)."""
+    w = random_qweight(40, k, bits, group, offsets, perm)
+    w.scales = nan_guarded(w.scales)
+    if offsets:
+        w.offsets = nan_guarded(w.offsets)
+    x = torch.randn(m, k, device=DEVICE).half()
+    assert rel_err(qmatmul_triton(x, w, config), linear_ref(x.float(), w)) < TOL[torch.float16]
+    ids = torch.tensor([3, 0, 39], device=DEVICE)
+    assert rel_err(dequantize_rows_triton(w, ids, torch.float16), w.rows(ids, torch.float16)) < TOL[torch.float16]
+    assert rel_err(dequantize_rows_triton(w, None, torch.float32), w.dequantize()) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qmatmul_dense_path(dtype):
     """Above DENSE_M rows: dequantize, then a dense matmul; also a 3-D input."""
@@ -119,8 +143,32 @@ def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype):
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, config)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, config=config)
     ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+WINDOW_CASES = [
+    # query lengths, context lengths, q heads, kv heads, head dim, page, config, sliding window
+    ([1, 1, 1, 1], [5, 17, 1, 40], 8, 2, 32, 4, None, 6),  # decode: contexts under and over the window
+    ([1, 1, 1], [50, 3, 77], 4, 4, 64, 16, AttentionConfig(1, 16, 4, 2, 3), 21),  # decode split over the window
+    ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4, None, 5),  # chunked prefill: chunks longer than the window
+    ([40], [75], 4, 1, 16, 16, AttentionConfig(8, 16, 4, 2, 1), 17),  # long chunk, 8 queries a program
+    ([5, 1, 6], [5, 30, 6], 8, 2, 32, 4, AttentionConfig(1, 16, 4, 2, 2), 1),  # a window of one: itself
+]
+
+
+@pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,config,window", WINDOW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_sliding_window(qlens, ctxs, n_q, n_kv, head_dim, page, config, window, dtype):
+    """With the blocks outside every window freed (NaN, garbage ids in the table), as the engine leaves them."""
+    k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
+    free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, config)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window)
     assert rel_err(out, ref) < TOL[dtype]
 
 

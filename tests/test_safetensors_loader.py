@@ -6,14 +6,20 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors, model_config
 from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.serving.engine import Engine
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.qweight import QuantWeight
+from tests.family_oracle import byte_level_bpe, hf_greedy, hf_logits
+from tests.test_families import greedy
+from tests.test_fidelity import our_last_logits
 
 # Hugging Face names -> GGUF names, spelled out as the oracle for the loader's renaming.
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -121,7 +127,7 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
 def make_gptq(n, k, bits, group_size, sym, desc_act, fmt, gen):
     """Random GPTQ tensors for one linear, the oracle weight [n, k] and its per-element error bound."""
     gs = k if group_size == -1 else group_size
-    groups = k // gs
+    groups = -(-k // gs)  # the last one short where gs does not divide k (GPTQModel's 576 in groups of 128)
     q = torch.randint(0, 2**bits, (k, n), generator=gen)
     shift = 1 if fmt == "gptq" else 0  # v1 stores zero - 1
     stored = (torch.full((groups, n), 2 ** (bits - 1) - shift) if sym
@@ -144,7 +150,7 @@ def make_gptq(n, k, bits, group_size, sym, desc_act, fmt, gen):
 
 
 def make_awq(n, k, group_size, sym, gen):
-    groups = k // group_size
+    groups = -(-k // group_size)
     q = torch.randint(0, 16, (k, n), generator=gen)
     zero = torch.full((groups, n), 8) if sym else torch.randint(0, 16, (groups, n), generator=gen)
     scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).half()
@@ -153,7 +159,7 @@ def make_awq(n, k, group_size, sym, gen):
     for c in range(k):  # w[n, c] = scale[c // gs, n] * (q[c, n] - zero[c // gs, n])
         w[:, c] = scales[c // group_size].float() * (q[c] - zero[c // group_size])
     group_bound = 2.0**-11 * scales.float() * zero
-    bound = torch.zeros(n, k) if sym else group_bound.repeat_interleave(group_size, 0).T
+    bound = torch.zeros(n, k) if sym else group_bound.repeat_interleave(group_size, 0)[:k].T
     return parts, w, bound
 
 
@@ -211,6 +217,9 @@ GPTQ_CASES = [  # bits, group_size, sym, desc_act, checkpoint_format
     pytest.param(4, 32, False, True, "gptq", id="4bit-g32-asym-desc_act"),
     pytest.param(4, -1, True, False, "gptq", id="4bit-per-channel-sym"),
     pytest.param(4, 64, False, False, "gptq_v2", id="4bit-g64-asym-v2"),
+    # groups of 48: the 128 and 256 inputs end in short groups of 32 and 16 (GPTQModel writes such checkpoints)
+    pytest.param(4, 48, False, False, "gptq", id="4bit-g48-asym-short-last-group"),
+    pytest.param(8, 48, True, True, "gptq_v2", id="8bit-g48-sym-desc_act-short-last-group"),
 ]
 
 
@@ -230,6 +239,7 @@ def test_gptq_matches_per_element_dequantization(tmp_path, bits, group_size, sym
         (128, False, ("bits", "group_size")),
         (32, False, ("w_bit", "q_group_size")),  # AutoAWQ's spelling
         (64, True, ("bits", "group_size")),
+        (48, False, ("bits", "group_size")),  # a short last group
     ],
 )
 def test_awq_matches_per_element_dequantization(tmp_path, group_size, sym, qc_keys):
@@ -237,6 +247,40 @@ def test_awq_matches_per_element_dequantization(tmp_path, group_size, sym, qc_ke
     dense, oracle = write_quantized(tmp_path, qc, lambda n, k, gen: make_awq(n, k, group_size, sym, gen))
     ckpt = load_safetensors(tmp_path)
     check_quantized(ckpt, dense, oracle, 4, group_size, sym)
+
+
+def test_gptq_with_short_last_groups_runs_like_transformers(tmp_path):
+    """SmolLM2-135M's widths (576 = 4.5 groups of 128, as GPTQModel writes it) in one layer, symmetric (exact:
+    asymmetric offsets are rounded to fp16, see quant_weight) with act-order: transformers on the per-element
+    dequantized weights gives the same logits (fp32, 1e-4 of their range) and greedy tokens."""
+    hf_config = LlamaConfig(vocab_size=384, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                            num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=256,
+                            rms_norm_eps=1e-5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config).eval()
+    gen = torch.Generator().manual_seed(0)
+    state, tensors = model.state_dict(), {}
+    for name, t in state.items():
+        if name.endswith("_proj.weight"):
+            parts, state[name], _ = make_gptq(*t.shape, 4, 128, True, True, "gptq", gen)
+            tensors |= {f"{name.removesuffix('.weight')}.{p}": v for p, v in parts.items()}
+        else:
+            tensors[name] = t.normal_(1.0 if t.dim() == 1 else 0.0, 0.2 if t.dim() == 1 else 0.05)
+    model.load_state_dict(state)
+    save_file(tensors, tmp_path / "model.safetensors")
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf_config.to_dict() | {
+        "architectures": ["LlamaForCausalLM"], "quantization_config": qc}))
+    byte_level_bpe(tmp_path, 384, ["<|im_start|>", "<|im_end|>"])
+    prompt = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12]
+    engine = Engine.from_model(EngineConfig(model=str(tmp_path), device="cpu", kv_tokens=512))
+    try:
+        assert engine.model.layers[0].o.group_size == 128 and engine.model.layers[0].o.scales.shape == (576, 5)
+        want = hf_logits(model, prompt)[-1]
+        assert (our_last_logits(engine, prompt) - want).abs().max() <= 1e-4 * (want.max() - want.min())
+        assert greedy(engine, prompt, 16) == hf_greedy(model, prompt, 16)
+    finally:
+        engine.shutdown()
 
 
 # --- RoPE scaling ----------------------------------------------------------------------------------------
@@ -295,7 +339,6 @@ def test_missing_config_json(tmp_path):
     ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}, r"Qwen2 MoE .*'Qwen2MoeForCausalLM'.* is "
      r"not supported \(llamaterm runs: .*\(qwen2\)"),
     ({"architectures": ["MambaForCausalLM"]}, "the architecture 'MambaForCausalLM' is not supported"),
-    ({"architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}, "sliding-window"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
@@ -309,7 +352,41 @@ def test_unsupported_config(tmp_path, extra, message):
 
 def test_mistral_without_sliding_window_loads(tmp_path):
     write_dense(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
-    assert load_safetensors(tmp_path).config.arch == "llama"
+    config = load_safetensors(tmp_path).config
+    assert config.arch == "llama" and config.sliding_window is None and config.kv_window() is None
+
+
+def test_sliding_window_is_read_as_transformers_reads_it(tmp_path):
+    """Absent: MistralConfig's and MinistralConfig's default; Llama ignores the key; Ministral's layer_types."""
+    base = config_json() | {"max_position_embeddings": 32768}
+    mistral = base | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    assert model_config(mistral, "m").sliding_window == transformers.MistralConfig().sliding_window == 4096
+    assert model_config(mistral | {"sliding_window": 64}, "m").kv_window() == 64
+    assert model_config(base | {"sliding_window": 64}, "llama").kv_window() is None
+    ministral = base | {"architectures": ["MinistralForCausalLM"], "model_type": "ministral", "sliding_window": 64,
+                        "layer_types": ["full_attention", "sliding_attention"]}
+    config = model_config(ministral, "m")
+    assert [config.layer_window(i) for i in range(LAYERS)] == [None, 64] and config.kv_window() is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"sliding_window": 0}, "sliding_window = 0 is not a positive integer"),
+    ({"sliding_window": -4096}, "sliding_window = -4096 is not a positive integer"),
+    ({"sliding_window": "4096"}, "sliding_window = '4096' is not a positive integer"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types must give one of"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must give one of"),
+])
+def test_bad_sliding_window_config(tmp_path, extra, message):
+    write_dense(tmp_path, architectures=["MinistralForCausalLM"], model_type="ministral", **extra)
+    with pytest.raises(ModelFormatError, match=message):
+        load_safetensors(tmp_path)
+
+
+def test_mistral_config_missing_a_field_it_needs(tmp_path):
+    write_dense(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=None,
+                num_hidden_layers=None)
+    with pytest.raises(ModelFormatError, match="config.json: num_hidden_layers is missing"):
+        load_safetensors(tmp_path)
 
 
 def test_pickle_weights_are_refused_unread(tmp_path, monkeypatch):

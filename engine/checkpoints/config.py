@@ -35,6 +35,11 @@ class ModelConfig:
     rope_long_factors: tuple[float, ...] | None = None
     rope_long_from: int | None = None
     rope_attention_factor: float = 1.0
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p (transformers'
+    # sliding_window_overlay). sliding_layers says which layers use it (Gemma 3 interleaves sliding and global
+    # layers); None: every layer does. No window: every layer sees the whole context.
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         """Every reader builds a ModelConfig, so the checks that keep the forward pass sane live here once."""
@@ -56,6 +61,27 @@ class ModelConfig:
                                        f"rotated dims: there must be {self.rotary_dim // 2}")
         if (self.rope_long_factors is None) != (self.rope_long_from is None):
             raise ModelFormatError("LongRoPE needs both its long factors and the original context length")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ModelFormatError(f"sliding_window = {window!r} is not a positive integer (the tokens each query "
+                                   "sees; leave it out for full attention)")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
+            raise ModelFormatError(f"the sliding-window layer pattern has {len(self.sliding_layers)} entries for "
+                                   f"{self.n_layers} layers")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of one layer's attention, or None for full attention. A window spanning the whole context
+        is full attention, and runs as such."""
+        window = self.sliding_window
+        if window is None or window >= self.context_length:
+            return None
+        return window if self.sliding_layers is None or self.sliding_layers[layer] else None
+
+    def kv_window(self) -> int | None:
+        """The trailing tokens that every layer still reads, so KV blocks before them can be freed; None when some
+        layer reads the whole context."""
+        windows = [self.layer_window(i) for i in range(self.n_layers)]
+        return None if None in windows else max(windows)
 
     @property
     def rotary_dim(self) -> int:

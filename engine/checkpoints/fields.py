@@ -38,6 +38,7 @@ KINDS = {
     dict: ("an object", lambda v: isinstance(v, dict)),
     "strings": ("an array of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "ints": ("an array of integers", lambda v: _is_array(v, "iu", _is_int)),
+    "bools": ("an array of true/false values", lambda v: _is_array(v, "b", lambda x: isinstance(x, bool))),
     "numbers": ("an array of numbers", lambda v: _is_array(v, "iuf", _is_number)),
 }
 

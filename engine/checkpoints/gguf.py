@@ -253,12 +253,15 @@ def _config(f: GGUFFile) -> ModelConfig:
     if get("attention.value_length", head_dim) != head_dim:
         raise _bad(path, f"{arch}.attention.value_length differs from key_length {head_dim}, which llamaterm "
                          "does not run", "Pick a standard model of the family.")
+    n_layers = get("block_count")
+    # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
+    window, sliding_layers = (None, None) if arch == "phi3" else _sliding_window(f, arch, n_layers)
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
     fields = dict(
         arch=arch,
         name=str(meta.get("general.name") or path.stem),
-        n_layers=get("block_count"),
+        n_layers=n_layers,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
         n_heads=n_heads,
@@ -274,11 +277,28 @@ def _config(f: GGUFFile) -> ModelConfig:
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
         qk_norm=arch == "qwen3",
         fused_projections=arch == "phi3",
+        sliding_window=window,
+        sliding_layers=sliding_layers,
     )
     try:
         return ModelConfig(**fields)
     except ModelFormatError as e:  # the checks every reader shares
         raise _bad(path, str(e)) from None
+
+
+def _sliding_window(f: GGUFFile, arch: str, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) from {arch}.attention.sliding_window (0 or absent: none, as llama.cpp reads
+    it) and .sliding_window_pattern (a bool per layer, true: sliding; absent: every layer slides)."""
+    where, key = str(f.path), f"{arch}.attention.sliding_window"
+    window = read(f.metadata, key, int, 0, where=where)
+    if window < 0:
+        raise _bad(f.path, f"{key} = {window} is negative (0 means no sliding window)")
+    pattern = read(f.metadata, f"{key}_pattern", "bools", None, where=where)
+    if window == 0 or pattern is None:
+        return window or None, None
+    if len(pattern) != n_layers:
+        raise _bad(f.path, f"{key}_pattern has {len(pattern)} entries for {n_layers} layers")
+    return int(window), tuple(bool(x) for x in pattern)
 
 
 # Tensors of RoPE frequency divisors, rotary_dim // 2 each: Llama 3's, LongRoPE's (Phi-3)

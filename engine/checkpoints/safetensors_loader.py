@@ -1,8 +1,9 @@
 """Load a Hugging Face checkpoint directory (config.json + *.safetensors) into a Checkpoint.
 
-Covers dense fp16 / bf16 / fp32 weights, GPTQ (4/8-bit, v1 and v2 zero points, act-order g_idx) and AWQ GEMM
-4-bit (AutoGPTQ's and AutoAWQ's packers). Quantized linears become QuantWeight (w = scale * q + offset, with
-offset = -scale * zero rounded once to fp16, or no offset when every zero is 2**(bits-1), which is exact);
+Covers dense fp16 / bf16 / fp32 weights, GPTQ (4/8-bit, v1 and v2 zero points, act-order g_idx), AWQ GEMM
+4-bit (AutoGPTQ's and AutoAWQ's packers) and compressed-tensors pack-quantized W4A16 / W8A16 (llm-compressor's).
+Quantized linears become QuantWeight (w = scale * q + offset, with offset = -scale * zero rounded once to fp16
+for GPTQ and AWQ, kept exact for compressed-tensors, or no offset when every zero is 2**(bits-1), which is exact);
 everything else stays a torch tensor in the dtype it was stored in. Tensors are renamed to the GGUF names the
 model uses; Hugging Face q/k rows are already in the half-split (NeoX) RoPE order the model expects.
 Weights are read with `safetensors` only: pickled *.bin files can run code when loaded and are refused.
@@ -25,6 +26,8 @@ from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Families whose config.json sliding_window applies (transformers' Llama ignores the key)
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM")
 
 TOP_MODULES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER_MODULES = {
@@ -54,10 +57,16 @@ AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int  # -1: one group spanning the whole input dimension
     zero_shift: int  # added to stored zeros: GPTQ v1 stores zero - 1 (AutoGPTQ's pack), v2 and AWQ store zero
+    symmetric: bool = False  # compressed-tensors: no zero points stored
+
+
+# compressed-tensors: what llamaterm reads, for its refusals
+COMPRESSED_TENSORS_SUPPORTED = ("compressed-tensors pack-quantized W4A16 / W8A16 (integer weights, group or "
+                                "channel scales, symmetric or asymmetric)")
 
 
 def load_safetensors(model_dir: Path) -> Checkpoint:
@@ -100,13 +109,14 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     n_heads = size("num_attention_heads")
     hidden_size = size("hidden_size")
     context_length = size("max_position_embeddings")
-    # MistralConfig defaults to a 4096-token window when the key is absent; a window covering the whole
-    # context is the same as none.
-    window = size("sliding_window", 4096 if arch == "MistralForCausalLM" and "sliding_window" not in hf else None)
-    if family in ("qwen2", "qwen3") and not field(hf, "use_sliding_window", bool, False):
-        window = None  # Qwen configs name a window that applies only with use_sliding_window
-    if window is not None and window < context_length:
-        raise ModelFormatError(f"sliding-window attention ({window} tokens) is not supported")
+    n_layers = size("num_hidden_layers")
+    window, sliding_layers = None, None
+    if arch in SLIDING_WINDOW_ARCHITECTURES:  # Llama ignores a sliding_window key; these read it
+        window, sliding_layers = sliding_window(hf, n_layers)
+    elif family == "phi3":  # transformers' Phi-3 slides where its config gives a window (Phi-3-mini-4k: 2047)
+        window = size("sliding_window", None)
+    if family in ("qwen2", "qwen3") and field(hf, "use_sliding_window", bool, False):
+        raise ModelFormatError("config.json: use_sliding_window (Qwen's window on its upper layers) is not supported")
     if (act := field(hf, "hidden_act", str, "silu")) != "silu":
         raise ModelFormatError(f"unsupported activation {act!r}: the {arch} MLP uses silu")
     # Qwen3's config defaults differ from hidden / heads (transformers: 128), and its files always say
@@ -116,7 +126,7 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     config = ModelConfig(
         arch=family,
         name=name,
-        n_layers=size("num_hidden_layers"),
+        n_layers=n_layers,
         hidden_size=hidden_size,
         intermediate_size=size("intermediate_size"),
         n_heads=n_heads,
@@ -132,8 +142,25 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
         qk_norm=family == "qwen3",
         fused_projections=family == "phi3",
+        sliding_window=window,
+        sliding_layers=sliding_layers,
     )
     return replace(config, **rope_scaling(hf, config))
+
+
+def sliding_window(hf: dict, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) as transformers reads them: `sliding_window` (absent: 4096, Mistral's and
+    Ministral's default; null: none) and `layer_types` ("sliding_attention" or "full_attention" per layer;
+    absent: every layer slides)."""
+    window = field(hf, "sliding_window", int, 4096 if "sliding_window" not in hf else None, positive=True)
+    layer_types = field(hf, "layer_types", "strings", None)
+    if window is None or layer_types is None:
+        return window, None
+    kinds = {"sliding_attention": True, "full_attention": False}
+    if len(layer_types) != n_layers or not set(layer_types) <= kinds.keys():
+        raise ModelFormatError(f"config.json: layer_types must give one of {sorted(kinds)} for each of the "
+                               f"{n_layers} layers")
+    return window, tuple(kinds[t] for t in layer_types)
 
 
 def field(hf: dict, key: str, kind, default=MISSING, *, positive: bool = False):
@@ -200,10 +227,13 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return compressed_tensors_scheme(qc)
     bits = qc.get("bits", qc.get("w_bit"))  # AutoAWQ spells them w_bit and q_group_size
     group_size = qc.get("group_size", qc.get("q_group_size"))
     if method not in ("gptq", "awq"):
-        raise ModelFormatError(f"unsupported quantization method {method!r}: llamaterm reads GPTQ and AWQ")
+        raise ModelFormatError(f"unsupported quantization method {method!r}: llamaterm reads GPTQ, AWQ and "
+                               "compressed-tensors")
     if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ModelFormatError(f"{method} quantization_config has an invalid group_size {group_size!r}")
     if method == "gptq":
@@ -221,6 +251,48 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
     if not qc.get("zero_point", True):
         raise ModelFormatError("AWQ without zero points is not supported")
     return QuantScheme("awq", 4, group_size, 0)
+
+
+def compressed_tensors_scheme(qc: dict) -> QuantScheme:
+    """A compressed-tensors quantization_config (as llm-compressor writes it) -> QuantScheme, refusing by name
+    what is not integer weight-only quantization packed into int32 words."""
+    get = lambda data, key, kind, default=MISSING, positive=False: read(
+        data, key, kind, default, where="config.json quantization_config", positive=positive)
+
+    def refuse(what: str) -> ModelFormatError:
+        return ModelFormatError(f"compressed-tensors {what} is not supported: llamaterm reads "
+                                f"{COMPRESSED_TENSORS_SUPPORTED}")
+
+    if (fmt := get(qc, "format", str, None)) != "pack-quantized":
+        raise refuse(f"format {fmt!r}")
+    for key, what in (("sparsity_config", "sparsity (e.g. 2:4)"), ("transform_config", "a weight transform"),
+                      ("kv_cache_scheme", "KV-cache quantization")):
+        if get(qc, key, dict, None):
+            raise refuse(what)
+    groups = get(qc, "config_groups", dict)
+    schemes = set()
+    for group in groups.values():
+        group = group if isinstance(group, dict) else {}
+        if get(group, "format", str, fmt) != "pack-quantized":
+            raise refuse(f"format {group['format']!r}")
+        for key in ("input_activations", "output_activations"):
+            if group.get(key) is not None:
+                raise refuse("activation quantization (e.g. W8A8)")
+        w = get(group, "weights", dict)
+        kind, bits, strategy = get(w, "type", str, "int"), get(w, "num_bits", int), get(w, "strategy", str)
+        if kind != "int":
+            raise refuse(f"{kind} weights (e.g. FP8)")
+        if bits not in (4, 8):
+            raise refuse(f"{bits}-bit weights")
+        if strategy not in ("group", "channel"):
+            raise refuse(f"the {strategy!r} strategy")
+        if get(w, "dynamic", bool, False) or get(w, "actorder", str, None) not in (None, "weight", "static"):
+            raise refuse("dynamic or activation-ordered groups (actorder: group)")
+        group_size = get(w, "group_size", int, positive=True) if strategy == "group" else -1
+        schemes.add(QuantScheme("compressed-tensors", bits, group_size, 0, get(w, "symmetric", bool, True)))
+    if len(schemes) != 1:
+        raise refuse("a mix of weight schemes" if schemes else "a config without config_groups")
+    return schemes.pop()
 
 
 # --- safetensors files -----------------------------------------------------------------------------------
@@ -325,10 +397,10 @@ def convert_tensors(
             raise ModelFormatError(f"{hf_module}.bias is missing: the checkpoint is incomplete")
         if "bias" in parts:
             tensors[f"{module}.bias"] = dense(parts.pop("bias"), shapes[f"{module}.bias"], f"{hf_module}.bias")
-        if "qweight" in parts and len(shape) == 2 and module != "token_embd":
+        if parts.keys() & {"qweight", "weight_packed"} and len(shape) == 2 and module != "token_embd":
             if scheme is None:
                 raise ModelFormatError(f"{hf_module} is quantized but config.json has no quantization_config")
-            convert = gptq_weight if scheme.method == "gptq" else awq_weight
+            convert = {"gptq": gptq_weight, "awq": awq_weight, "compressed-tensors": packed_weight}[scheme.method]
             tensors[f"{module}.weight"] = convert(parts, shape, scheme, hf_module)
         elif set(parts) == {"weight"}:
             tensors[f"{module}.weight"] = dense(parts["weight"], shape, f"{hf_module}.weight")
@@ -363,11 +435,11 @@ def quant_parts(parts: dict, names: set[str], hf_module: str, scheme: QuantSchem
         raise ModelFormatError(f"{hf_module}.scales has dtype {parts['scales'].dtype}, expected float16")
 
 
-def group_count(k: int, scheme: QuantScheme, hf_module: str) -> tuple[int, int]:
+def group_count(k: int, scheme: QuantScheme) -> tuple[int, int]:
+    """(group size, groups): a group size that does not divide k leaves a short last group (GPTQModel writes
+    group 128 for 576-wide layers)."""
     group_size = k if scheme.group_size == -1 else scheme.group_size
-    if k % group_size:
-        raise ModelFormatError(f"{hf_module}: input size {k} is not a multiple of group_size {group_size}")
-    return group_size, k // group_size
+    return group_size, -(-k // group_size)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -384,7 +456,7 @@ def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_mod
     n, k = shape
     bits, per_word = scheme.bits, 32 // scheme.bits
     quant_parts(parts, {"qweight", "qzeros", "scales", "g_idx"}, hf_module, scheme)
-    group_size, groups = group_count(k, scheme, hf_module)
+    group_size, groups = group_count(k, scheme)
     if k % per_word or n % per_word:
         raise ModelFormatError(f"{hf_module}: shape {[n, k]} does not pack into int32 words of {bits} bits")
     check_shape(parts["qweight"], (k // per_word, n), f"{hf_module}.qweight")
@@ -395,9 +467,11 @@ def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_mod
     zeros = unpack_int32(parts["qzeros"], bits, dim=1) + scheme.zero_shift  # [G, N], packed along the output
     g_idx = parts["g_idx"].long()
     in_range = g_idx.min() >= 0 and g_idx.max() < groups
-    if not in_range or (torch.bincount(g_idx, minlength=groups) != group_size).any():
+    sizes = (torch.arange(k) // group_size).bincount()  # group_size each, the last one what is left
+    if not in_range or not torch.equal(torch.bincount(g_idx, minlength=groups), sizes):
         raise ModelFormatError(
-            f"{hf_module}.g_idx does not assign {group_size} input channels to each of {groups} groups"
+            f"{hf_module}.g_idx does not assign {group_size} input channels to each of {groups} groups (the last "
+            f"one {sizes[-1]})"
         )
     perm = None
     if not torch.equal(g_idx, torch.arange(k) // group_size):
@@ -410,7 +484,7 @@ def gptq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_mod
 def awq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_module: str) -> QuantWeight:
     n, k = shape
     quant_parts(parts, {"qweight", "qzeros", "scales"}, hf_module, scheme)
-    group_size, groups = group_count(k, scheme, hf_module)
+    group_size, groups = group_count(k, scheme)
     if n % 8:
         raise ModelFormatError(f"{hf_module}: output size {n} is not a multiple of 8")
     check_shape(parts["qweight"], (k, n // 8), f"{hf_module}.qweight")
@@ -423,6 +497,46 @@ def awq_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_modu
 
     q, zeros = unpack(parts["qweight"]), unpack(parts["qzeros"])
     return quant_weight(q.T, parts["scales"].T, zeros.T, 4, group_size)
+
+
+def packed_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_module: str) -> QuantWeight:
+    """compressed-tensors pack-quantized: weight_packed int32 [N, K / per word] holds the values along K, lowest bits
+    first, as q + 2**(bits-1) (the signed q in unsigned form); weight_zero_point, asymmetric only, holds the zeros
+    the same way along N [N / per word, G]; w = scale * (q - zero) (its pack_to_int32 and dequantize)."""
+    n, k = shape
+    bits, per_word = scheme.bits, 32 // scheme.bits
+    names = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric else {"weight_zero_point"})
+    if set(parts) != names:
+        kind = "symmetric" if scheme.symmetric else "asymmetric"
+        raise ModelFormatError(f"{hf_module} has tensors {sorted(parts)}; {kind} compressed-tensors uses "
+                               f"{sorted(names)}")
+    for name, dtypes in (("weight_packed", (torch.int32,)), ("weight_zero_point", (torch.int32,)),
+                         ("weight_shape", (torch.int32, torch.int64)), ("weight_scale", DENSE_DTYPES)):
+        if name in parts and parts[name].dtype not in dtypes:
+            raise ModelFormatError(f"{hf_module}.{name} has dtype {parts[name].dtype}, expected one of {dtypes}")
+    if parts["weight_shape"].tolist() != [n, k]:
+        raise ModelFormatError(f"{hf_module}.weight_shape is {parts['weight_shape'].tolist()}, expected {[n, k]} "
+                               "from config.json")
+    group_size, groups = group_count(k, scheme)
+    check_shape(parts["weight_packed"], (n, -(-k // per_word)), f"{hf_module}.weight_packed")
+    check_shape(parts["weight_scale"], (n, groups), f"{hf_module}.weight_scale")
+    scales = parts["weight_scale"]
+    if not scales.isfinite().all():
+        raise ModelFormatError(f"{hf_module}.weight_scale holds values that are not finite: the file is damaged")
+    q = unpack_int32(parts["weight_packed"], bits, dim=1)[:, :k]
+    if scheme.symmetric:
+        return QuantWeight.from_values(q, narrowest(scales), None, bits, group_size)
+    check_shape(parts["weight_zero_point"], (-(-n // per_word), groups), f"{hf_module}.weight_zero_point")
+    zeros = unpack_int32(parts["weight_zero_point"], bits, dim=0)[:n]
+    # exact in fp32 for fp16 and bf16 scales (at most 11 + 8 significant bits), and so is scale * q + offset
+    offsets = -scales.float() * zeros
+    return QuantWeight.from_values(q, narrowest(scales), narrowest(offsets), bits, group_size)
+
+
+def narrowest(t: torch.Tensor) -> torch.Tensor:
+    """fp16 where it holds every value exactly, else fp32: exact, and as few bytes as that allows."""
+    half = t.half()
+    return half if torch.equal(half.float(), t.float()) else t.float()
 
 
 def quant_weight(q, scales, zeros, bits: int, group_size: int, perm=None) -> QuantWeight:

@@ -4,12 +4,19 @@ The pool itself is one tensor allocated by the model; this file only decides whi
 A full block is keyed by a hash chained over its tokens and its parent block's hash, so two sequences with the
 same prefix (a shared system prompt, the next turn of a conversation) share blocks instead of recomputing them.
 Freed blocks keep their contents and hash until reused: the free queue is also the LRU list of the prefix cache.
+
+With sliding-window attention in every layer (a window of W tokens), the next token at position p reads keys from
+p - W + 1 on only, so a sequence gives back the blocks wholly before that as it goes (`slide`) and holds at most
+about W / block_size + 1 blocks however long it grows; their table entries become FREED. A prefix match then needs
+only the blocks its window reaches, which it finds by chain hash even when earlier blocks were evicted.
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from llamaterm.engine.errors import LlamatermError
+
+FREED = -1  # the table entry of a block given back because no window reaches it any more (never read)
 
 
 @dataclass
@@ -41,11 +48,13 @@ class BlockTableEntry:
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0
     last_hash: int | None = None
+    num_freed: int = 0  # leading entries that are FREED
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None):
         self.block_size = block_size
+        self.window = window  # keys every layer reads back from a query (ModelConfig.kv_window); None: all
         self.blocks = [Block(i) for i in range(num_blocks)]
         # ref_count == 0 blocks, least recently freed first; popping from the front evicts the LRU cached block
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -63,24 +72,52 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, token_ids: list[int], table: BlockTableEntry) -> int:
-        """Take cached blocks for the longest run of full leading blocks; returns the tokens they cover.
+        """Take cached blocks for the longest run of full leading blocks; returns the tokens they cover. With a
+        window, the run need only hold the blocks the window of the first token left to compute reaches.
 
         At least one token is always left to compute: the step that computes it produces the next-token logits.
         """
         bs = self.block_size
+        hashes, found = [], []  # chain hash and cached block (or None) of every full block before the last token
         parent = None
         for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % bs, bs):
             chunk = tuple(token_ids[start : start + bs])
-            h = chain_hash(parent, chunk)
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            parent = chain_hash(parent, chunk)
+            block_id = self.cached.get(parent)
+            hit = block_id is not None and self.blocks[block_id].token_ids == chunk
+            if not hit and self.window is None:
                 break
+            hashes.append(parent)
+            found.append(block_id if hit else None)
+        matched, run_start = 0, 0  # blocks matched; where the run of found blocks ending at block i starts
+        for i, block_id in enumerate(found):
+            if block_id is None:
+                run_start = i + 1
+            elif run_start <= self.first_needed_block((i + 1) * bs):
+                matched = i + 1
+        table.num_freed = self.first_needed_block(matched * bs)
+        table.block_ids.extend([FREED] * table.num_freed)
+        for block_id in found[table.num_freed : matched]:
             self._ref(block_id)
             table.block_ids.append(block_id)
-            parent = h
-        table.num_hashed = len(table.block_ids)
-        table.last_hash = parent
-        return len(table.block_ids) * bs
+        table.num_hashed = matched
+        table.last_hash = hashes[matched - 1] if matched else None
+        return matched * bs
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """The first block the window of the token at position num_computed reaches (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def slide(self, table: BlockTableEntry, num_computed: int) -> None:
+        """Give back the blocks that no window reaches once num_computed tokens are in the cache (after
+        commit_full_blocks, so that they stay in the prefix cache)."""
+        keep = min(self.first_needed_block(num_computed), len(table.block_ids))
+        for i in range(table.num_freed, keep):
+            self._unref(table.block_ids[i])
+            table.block_ids[i] = FREED
+        table.num_freed = max(table.num_freed, keep)
 
     def can_allocate(self, table: BlockTableEntry, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(table.block_ids) <= self.num_free
@@ -104,7 +141,7 @@ class BlockManager:
             i = table.num_hashed
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(table.last_hash, chunk)
-            block = self.blocks[table.block_ids[i]]
+            block = self.blocks[table.block_ids[i]]  # never FREED: blocks are freed after they were hashed
             if block.hash is None and h not in self.cached:
                 block.hash, block.token_ids = h, chunk
                 self.cached[h] = block.id
@@ -113,16 +150,21 @@ class BlockManager:
 
     def release(self, table: BlockTableEntry) -> None:
         """Drop the sequence's references. Tail blocks go to the front of the LRU so they are evicted first."""
-        for block_id in reversed(table.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)
+        for block_id in reversed(table.block_ids[table.num_freed :]):
+            self._unref(block_id)
         table.block_ids.clear()
-        table.num_hashed = 0
+        table.num_hashed = table.num_freed = 0
         table.last_hash = None
+
+    def _unref(self, block_id: int) -> None:
+        """One reference fewer; a block left unowned joins the free queue at its most recent end, or, when it is
+        not in the prefix cache, at the front (reused first)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

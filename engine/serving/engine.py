@@ -123,7 +123,7 @@ class Engine:
         dense_s = time.perf_counter() - t
         kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share)
         num_blocks = pool_blocks(kv_tokens, c.block_size, model.kv_bytes_per_token(), free_memory(model.device))
-        self.block_manager = BlockManager(num_blocks, c.block_size)
+        self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
         self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
@@ -166,6 +166,14 @@ class Engine:
     def pool_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
+    def sequence_limit(self) -> int:
+        """The longest sequence the pool can hold on its own. With a sliding window in every layer a sequence
+        holds only its window and one step's tokens (BlockManager.slide), so any length fits a pool above that."""
+        bm, window = self.block_manager, self.model.config.kv_window()
+        if window is not None and window + self.scheduler.max_batch_tokens + 2 * bm.block_size <= self.pool_tokens():
+            return self.max_context
+        return min(self.max_context, self.pool_tokens())
+
     def encode_prompt(self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
                       ) -> list[int]:
         if isinstance(prompt, str) and raw:
@@ -191,7 +199,7 @@ class Engine:
                 f"the prompt is {len(ids)} tokens but the model's context holds {self.max_context}: "
                 "shorten the prompt or start a new conversation"
             )
-        limit = min(self.max_context, self.pool_tokens())
+        limit = self.sequence_limit()
         if len(ids) >= limit:
             raise RequestError(
                 f"the prompt is {len(ids)} tokens but the KV cache pool holds {limit}: shorten the prompt, "
@@ -305,6 +313,7 @@ class Engine:
         for c in chunks:
             c.seq.num_computed += c.length
             self.block_manager.commit_full_blocks(c.seq.table, c.seq.token_ids, c.seq.num_computed)
+            self.block_manager.slide(c.seq.table, c.seq.num_computed)
         tokens = sample(logits, sampling)  # waits for the GPU: a replayed graph returns before it has run
         now = time.perf_counter()
         self.max_step_s = max(self.max_step_s, now - start)

@@ -90,6 +90,7 @@ def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
 class Layer:
     def __init__(self, c: ModelConfig, t: dict[str, Weight], i: int, device, dtype):
         get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
+        self.window = c.layer_window(i)  # sliding-window attention's keys per query; None: the whole context
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
         if c.fused_projections:
@@ -177,7 +178,7 @@ class Model:
                 q = q * self.q_scale
             write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
-                                step.query_start_loc, self.scale)
+                                step.query_start_loc, self.scale, layer.window)
             h = linear(o.view(n_tokens, q_size), layer.o)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
             h = linear(silu_and_mul(linear_parts(x, layer.gate_up)), layer.down)
