@@ -314,6 +314,17 @@ void rope(const float *q, const float *k, float *q_out, float *k_out, const int6
     }
 }
 
+/* out [T, I] = gelu(gate) * up, GELU's tanh form (Gemma's GeGLU), as kernels/activation.py: g * (1 + tanh(z)) / 2
+   computed as g / (1 + exp(-2z)), z = sqrt(2 / pi) * (g + 0.044715 g^3). */
+void gelu_tanh_and_mul(const float *gate_up, long T, long I, float *out) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i++) {
+            float g = gate_up[t * 2 * I + i];
+            float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            out[t * I + i] = g / (1.0f + expf(-2.0f * z)) * gate_up[t * 2 * I + I + i];
+        }
+}
+
 /* out [T, I] = silu(gate) * up for gate_up [T, 2I], as kernels/activation.py. */
 void silu_and_mul(const float *gate_up, long T, long I, float *out) {
     for (long t = 0; t < T; t++)

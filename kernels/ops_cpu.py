@@ -71,10 +71,18 @@ def rope_cpu(q, k, positions, inv_freq, lib):
 
 
 def silu_and_mul_cpu(gate_up, lib):
+    return _act_and_mul_cpu(gate_up, lib.silu_and_mul)
+
+
+def gelu_tanh_and_mul_cpu(gate_up, lib):
+    return _act_and_mul_cpu(gate_up, lib.gelu_tanh_and_mul)
+
+
+def _act_and_mul_cpu(gate_up, fn):
     gate_up = gate_up.contiguous()
     i = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], i)
-    lib.silu_and_mul(ptr(gate_up), gate_up.numel() // gate_up.shape[-1], i, ptr(out))
+    fn(ptr(gate_up), gate_up.numel() // gate_up.shape[-1], i, ptr(out))
     return out
 
 

@@ -27,10 +27,11 @@ CORPUS = ["The capital of France is Paris. What is the capital of Italy? Rome!",
 
 
 def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None,
-                   tokenizer_class: str = "PreTrainedTokenizerFast") -> None:
-    """A byte-level BPE tokenizer of `vocab_size` tokens (special tokens last) trained on CORPUS, written as
+                   tokenizer_class: str = "PreTrainedTokenizerFast", fill: bool = False) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens (the special ones last) trained on CORPUS, written as
     tokenizer.json + tokenizer_config.json, the way Qwen2 / Llama-3 / Phi-4 ship theirs. `pre_split`: the family's
-    pre-tokenizer regex (else GPT-2's)."""
+    pre-tokenizer regex (else GPT-2's). `fill`: <unusedN> tokens fill the vocabulary, as in Gemma's (llama.cpp's
+    converter trims Gemma's embedding to the tokenizer's size)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -41,7 +42,9 @@ def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_sp
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
-    tok.add_special_tokens(specials)
+    # CORPUS has fewer merges than asked for
+    unused = [f"<unused{i}>" for i in range(vocab_size - len(specials) - tok.get_vocab_size())] if fill else []
+    tok.add_special_tokens(unused + specials)
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({

@@ -40,6 +40,7 @@ class Family:
     pre: str  # the GGUF pre-tokenizer llama.cpp's converter would detect for the family's real tokenizer
     pre_split: str | None = None  # the family's pre-tokenizer regex, for the test tokenizer
     tokenizer_class: str = "PreTrainedTokenizerFast"  # as the family's tokenizer_config.json names it
+    unused_tokens: bool = False  # <unusedN> tokens fill the vocabulary, as in Gemma's
     needs_tensor: str = "blk.1.ffn_down.weight"  # a GGUF tensor without which the family's model does not load
     needs_key: str = "num_hidden_layers"  # a config.json key (a.b: b in object a) without which it does not load
     # transformers' GGUF reader reads the family back (a check of the converter); where it does not, why
@@ -96,6 +97,18 @@ FAMILIES = {
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
                       "long_factor": [2.0 + i / 2 for i in range(8)]}, pad_token_id=0, eos_token_id=1)),
         "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    # Gemma 3 (text): five sliding layers (window 8) and a global one, Gemma 3's pattern, which its GGUFs leave to
+    # llama.cpp's default; a RoPE base per kind and linear scaling on the global layers (Gemma 3 4B+: x8); head_dim
+    # 32 on hidden 64, q/k norms, (1 + weight) norms, GeGLU, a scaled embedding
+    "gemma3": Family(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**small(
+        tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=32,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}) | dict(
+        head_dim=32, num_hidden_layers=6)),
+        "llama-bpe", LLAMA3_SPLIT, unused_tokens=True, needs_tensor="blk.2.post_ffw_norm.weight",
+        needs_key="query_pre_attn_scalar",
+        hf_misreads_gguf="transformers rebuilds gemma3 GGUFs with other position settings than the converter wrote "
+                         "(their logits agree at the first position only)"),
     # a window of 8, far shorter than the 19-token prompt and its 24 greedy tokens
     "mistral": Family(transformers.MistralForCausalLM, transformers.MistralConfig(**small(sliding_window=8)),
                       "llama-bpe", LLAMA3_SPLIT, gguf_window=True),
@@ -111,7 +124,8 @@ def built(name: str, tmp_path_factory) -> tuple[Family, torch.nn.Module, Path, P
         fam = FAMILIES[name]
         folder = tmp_path_factory.mktemp(name) / "hf"
         model = save_tiny_model(fam.model_cls, fam.config, folder)
-        byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class)
+        byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class,
+                       fam.unused_tokens)
         gguf = convert_to_gguf(folder, folder.parent / f"{name}.f32.gguf", pre=fam.pre, sliding_window=fam.gguf_window)
         _BUILT[name] = fam, model, folder, gguf
     return _BUILT[name]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llamaterm.kernels import ops_cpu
-from llamaterm.kernels.activation import silu_and_mul_ref
+from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref
 from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
@@ -100,6 +100,11 @@ def test_rope(lib):
 def test_silu_and_mul(lib):
     gate_up = torch.randn(3, 2 * 50) * 4
     assert rel_err(ops_cpu.silu_and_mul_cpu(gate_up, lib), silu_and_mul_ref(gate_up)) < FP32_TOL
+
+
+def test_gelu_tanh_and_mul(lib):
+    gate_up = torch.randn(3, 2 * 50) * 4
+    assert rel_err(ops_cpu.gelu_tanh_and_mul_cpu(gate_up, lib), gelu_tanh_and_mul_ref(gate_up)) < FP32_TOL
 
 
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page", [

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from llamaterm.kernels.activation import silu_and_mul_ref  # noqa: E402
-from llamaterm.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
+from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref  # noqa: E402
+from llamaterm.kernels.activation_triton import act_and_mul_triton  # noqa: E402
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton, write_kv_triton  # noqa: E402
 from llamaterm.kernels.linear import linear_ref  # noqa: E402
@@ -223,6 +223,7 @@ def test_rope_ref_rows_are_per_token():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_silu_and_mul(dtype):
-    gate_up = torch.randn(2, 3, 2 * 1100, device=DEVICE).to(dtype)  # two column blocks per row
-    assert rel_err(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
+@pytest.mark.parametrize("activation, ref", [("silu", silu_and_mul_ref), ("gelu_tanh", gelu_tanh_and_mul_ref)])
+def test_act_and_mul(dtype, activation, ref):
+    gate_up = (torch.randn(2, 3, 2 * 1100, device=DEVICE) * 3).to(dtype)  # two column blocks per row
+    assert rel_err(act_and_mul_triton(gate_up, activation), ref(gate_up.float())) < TOL[dtype]

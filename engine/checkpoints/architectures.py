@@ -22,6 +22,8 @@ FAMILIES = (
     Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen", ("qwen2",)),
     Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3 (dense)", ("qwen3",)),
     Family("phi3", ("Phi3ForCausalLM",), "Phi-3, Phi-3.5, Phi-4-mini", ("phi3",)),
+    # the text model; llama.cpp's GGUFs of the larger, image-reading Gemma 3 models hold only it
+    Family("gemma3", ("Gemma3ForCausalLM",), "Gemma 3 (text)", ("gemma3_text",)),
 )
 GGUF_ARCHITECTURES = tuple(f.arch for f in FAMILIES)
 HF_ARCHITECTURES = {cls: f.arch for f in FAMILIES for cls in f.hf_classes}
@@ -34,6 +36,7 @@ REFUSED = {
     "Qwen3MoeForCausalLM": "Qwen3 MoE (a mixture of experts)",
     "phimoe": "Phi MoE (Phi-3.5-MoE, a mixture of experts)",
     "PhiMoEForCausalLM": "Phi MoE (Phi-3.5-MoE, a mixture of experts)",
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (run its GGUF, which holds the text model)",
 }
 
 

@@ -35,6 +35,15 @@ class ModelConfig:
     rope_long_factors: tuple[float, ...] | None = None
     rope_long_from: int | None = None
     rope_attention_factor: float = 1.0
+    # Gemma 3: norms on the attention and MLP outputs too, before their residual adds; GeGLU; the embedding times
+    # sqrt(hidden); a softmax scale of its own (query_pre_attn_scalar ** -0.5); its sliding layers' own RoPE base;
+    # a tanh cap on the logits where the config has one. (Its (1 + weight) norms are stored as such at load.)
+    post_norms: bool = False
+    activation: str = "silu"  # "silu" or "gelu_tanh"
+    embedding_scale: float = 1.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    rope_theta_sliding: float | None = None  # None: rope_theta (without rope_freq_factors, which global layers take)
+    final_logit_softcap: float | None = None
     # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p (transformers'
     # sliding_window_overlay). sliding_layers says which layers use it (Gemma 3 interleaves sliding and global
     # layers); None: every layer does. No window: every layer sees the whole context.
@@ -59,6 +68,8 @@ class ModelConfig:
             if factors is not None and len(factors) != self.rotary_dim // 2:
                 raise ModelFormatError(f"{len(factors)} RoPE {name.split('_')[1]} factors for {self.rotary_dim} "
                                        f"rotated dims: there must be {self.rotary_dim // 2}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ModelFormatError(f"unsupported activation {self.activation!r} (llamaterm runs silu and gelu_tanh)")
         if (self.rope_long_factors is None) != (self.rope_long_from is None):
             raise ModelFormatError("LongRoPE needs both its long factors and the original context length")
         window = self.sliding_window
@@ -69,13 +80,18 @@ class ModelConfig:
             raise ModelFormatError(f"the sliding-window layer pattern has {len(self.sliding_layers)} entries for "
                                    f"{self.n_layers} layers")
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether a layer is of the sliding kind (Gemma 3 gives those a RoPE base of their own), whatever its
+        window spans."""
+        return self.sliding_window is not None and (self.sliding_layers is None or self.sliding_layers[layer])
+
     def layer_window(self, layer: int) -> int | None:
         """The window of one layer's attention, or None for full attention. A window spanning the whole context
         is full attention, and runs as such."""
         window = self.sliding_window
-        if window is None or window >= self.context_length:
+        if not self.is_sliding(layer) or window >= self.context_length:
             return None
-        return window if self.sliding_layers is None or self.sliding_layers[layer] else None
+        return window
 
     def kv_window(self) -> int | None:
         """The trailing tokens that every layer still reads, so KV blocks before them can be freed; None when some
@@ -87,12 +103,14 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return self.rope_dim or self.head_dim
 
-    def inv_freq(self, long: bool = False) -> torch.Tensor:
-        """RoPE inverse frequencies [head_dim // 2] (the long ones of LongRoPE), computed the way Hugging Face does
-        (fp32) so logits match it closely. Past the rotated dims they are 0: see rotary_order."""
-        dim = self.rotary_dim
-        inv = 1.0 / self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        factors = self.rope_long_factors if long else self.rope_freq_factors
+    def inv_freq(self, long: bool = False, sliding: bool = False) -> torch.Tensor:
+        """RoPE inverse frequencies [head_dim // 2] (the long ones of LongRoPE; a sliding layer's, with a base of its
+        own), computed the way Hugging Face does (fp32) so logits match it closely. Past the rotated dims they are 0:
+        see rotary_order."""
+        dim, own_base = self.rotary_dim, sliding and self.rope_theta_sliding is not None
+        theta = self.rope_theta_sliding if own_base else self.rope_theta
+        inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        factors = None if own_base else self.rope_long_factors if long else self.rope_freq_factors
         if factors is not None:
             inv = inv / torch.tensor(factors, dtype=torch.float32)
         return torch.cat([inv, torch.zeros((self.head_dim - dim) // 2)])
@@ -126,6 +144,8 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer |= {f"attn_{p}.bias": layer[f"attn_{p}.weight"][:1] for p in "qkv"}
     if c.qk_norm:
         layer |= {"attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,)}
+    if c.post_norms:
+        layer |= {"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)}
     for i in range(c.n_layers):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     return shapes

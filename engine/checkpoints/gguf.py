@@ -255,7 +255,9 @@ def _config(f: GGUFFile) -> ModelConfig:
                          "does not run", "Pick a standard model of the family.")
     n_layers = get("block_count")
     # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
-    window, sliding_layers = (None, None) if arch == "phi3" else _sliding_window(f, arch, n_layers)
+    # and Gemma 3's pattern, left out of its GGUFs, is llama.cpp's: every sixth layer global
+    window, sliding_layers = ((None, None) if arch == "phi3" else
+                              _sliding_window(f, arch, n_layers, 6 if arch == "gemma3" else None))
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
     fields = dict(
@@ -275,25 +277,40 @@ def _config(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         # Qwen2 always has them; a Llama has them when it was trained with attention_bias
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         fused_projections=arch == "phi3",
         sliding_window=window,
         sliding_layers=sliding_layers,
     )
+    if arch == "gemma3":  # the converter stores its norms as 1 + weight already; the rest as llama.cpp defaults it
+        fields |= dict(post_norms=True, activation="gelu_tanh", embedding_scale=hidden**0.5,
+                       # query_pre_attn_scalar is no GGUF key: llama.cpp's scale is 27B's (62 layers) or head_dim's
+                       attention_scale=(hidden // n_heads if n_layers == 62 else head_dim) ** -0.5,
+                       rope_theta_sliding=get("rope.freq_base_swa", 10000.0, float),
+                       final_logit_softcap=read(meta, f"{arch}.final_logit_softcapping", float, None,
+                                                where=str(path), positive=True))
     try:
         return ModelConfig(**fields)
     except ModelFormatError as e:  # the checks every reader shares
         raise _bad(path, str(e)) from None
 
 
-def _sliding_window(f: GGUFFile, arch: str, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+def _sliding_window(f: GGUFFile, arch: str, n_layers: int, period: int | None
+                    ) -> tuple[int | None, tuple[bool, ...] | None]:
     """(window, which layers use it) from {arch}.attention.sliding_window (0 or absent: none, as llama.cpp reads
-    it) and .sliding_window_pattern (a bool per layer, true: sliding; absent: every layer slides)."""
+    it) and .sliding_window_pattern: a bool per layer (true: sliding), or a period n (every nth layer is global, as
+    llama.cpp's set_swa_pattern); absent: the family's period, else every layer slides."""
     where, key = str(f.path), f"{arch}.attention.sliding_window"
     window = read(f.metadata, key, int, 0, where=where)
     if window < 0:
         raise _bad(f.path, f"{key} = {window} is negative (0 means no sliding window)")
-    pattern = read(f.metadata, f"{key}_pattern", "bools", None, where=where)
+    if isinstance(f.metadata.get(f"{key}_pattern"), int | np.integer):
+        period = read(f.metadata, f"{key}_pattern", int, where=where, positive=True)
+        pattern = None
+    else:
+        pattern = read(f.metadata, f"{key}_pattern", "bools", None, where=where)
+    if window and pattern is None and period is not None:
+        return window, tuple(i % period < period - 1 for i in range(n_layers))
     if window == 0 or pattern is None:
         return window or None, None
     if len(pattern) != n_layers:

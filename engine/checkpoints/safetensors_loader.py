@@ -39,12 +39,18 @@ LAYER_MODULES = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm",  # Gemma 3's is a norm after attention: GEMMA_LAYER_MODULES
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused gate and up, as llama.cpp names it
     "mlp.down_proj": "ffn_down",
 }
+# Gemma 3 norms each block's input, its attention's output, the MLP's input and its output
+GEMMA_LAYER_MODULES = LAYER_MODULES | {"post_attention_layernorm": "post_attention_norm",
+                                       "pre_feedforward_layernorm": "ffn_norm",
+                                       "post_feedforward_layernorm": "post_ffw_norm"}
+# transformers' config.json spellings of the MLP activations llamaterm runs
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
 IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -110,17 +116,25 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     hidden_size = size("hidden_size")
     context_length = size("max_position_embeddings")
     n_layers = size("num_hidden_layers")
+    gemma = family == "gemma3"
     window, sliding_layers = None, None
     if arch in SLIDING_WINDOW_ARCHITECTURES:  # Llama ignores a sliding_window key; these read it
         window, sliding_layers = sliding_window(hf, n_layers)
+    elif gemma:  # every sixth layer global, unless the config says otherwise (Gemma3TextConfig's default)
+        window, sliding_layers = sliding_window(hf, n_layers, field(hf, "sliding_window_pattern", int, 6,
+                                                                    positive=True))
     elif family == "phi3":  # transformers' Phi-3 slides where its config gives a window (Phi-3-mini-4k: 2047)
         window = size("sliding_window", None)
     if family in ("qwen2", "qwen3") and field(hf, "use_sliding_window", bool, False):
         raise ModelFormatError("config.json: use_sliding_window (Qwen's window on its upper layers) is not supported")
-    if (act := field(hf, "hidden_act", str, "silu")) != "silu":
-        raise ModelFormatError(f"unsupported activation {act!r}: the {arch} MLP uses silu")
-    # Qwen3's config defaults differ from hidden / heads (transformers: 128), and its files always say
-    head_dim = size("head_dim", MISSING if family == "qwen3" else max(hidden_size // n_heads, 1))
+    act = field(hf, "hidden_activation" if gemma else "hidden_act", str, "gelu_pytorch_tanh" if gemma else "silu")
+    if ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
+        raise ModelFormatError(f"unsupported activation {act!r} for {arch} (llamaterm runs {', '.join(ACTIVATIONS)}, "
+                               "each where its family uses it)")
+    if field(hf, "attn_logit_softcapping", float, None) is not None:
+        raise ModelFormatError("config.json: attn_logit_softcapping (Gemma 2's) is not supported")
+    # Qwen3's and Gemma 3's config defaults differ from hidden / heads (transformers: 128, 256); their files say
+    head_dim = size("head_dim", MISSING if family in ("qwen3", "gemma3") else max(hidden_size // n_heads, 1))
     partial = field(rope_params(hf), "partial_rotary_factor", float, field(hf, "partial_rotary_factor", float, 1.0),
                     positive=True)
     config = ModelConfig(
@@ -138,22 +152,31 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         rms_norm_eps=float(field(hf, "rms_norm_eps", float, 1e-6, positive=True)),
         rope_theta=float(field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0),
                                positive=True)),
-        tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
+        tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, gemma)),  # transformers' defaults
         qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         fused_projections=family == "phi3",
         sliding_window=window,
         sliding_layers=sliding_layers,
     )
+    if gemma:
+        config = replace(config, post_norms=True, activation="gelu_tanh", embedding_scale=hidden_size**0.5,
+                         attention_scale=field(hf, "query_pre_attn_scalar", float, positive=True) ** -0.5,
+                         rope_theta_sliding=float(field(rope_params(hf, "sliding_attention"), "rope_theta", float,
+                                                        field(hf, "rope_local_base_freq", float, 10000.0),
+                                                        positive=True)),
+                         final_logit_softcap=field(hf, "final_logit_softcapping", float, None, positive=True))
     return replace(config, **rope_scaling(hf, config))
 
 
-def sliding_window(hf: dict, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
-    """(window, which layers use it) as transformers reads them: `sliding_window` (absent: 4096, Mistral's and
-    Ministral's default; null: none) and `layer_types` ("sliding_attention" or "full_attention" per layer;
-    absent: every layer slides)."""
+def sliding_window(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) as transformers reads them: `sliding_window` (absent: 4096, Mistral's,
+    Ministral's and Gemma 3's default; null: none) and `layer_types` ("sliding_attention" or "full_attention" per
+    layer; absent: every layer slides, or with a `pattern` of n, every nth layer is full, as Gemma 3's)."""
     window = field(hf, "sliding_window", int, 4096 if "sliding_window" not in hf else None, positive=True)
     layer_types = field(hf, "layer_types", "strings", None)
+    if window is not None and layer_types is None and pattern is not None:
+        return window, tuple((i + 1) % pattern != 0 for i in range(n_layers))
     if window is None or layer_types is None:
         return window, None
     kinds = {"sliding_attention": True, "full_attention": False}
@@ -168,11 +191,16 @@ def field(hf: dict, key: str, kind, default=MISSING, *, positive: bool = False):
     return read(hf, key, kind, default, where="config.json", positive=positive)
 
 
-def rope_params(hf: dict) -> dict:
-    """RoPE settings: transformers 5 writes `rope_parameters`, older ones `rope_theta` and `rope_scaling`."""
+def rope_params(hf: dict, layer_type: str = "full_attention") -> dict:
+    """RoPE settings: transformers 5 writes `rope_parameters`, older ones `rope_theta` and `rope_scaling`. Gemma 3's
+    have a set per layer type: the full-attention layers' unless `layer_type` says otherwise."""
     params = [hf.get(key) or {} for key in ("rope_parameters", "rope_scaling")]
     if not all(isinstance(p, dict) for p in params):
         raise ModelFormatError("config.json: rope_parameters and rope_scaling must be JSON objects")
+    params = [p.get(layer_type) or {} if "full_attention" in p else {} if layer_type != "full_attention" else p
+              for p in params]
+    if not all(isinstance(p, dict) for p in params):
+        raise ModelFormatError(f"config.json: the RoPE settings of {layer_type} layers must be a JSON object")
     return {**params[0], **params[1]}
 
 
@@ -184,8 +212,11 @@ def rope_scaling(hf: dict, config: ModelConfig) -> dict:
         return {}
     if rope_type in ("longrope", "su"):
         return longrope(hf, params, config)
+    if rope_type == "linear":  # positions divided by factor: every frequency is
+        return {"rope_freq_factors": (float(field(params, "factor", float, positive=True)),) * (config.rotary_dim // 2)}
     if rope_type != "llama3":
-        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: llamaterm runs 'llama3' and 'longrope'")
+        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3' and "
+                               "'longrope'")
     if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
         raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any model's "
                                f"(at most {MAX_HEAD_DIM}); the file is damaged")
@@ -351,12 +382,13 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 # --- names and shapes ------------------------------------------------------------------------------------
 
 
-def gguf_module(hf_module: str) -> str | None:
+def gguf_module(hf_module: str, family: str) -> str | None:
+    layer_modules = GEMMA_LAYER_MODULES if family == "gemma3" else LAYER_MODULES
     if hf_module in TOP_MODULES:
         return TOP_MODULES[hf_module]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_module)
-    if m and m[2] in LAYER_MODULES:
-        return f"blk.{int(m[1])}.{LAYER_MODULES[m[2]]}"
+    if m and m[2] in layer_modules:
+        return f"blk.{int(m[1])}.{layer_modules[m[2]]}"
     return None
 
 
@@ -369,7 +401,7 @@ def convert_tensors(
         if IGNORED_TENSOR.fullmatch(name):
             continue
         hf_module, _, part = name.rpartition(".")
-        module = gguf_module(hf_module)
+        module = gguf_module(hf_module, config.arch)
         if module is None:
             raise ModelFormatError(f"unexpected tensor {name!r}: not part of a {config.arch} model")
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
@@ -404,6 +436,8 @@ def convert_tensors(
             tensors[f"{module}.weight"] = convert(parts, shape, scheme, hf_module)
         elif set(parts) == {"weight"}:
             tensors[f"{module}.weight"] = dense(parts["weight"], shape, f"{hf_module}.weight")
+            if config.arch == "gemma3" and module.endswith("norm"):  # Gemma3RMSNorm scales by 1 + weight, in fp32
+                tensors[f"{module}.weight"] = tensors[f"{module}.weight"].float() + 1
         else:
             raise ModelFormatError(f"unexpected tensors for {hf_module}: {sorted(parts)}")
     return tensors

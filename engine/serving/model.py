@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from llamaterm.engine.checkpoints.config import ModelConfig
-from llamaterm.kernels.activation import silu_and_mul
+from llamaterm.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from llamaterm.kernels.attention import paged_attention, write_kv
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear
@@ -91,6 +91,7 @@ class Layer:
     def __init__(self, c: ModelConfig, t: dict[str, Weight], i: int, device, dtype):
         get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
         self.window = c.layer_window(i)  # sliding-window attention's keys per query; None: the whole context
+        self.sliding_rope = c.rope_theta_sliding is not None and c.is_sliding(i)  # Gemma 3's local RoPE base
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
         if c.fused_projections:
@@ -105,6 +106,8 @@ class Layer:
         self.q_norm, self.k_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else (None, None)
         self.o = get("attn_output")
         self.down = get("ffn_down")
+        self.post_attn_norm, self.post_ffn_norm = ((get("post_attention_norm"), get("post_ffw_norm")) if c.post_norms
+                                                   else (None, None))
 
 
 class Model:
@@ -118,7 +121,9 @@ class Model:
         self.layers = [Layer(config, tensors, i, device, dtype) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
         self.long_inv_freq = None if config.rope_long_factors is None else config.inv_freq(long=True).to(device)
-        self.scale = config.head_dim**-0.5
+        self.sliding_inv_freq = config.inv_freq(sliding=True).to(device)
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else silu_and_mul
         self.q_scale = None  # LongRoPE's attention factor on the rotated dims of q and k, squared onto q's alone
         if config.rope_attention_factor != 1:
             rotated = self.inv_freq.repeat(2) != 0
@@ -157,6 +162,8 @@ class Model:
         n_tokens = step.input_ids.shape[0]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         h = embedding(step.input_ids, self.token_embd, self.dtype)
+        if c.embedding_scale != 1:
+            h = h * c.embedding_scale
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None:  # LongRoPE: from the original context on, the long factors
             inv_freq = torch.where((step.positions >= c.rope_long_from)[:, None], self.long_inv_freq, inv_freq)
@@ -173,15 +180,22 @@ class Model:
             if c.qk_norm:
                 q, _ = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k, _ = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q, k = rope(q, k, step.positions, inv_freq)
+            q, k = rope(q, k, step.positions, self.sliding_inv_freq if layer.sliding_rope else inv_freq)
             if self.q_scale is not None:
                 q = q * self.q_scale
             write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                 step.query_start_loc, self.scale, layer.window)
             h = linear(o.view(n_tokens, q_size), layer.o)
+            if c.post_norms:
+                h, _ = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
-            h = linear(silu_and_mul(linear_parts(x, layer.gate_up)), layer.down)
+            h = linear(self.act_and_mul(linear_parts(x, layer.gate_up)), layer.down)
+            if c.post_norms:
+                h, _ = rms_norm(h, layer.post_ffn_norm, c.rms_norm_eps)
         last = step.logits_indices
         x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last])
-        return linear(x, self.lm_head).float()
+        logits = linear(x, self.lm_head).float()
+        if c.final_logit_softcap is not None:
+            logits = c.final_logit_softcap * torch.tanh(logits / c.final_logit_softcap)
+        return logits
