@@ -17,6 +17,7 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.architectures import FAMILIES as SUPPORTED
 from llamaterm.engine.checkpoints.architectures import REFUSED
 from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
+from llamaterm.engine.checkpoints.gguf import _config as gguf_config
 from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
 from llamaterm.engine.checkpoints.safetensors_loader import model_config
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -378,3 +379,43 @@ def test_sliding_window_caps_kv_use_of_a_long_chat_on_the_gpu(tmp_path):
     finally:
         cpu.shutdown()
         gpu.shutdown()
+
+
+# --- Gemma 3 settings as its files write them ---------------------------------------------------------------
+
+GEMMA3_1B = {  # google/gemma-3-1b-it's config.json, in the form the Hub has it (no layer_types, no rope_parameters)
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+    "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "num_hidden_layers": 26, "vocab_size": 262144, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
+    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+
+
+def test_gemma3_config_json_reads_as_transformers_reads_it():
+    """The older config.json form, against transformers' own Gemma3TextConfig on the same keys."""
+    ours_, theirs = model_config(GEMMA3_1B, "gemma-3-1b"), transformers.Gemma3TextConfig(**GEMMA3_1B)
+    assert [ours_.is_sliding(i) for i in range(26)] == [t == "sliding_attention" for t in theirs.layer_types]
+    assert (ours_.sliding_window, ours_.head_dim, ours_.attention_scale) == (512, 256, 256**-0.5)
+    assert ours_.rope_theta == theirs.rope_parameters["full_attention"]["rope_theta"]
+    assert ours_.rope_theta_sliding == theirs.rope_parameters["sliding_attention"]["rope_theta"]
+    assert (ours_.embedding_scale, ours_.tie_word_embeddings) == (1152**0.5, theirs.tie_word_embeddings)
+
+
+def test_gemma3_gguf_settings_llama_cpp_assumes(tmp_path):
+    """Where a Gemma 3 GGUF leaves settings out: every sixth layer global, local base 10000, and the attention
+    scale llama.cpp's gemma3 loader picks: head_dim's, or hidden / heads for the 62-layer 27B."""
+    for layers, scale in ((26, 256**-0.5), (62, (5376 // 32) ** -0.5)):
+        writer = GGUFWriter(tmp_path / f"g{layers}.gguf", "gemma3")
+        for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 32768),
+                           (writer.add_embedding_length, 5376 if layers == 62 else 1152),
+                           (writer.add_feed_forward_length, 6912), (writer.add_head_count, 32 if layers == 62 else 4),
+                           (writer.add_key_length, 128 if layers == 62 else 256), (writer.add_sliding_window, 1024),
+                           (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, 262144)):
+            add(value)
+        for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+            write()
+        c = gguf_config(read_gguf_file(tmp_path / f"g{layers}.gguf"))
+        assert [c.is_sliding(i) for i in range(12)] == [i % 6 != 5 for i in range(12)]
+        assert (c.attention_scale, c.rope_theta_sliding, c.sliding_window) == (scale, 10000.0, 1024)

@@ -10,12 +10,14 @@ import importlib.metadata
 from pathlib import Path
 
 import pytest
+import sentencepiece
+import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.checkpoints.gguf import read_gguf_file
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
-from tests.family_oracle import CONVERTER
+from tests.family_oracle import CONVERTER, convert_to_gguf, sentencepiece_bpe
 
 DATA = Path(__file__).resolve().parent / "data"
 VOCABS = CONVERTER / "models"
@@ -89,6 +91,7 @@ TEMPLATES = {  # file in tests/data -> (bos, eos) as the family's tokenizer_conf
     "qwen2.5-7b-instruct.jinja": ("", "<|im_end|>"),
     "phi-3.5-mini-instruct.jinja": ("<s>", "<|endoftext|>"),
     "phi-4-mini-instruct.jinja": ("<|endoftext|>", "<|endoftext|>"),
+    "gemma-3-it.jinja": ("<bos>", "<eos>"),
 }
 
 
@@ -103,3 +106,38 @@ def test_family_templates_render_like_transformers(template, messages):
         got = ChatTemplate(source).render(messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
                                           eos_token=eos)
         assert got == want[0]
+
+
+# ---- Gemma 3: SentencePiece BPE, no dummy prefix; no package ships its tokenizer, so one built the same way ----
+
+GEMMA_TEXTS = [text for text, _ in vocab_cases("qwen2")] + ["<start_of_turn>user\nHi<end_of_turn>\n"]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> tuple[sentencepiece.SentencePieceProcessor, Tokenizer, Tokenizer]:
+    """(SentencePiece itself, ours from the folder's tokenizer.json, ours from llama.cpp's converter's GGUF)."""
+    folder = tmp_path_factory.mktemp("gemma3-tokenizer")
+    sentencepiece_bpe(folder, 400)
+    config = transformers.Gemma3TextConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config.architectures = ["Gemma3ForCausalLM"]
+    config.save_pretrained(folder)
+    gguf = convert_to_gguf(folder, folder / "vocab.gguf", vocab_only=True)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    return sp, Tokenizer.from_hf_dir(folder), Tokenizer.from_gguf_metadata(read_gguf_file(gguf).metadata)
+
+
+@pytest.mark.parametrize("source", ["tokenizer.json", "gguf"])
+def test_gemma_tokenizer_encodes_as_sentencepiece(gemma, source):
+    sp, hf, gguf = gemma
+    tok = hf if source == "tokenizer.json" else gguf
+    for text in GEMMA_TEXTS:
+        want = sp.encode(text)
+        if "<start_of_turn>" in text:  # user-defined pieces: SentencePiece matches them in any text, as special tokens
+            assert tok.encode(text, add_special=False, parse_special=True) == want, text
+            continue
+        assert tok.encode(text, add_special=False) == want, text
+        assert tok.decode(want) == sp.decode(want), text
+    # Gemma adds BOS (its tokenizer_config.json and, after the converter, its GGUF say so) and ends turns there
+    assert (tok.token_text(tok.bos_id), tok.add_bos, tok.encode("Hi")[0]) == ("<bos>", True, tok.bos_id)
+    assert {"<eos>", "<end_of_turn>"} <= {tok.token_text(i) for i in tok.stop_ids}
