@@ -14,7 +14,7 @@ from llamaterm.app import bench, models_cli
 
 app = typer.Typer(
     name="llamaterm",
-    help="Run Llama-family models from the terminal.\n\nExamples:\n\n"
+    help="Run local LLMs (Llama, Qwen, Phi, Gemma, Mistral) from the terminal.\n\nExamples:\n\n"
     "  llamaterm run \"What is the capital of France?\"\n\n"
     "  echo 'Summarise: ...' | llamaterm run -\n\n"
     "  llamaterm chat --sessions 4",

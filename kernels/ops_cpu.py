@@ -70,19 +70,12 @@ def rope_cpu(q, k, positions, inv_freq, lib):
     return q_out, k_out
 
 
-def silu_and_mul_cpu(gate_up, lib):
-    return _act_and_mul_cpu(gate_up, lib.silu_and_mul)
-
-
-def gelu_tanh_and_mul_cpu(gate_up, lib):
-    return _act_and_mul_cpu(gate_up, lib.gelu_tanh_and_mul)
-
-
-def _act_and_mul_cpu(gate_up, fn):
+def act_and_mul_cpu(gate_up, activation, lib):
+    """activation: "silu" or "gelu_tanh" (the C functions silu_and_mul, gelu_tanh_and_mul)."""
     gate_up = gate_up.contiguous()
     i = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], i)
-    fn(ptr(gate_up), gate_up.numel() // gate_up.shape[-1], i, ptr(out))
+    getattr(lib, f"{activation}_and_mul")(ptr(gate_up), gate_up.numel() // gate_up.shape[-1], i, ptr(out))
     return out
 
 

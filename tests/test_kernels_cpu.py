@@ -97,14 +97,10 @@ def test_rope(lib):
         assert rel_err(out, ref) < FP32_TOL
 
 
-def test_silu_and_mul(lib):
+@pytest.mark.parametrize("activation, ref", [("silu", silu_and_mul_ref), ("gelu_tanh", gelu_tanh_and_mul_ref)])
+def test_act_and_mul(lib, activation, ref):
     gate_up = torch.randn(3, 2 * 50) * 4
-    assert rel_err(ops_cpu.silu_and_mul_cpu(gate_up, lib), silu_and_mul_ref(gate_up)) < FP32_TOL
-
-
-def test_gelu_tanh_and_mul(lib):
-    gate_up = torch.randn(3, 2 * 50) * 4
-    assert rel_err(ops_cpu.gelu_tanh_and_mul_cpu(gate_up, lib), gelu_tanh_and_mul_ref(gate_up)) < FP32_TOL
+    assert rel_err(ops_cpu.act_and_mul_cpu(gate_up, activation, lib), ref(gate_up)) < FP32_TOL
 
 
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page", [

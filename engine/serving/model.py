@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from llamaterm.engine.checkpoints.config import ModelConfig
-from llamaterm.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from llamaterm.kernels.activation import act_and_mul
 from llamaterm.kernels.attention import paged_attention, write_kv
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear
@@ -123,7 +123,6 @@ class Model:
         self.long_inv_freq = None if config.rope_long_factors is None else config.inv_freq(long=True).to(device)
         self.sliding_inv_freq = config.inv_freq(sliding=True).to(device)
         self.scale = config.attention_scale or config.head_dim**-0.5
-        self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else silu_and_mul
         self.q_scale = None  # LongRoPE's attention factor on the rotated dims of q and k, squared onto q's alone
         if config.rope_attention_factor != 1:
             rotated = self.inv_freq.repeat(2) != 0
@@ -190,7 +189,7 @@ class Model:
             if c.post_norms:
                 h, _ = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
-            h = linear(self.act_and_mul(linear_parts(x, layer.gate_up)), layer.down)
+            h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
             if c.post_norms:
                 h, _ = rms_norm(h, layer.post_ffn_norm, c.rms_norm_eps)
         last = step.logits_indices
