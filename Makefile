@@ -12,17 +12,22 @@ setup: $(VENV)/.installed
 	@$(BIN)/python -m llamaterm.engine.store.default_model
 
 # A test oracle: llama.cpp's own HF -> GGUF converter, from the llama.cpp sources that llama-cpp-python's sdist
-# carries (pinned by hash). Tests convert tiny transformers models with it (tests/family_oracle.py).
+# carries (pinned by hash). Tests convert tiny transformers models with it (tests/family_oracle.py), and read the
+# real vocabularies of model families it ships with the token ids the families' own tokenizers give
+# (models/ggml-vocab-*.gguf with .inp / .out; tests/test_family_tokenizers.py).
 CONVERTER_SDIST := llama_cpp_python-0.3.36
 CONVERTER_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 CONVERTER := $(VENV)/oracle/llama.cpp
-$(CONVERTER)/convert_hf_to_gguf.py: | $(VENV)/.installed
+VOCABS := qwen2 phi-3
+ORACLE := $(CONVERTER)/convert_hf_to_gguf.py $(VOCABS:%=$(CONVERTER)/models/ggml-vocab-%.gguf)
+$(ORACLE) &: | $(VENV)/.installed
 	rm -rf $(VENV)/oracle && mkdir -p $(VENV)/oracle
 	$(BIN)/pip download -q --no-deps --no-binary :all: 'llama-cpp-python==0.3.36' -d $(VENV)/oracle
 	echo '$(CONVERTER_SHA256)  $(VENV)/oracle/$(CONVERTER_SDIST).tar.gz' | sha256sum -c --quiet
 	mkdir -p $(CONVERTER) && tar xzf $(VENV)/oracle/$(CONVERTER_SDIST).tar.gz -C $(CONVERTER) --strip-components=3 \
-	  $(CONVERTER_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py $(CONVERTER_SDIST)/vendor/llama.cpp/conversion \
-	  $(CONVERTER_SDIST)/vendor/llama.cpp/gguf-py $(CONVERTER_SDIST)/vendor/llama.cpp/LICENSE
+	  --wildcards $(CONVERTER_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py $(CONVERTER_SDIST)/vendor/llama.cpp/conversion \
+	  $(CONVERTER_SDIST)/vendor/llama.cpp/gguf-py $(CONVERTER_SDIST)/vendor/llama.cpp/LICENSE \
+	  $(VOCABS:%=$(CONVERTER_SDIST)/vendor/llama.cpp/models/ggml-vocab-%.gguf*)
 	rm $(VENV)/oracle/$(CONVERTER_SDIST).tar.gz
 
 $(VENV)/.installed: pyproject.toml
@@ -34,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 chat: setup
 	$(BIN)/llamaterm chat
 
-test: setup $(CONVERTER)/convert_hf_to_gguf.py
+test: setup $(ORACLE)
 	$(BIN)/python -m pytest -q
 
 # The model-file fuzz test for longer than CI runs it (tests/test_fuzz.py): FUZZ_SECONDS of cases from a new seed.

@@ -14,7 +14,7 @@ from llamaterm.app import bench, models_cli
 
 app = typer.Typer(
     name="llamaterm",
-    help="Run Llama-family models from the terminal.\n\nExamples:\n\n"
+    help="Run local LLMs (Llama, Qwen, Phi, Gemma, Mistral) from the terminal.\n\nExamples:\n\n"
     "  llamaterm run \"What is the capital of France?\"\n\n"
     "  echo 'Summarise: ...' | llamaterm run -\n\n"
     "  llamaterm chat --sessions 4",
@@ -97,6 +97,7 @@ def result_json(model_name: str, reply: Reply, handle) -> dict:
     return {
         "model": model_name,
         "text": reply.text,
+        "thinking": reply.thinking,
         "finish_reason": reply.finish_reason,
         "prompt_tokens": st.prompt_tokens,
         "cached_tokens": st.cached_tokens,
@@ -123,6 +124,12 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
+    think: Annotated[bool | None, typer.Option(
+        "--think/--no-think", help="Turn the chat template's thinking switch on or off (Qwen3's enable_thinking); "
+        "default: the template's own.", show_default=False)] = None,
+    hide_thinking: Annotated[bool, typer.Option(
+        help="Drop the reply's thinking (<think>...</think>), which otherwise goes to stderr (and to --json's "
+        "'thinking').")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object (a line each with --each-line).")] = False,
     each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
     file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
@@ -151,43 +158,67 @@ def run(
             fail("the prompt is empty: give some text", 2)
     with load_engine(model, device, kv_tokens, server, api_key, sessions=len(prompts)) as engine:
         inputs = [p if raw else messages_for(p, system) for p in prompts]
-        handles = [engine.submit(x, params, raw=raw) for x in inputs]
+        handles = [engine.submit(x, params, raw=raw, enable_thinking=think) for x in inputs]
         if each_line:
             for handle in handles:  # input order, though all run at once
-                reply = collect(handle)
+                reply = collect(handle, hide_thinking=hide_thinking)
+                if reply.thinking and not as_json:
+                    show_thinking(reply.thinking + "\n")
                 typer.echo(json.dumps(result_json(engine.model_name, reply, handle)) if as_json else reply.text)
             return
         handle = handles[0]
         if as_json:
-            typer.echo(json.dumps(result_json(engine.model_name, collect(handle), handle), indent=2))
+            reply = collect(handle, hide_thinking=hide_thinking)
+            typer.echo(json.dumps(result_json(engine.model_name, reply, handle), indent=2))
         else:
-            collect(handle, echo=True)
+            collect(handle, echo=True, hide_thinking=hide_thinking)
             if sys.stderr.isatty():
                 report(handle)
 
 
 @dataclass
 class Reply:
-    text: str
+    text: str  # the answer: the reply less its thinking
     token_ids: list[int]
     finish_reason: str | None
+    thinking: str | None = None  # what the model wrote between <think> and </think>, if it thinks
 
 
-def collect(handle, echo: bool = False) -> Reply:
-    """Read a request's events to the end; with echo, stream the text to stdout as it arrives."""
-    reply = Reply("", [], None)
+def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
+    """Read a request's events to the end; with echo, stream the answer to stdout as it arrives, and the
+    thinking (unless hidden) to stderr."""
+    from llamaterm.engine.thinking import ThinkingSplitter
+
+    reply, split = Reply("", [], None), ThinkingSplitter()
+
+    def take(thinking: str, answer: str) -> None:
+        if thinking and not hide_thinking:
+            reply.thinking = (reply.thinking or "") + thinking
+            if echo:
+                show_thinking(thinking)
+        if answer and echo:
+            if reply.thinking and not reply.text:
+                show_thinking("\n")  # the answer starts on a line of its own
+            sys.stdout.write(answer)
+            sys.stdout.flush()
+        reply.text += answer
+
     for event in handle.events():
         if event.error:
             fail(f"generation failed: {event.error}")
-        reply.text += event.text
+        take(*split.push(event.text))
         reply.token_ids += event.token_ids
         reply.finish_reason = event.finish_reason
-        if echo:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+    take(*split.finish())
     if echo:
         sys.stdout.write("\n")
     return reply
+
+
+def show_thinking(text: str) -> None:
+    """Thinking goes to stderr, dimmed on a terminal."""
+    sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if sys.stderr.isatty() else text)
+    sys.stderr.flush()
 
 
 def report(handle) -> None:

@@ -60,6 +60,7 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ):
     """List the models in the store: name, format, quant, architecture, parameters, context and size on disk."""
+    from llamaterm.engine.checkpoints.architectures import family_of
     from llamaterm.engine.store.model_store import format_size, list_models
 
     rows = [
@@ -68,6 +69,8 @@ def ls(
             "format": m.manifest.get("format"),
             "quant": m.manifest.get("quant"),
             "architecture": m.manifest.get("architecture"),
+            # the family it runs as (None: not supported); manifests written before families record none
+            "family": m.manifest.get("family", family_of(m.manifest.get("architecture"))),
             "parameters": m.manifest.get("parameters"),
             "context_length": m.manifest.get("context_length"),
             "size": m.size_on_disk(),
@@ -89,7 +92,7 @@ def ls(
                 r["name"],
                 r["format"],
                 r["quant"] or "-",
-                r["architecture"] or "-",
+                shown_family(r["family"], r["architecture"]),
                 format_count(r["parameters"]),
                 str(r["context_length"] or "-"),
                 format_size(r["size"]),
@@ -145,6 +148,7 @@ def info(
         "format": ci.format,
         "quant": manifest.get("quant") or ci.quant,
         "architecture": ci.architecture,
+        "family": ci.family,
         "parameters": ci.parameters,
         "context_length": ci.context_length,
         "size": size,
@@ -164,7 +168,7 @@ def info(
         "path": data["path"],
         "format": ci.format,
         "quant": data["quant"] or "-",
-        "architecture": ci.architecture or "-",
+        "architecture": shown_family(ci.family, ci.architecture, why=True),
         "parameters": format_count(ci.parameters),
         "context": str(ci.context_length or "-"),
         "size": format_size(size),
@@ -180,6 +184,17 @@ def info(
         typer.echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
     typer.echo("\nchat template")
     typer.echo(ci.chat_template.rstrip() if ci.chat_template else "  (none)")
+
+
+def shown_family(family: str | None, architecture: str | None, why: bool = False) -> str:
+    """The family a model runs as; one that does not run by its own name, and with `why`, what runs instead."""
+    if family or not architecture:
+        return family or "-"
+    if not why:
+        return f"{architecture} (unsupported)"
+    from llamaterm.engine.checkpoints.architectures import not_supported
+
+    return f"{architecture}: {not_supported(architecture)}"
 
 
 def format_count(n: int | None) -> str:

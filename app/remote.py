@@ -94,13 +94,13 @@ class RemoteEngine:
         self._live: dict[int, RemoteStream] = {}
         self._closed = False
 
-    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False
-               ) -> RemoteStream:
+    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
+               enable_thinking: bool | None = None) -> RemoteStream:
         """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
         stream = RemoteStream(next(self._ids), self.max_context)
-        path, body = request_body(self.model_name, prompt, params or SamplingParams(), raw)
+        path, body = request_body(self.model_name, prompt, params or SamplingParams(), raw, enable_thinking)
         self._live[stream.id] = stream
         threading.Thread(target=self._read, args=(stream, path, body), name="llamaterm-remote", daemon=True).start()
         return stream
@@ -210,9 +210,11 @@ def api_base(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def request_body(model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool) -> tuple[str, dict]:
+def request_body(model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool,
+                 enable_thinking: bool | None = None) -> tuple[str, dict]:
     """The path and JSON body of a streamed request. Sampling values beyond OpenAI's own (top_k, min_p,
-    repetition_penalty, ignore_eos: vLLM's and SGLang's names) go only when set, so strict servers still accept."""
+    repetition_penalty, ignore_eos: vLLM's and SGLang's names) go only when set, so strict servers still accept;
+    so does the template's thinking switch (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it)."""
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                   "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
     optional = {"seed": params.seed, "stop": list(params.stop) or None,
@@ -225,6 +227,8 @@ def request_body(model: str, prompt: list[dict] | str, params: SamplingParams, r
     if raw:
         return "/completions", body | {"prompt": prompt}
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if enable_thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
     return "/chat/completions", body | {"messages": messages}
 
 

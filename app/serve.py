@@ -35,7 +35,8 @@ DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Request fields beyond the sampling ones. OpenAI's own that change nothing here are ignored; those asking for
 # what the engine lacks are accepted only at their default; any other name is refused, as the OpenAI API does.
-IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "user", "metadata", "store", "service_tier"}
+IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "user", "metadata", "store", "service_tier",
+           "chat_template_kwargs"}
 ONLY_DEFAULT = {
     "n": (1,), "best_of": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
@@ -66,6 +67,7 @@ class Completion:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
 
 
 # ---- request parsing: pure functions of the JSON body ----
@@ -84,7 +86,19 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise APIError(400, "stream must be true or false and stream_options an object", "stream")
-    return Completion(prompt, not chat, parse_params(body, max_context), stream, bool(options.get("include_usage")))
+    return Completion(prompt, not chat, parse_params(body, max_context), stream, bool(options.get("include_usage")),
+                      parse_thinking(body.get("chat_template_kwargs"), chat))
+
+
+def parse_thinking(kwargs: object, chat: bool) -> bool | None:
+    """vLLM's and SGLang's chat_template_kwargs, of which the engine takes the thinking switch."""
+    if kwargs is None:
+        return None
+    if not chat or not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} or not isinstance(
+            kwargs.get("enable_thinking", False), bool):
+        raise APIError(400, "chat_template_kwargs takes {\"enable_thinking\": true or false} on chat completions "
+                       "only", "chat_template_kwargs")
+    return kwargs.get("enable_thinking")
 
 
 def parse_messages(messages: object) -> list[dict]:
@@ -281,7 +295,8 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             raise APIError(400, "We could not parse the JSON body of your request: send valid JSON") from None
         req = parse_request(body, engine.model_name, engine.max_context, chat)
         try:
-            stream = await run_in_threadpool(engine.submit, req.prompt, req.params, raw=req.raw)
+            stream = await run_in_threadpool(engine.submit, req.prompt, req.params, raw=req.raw,
+                                             enable_thinking=req.enable_thinking)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
             raise APIError(400, str(e), "messages" if chat else "prompt", code) from None

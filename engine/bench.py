@@ -10,12 +10,12 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.device import resolve_device
@@ -52,6 +52,15 @@ SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
     "smollm2-135m": (_llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
                      QuantFormat(4, 32, True, 8)),  # the default model's Q4_1 with a Q8_0 embedding
     "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
+    "qwen2.5-7b": (replace(_llama("Qwen2.5-7B shapes", 28, 3584, 18944, 28, 4, 152064, 32768, 1e6), arch="qwen2",
+                           qkv_bias=True), QuantFormat(4, 128, False, 4)),
+    # Gemma 3 4B's text model as its GGUF holds it: five 1024-token sliding layers to one global, x8 linear RoPE on
+    # the global ones
+    "gemma3-4b": (replace(_llama("Gemma-3-4B shapes", 34, 2560, 10240, 8, 4, 262144, 131072, 1e6, head_dim=256,
+                                 tied=True), arch="gemma3", qk_norm=True, post_norms=True, activation="gelu_tanh",
+                          embedding_scale=2560**0.5, attention_scale=256**-0.5, rope_theta_sliding=1e4,
+                          rope_freq_factors=(8.0,) * 128, sliding_window=1024,
+                          sliding_layers=tuple(i % 6 < 5 for i in range(34))), QuantFormat(4, 128, False, 4)),
 }
 
 
@@ -79,13 +88,13 @@ def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
         return QuantWeight.from_values(q, scales, offsets, bits, fmt.group)
 
     tensors = {}
-    for name_, shape in weight_shapes(config).items():
-        if name_ == "output" and config.tie_word_embeddings:
+    for name_, shape in tensor_shapes(config).items():
+        if name_ == "output.weight" and config.tie_word_embeddings:
             continue
         if len(shape) == 1:
-            tensors[f"{name_}.weight"] = torch.ones(shape, device=device)
+            tensors[name_] = torch.ones(shape, device=device)
         else:
-            tensors[f"{name_}.weight"] = matrix(*shape, fmt.embd_bits if name_ == "token_embd" else fmt.bits)
+            tensors[name_] = matrix(*shape, fmt.embd_bits if name_ == "token_embd.weight" else fmt.bits)
     return Model(config, tensors, device, dtype)
 
 

@@ -289,14 +289,15 @@ void rms_norm(const float *x, const float *residual, const float *weight, float 
     }
 }
 
-/* q [T, Hq, D], k [T, Hk, D] rotated into q_out, k_out (half-split convention), as kernels/rope.py. */
+/* q [T, Hq, D], k [T, Hk, D] rotated into q_out, k_out (half-split convention), as kernels/rope.py. Token t's
+   inverse frequencies start at inv_freq + t * inv_stride (0: one row for all tokens). */
 void rope(const float *q, const float *k, float *q_out, float *k_out, const int64_t *positions, const float *inv_freq,
-          long T, long Hq, long Hk, long D) {
+          long inv_stride, long T, long Hq, long Hk, long D) {
     long half = D / 2;
     float c[half], s[half];
     for (long t = 0; t < T; t++) {
         for (long i = 0; i < half; i++) {
-            float f = (float)positions[t] * inv_freq[i];
+            float f = (float)positions[t] * inv_freq[t * inv_stride + i];
             c[i] = cosf(f);
             s[i] = sinf(f);
         }
@@ -311,6 +312,17 @@ void rope(const float *q, const float *k, float *q_out, float *k_out, const int6
             }
         }
     }
+}
+
+/* out [T, I] = gelu(gate) * up, GELU's tanh form (Gemma's GeGLU), as kernels/activation.py: g * (1 + tanh(z)) / 2
+   computed as g / (1 + exp(-2z)), z = sqrt(2 / pi) * (g + 0.044715 g^3). */
+void gelu_tanh_and_mul(const float *gate_up, long T, long I, float *out) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i++) {
+            float g = gate_up[t * 2 * I + i];
+            float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            out[t * I + i] = g / (1.0f + expf(-2.0f * z)) * gate_up[t * 2 * I + I + i];
+        }
 }
 
 /* out [T, I] = silu(gate) * up for gate_up [T, 2I], as kernels/activation.py. */

@@ -33,8 +33,9 @@ SIGNATURES = {
     "qmatmul": "p l l p p p i i i l p i",
     "dequantize": "p p p i i i l l p i",
     "rms_norm": "p p p f l l p p",
-    "rope": "p p p p p p l l l l",
+    "rope": "p p p p p p l l l l l",
     "silu_and_mul": "p l l p",
+    "gelu_tanh_and_mul": "p l l p",
     "paged_attention": "p p p p l p p l l l l l f l p",
     "write_kv": "p p p p p l l",
 }

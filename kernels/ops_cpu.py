@@ -64,16 +64,18 @@ def rope_cpu(q, k, positions, inv_freq, lib):
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     positions, inv_freq = positions.to(torch.int64).contiguous(), inv_freq.float().contiguous()
-    lib.rope(ptr(q), ptr(k), ptr(q_out), ptr(k_out), ptr(positions), ptr(inv_freq), q.shape[0], q.shape[1],
-             k.shape[1], q.shape[2])
+    inv_stride = inv_freq.shape[-1] if inv_freq.dim() == 2 else 0  # a row per token, or one for all
+    lib.rope(ptr(q), ptr(k), ptr(q_out), ptr(k_out), ptr(positions), ptr(inv_freq), inv_stride, q.shape[0],
+             q.shape[1], k.shape[1], q.shape[2])
     return q_out, k_out
 
 
-def silu_and_mul_cpu(gate_up, lib):
+def act_and_mul_cpu(gate_up, activation, lib):
+    """activation: "silu" or "gelu_tanh" (the C functions silu_and_mul, gelu_tanh_and_mul)."""
     gate_up = gate_up.contiguous()
     i = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], i)
-    lib.silu_and_mul(ptr(gate_up), gate_up.numel() // gate_up.shape[-1], i, ptr(out))
+    getattr(lib, f"{activation}_and_mul")(ptr(gate_up), gate_up.numel() // gate_up.shape[-1], i, ptr(out))
     return out
 
 

@@ -91,6 +91,12 @@ class QuantWeight:
                         (ids.numel(), self.shape[1])).values()
         return dequantize_rows(q, self.scales[ids], offsets, self.bits, self.group_size).to(dtype)
 
+    def take_rows(self, index: torch.Tensor) -> QuantWeight:
+        """Rows `index`, in that order, still quantized (exact: each row is stored whole)."""
+        offsets = None if self.offsets is None else self.offsets[index]
+        return QuantWeight(self.packed[index], self.scales[index], offsets, self.bits, self.group_size,
+                           (index.numel(), self.shape[1]), self.perm)
+
     def to(self, device: torch.device | str) -> QuantWeight:
         mv = lambda t: None if t is None else t.to(device)
         return QuantWeight(mv(self.packed), mv(self.scales), mv(self.offsets), self.bits, self.group_size,

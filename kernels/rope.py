@@ -1,7 +1,8 @@
 """Rotary position embedding, half-split (NeoX / Hugging Face) convention.
 
 GGUF q/k rows are un-permuted at load (engine/checkpoints/gguf.py), so every source uses this one convention.
-`inv_freq` already holds any frequency scaling (Llama-3 rope_freqs / rope_scaling).
+`inv_freq` already holds any frequency scaling (Llama-3 rope_freqs / rope_scaling): [D/2] for every token, or
+[T, D/2], a row per token (LongRoPE's factors differ with the position).
 """
 
 import torch
@@ -12,8 +13,8 @@ from llamaterm.kernels.ops_cpu import native_lib, rope_cpu
 
 
 def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-    """q [T, Hq, D], k, v [T, Hk, D], positions [T]: returns the rotated q, and writes the rotated k and v to the
-    cache at slot_mapping (kernels/attention.py's write_kv). On CUDA one kernel does both."""
+    """q [T, Hq, D], k, v [T, Hk, D], positions [T], inv_freq [D/2] or [T, D/2]: returns the rotated q, and writes
+    the rotated k and v to the cache at slot_mapping (kernels/attention.py's write_kv). On CUDA one kernel does both."""
     if use_triton(q):
         from llamaterm.kernels.rope_triton import rope_write_kv_triton
 
@@ -24,7 +25,7 @@ def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping) 
 
 
 def rope_ref(q, k, positions, inv_freq):
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    freqs = positions.float()[:, None] * inv_freq.float()  # [T, D/2]
     cos = freqs.cos()[:, None, :]
     sin = freqs.sin()[:, None, :]
 

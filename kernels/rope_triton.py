@@ -25,13 +25,14 @@ def _rotate(src, dst, stride_src, stride_dst, n_heads, cos, sin, HALF: tl.conste
 
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, inv_freq_ptr,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_inv,
                           stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, HALF: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)  # this program's KV head and the GROUP query heads that share it
     i = tl.arange(0, BLOCK_HALF)
-    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + t * stride_inv + i, mask=i < HALF, other=0.0).to(tl.float32)
+    freq = tl.load(pos_ptr + t).to(tl.float32) * inv_freq
     cos = tl.cos(freq)[None, :]
     sin = tl.sin(freq)[None, :]
     q_head = kv * GROUP
@@ -49,15 +50,18 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_p
 
 def rope_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hk, D] -> rotated q (contiguous); rotated k and v into the caches at the slots.
-    A program per token and KV head: at one token the heads still spread over many SMs."""
+    inv_freq [D/2], or [T, D/2] with a row per token. A program per token and KV head: at one token the heads
+    still spread over many SMs."""
     t, n_q, d = q.shape
     n_k = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and inv_freq.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
     q_out = torch.empty(t, n_q, d, dtype=q.dtype, device=q.device)
     if t > 0:
         _rope_write_kv_kernel[(t, n_k)](
             q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            inv_freq.stride(0) if inv_freq.dim() == 2 else 0,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=n_q // n_k, HALF=d // 2, PAGE=k_cache.shape[1], BLOCK_G=triton.next_power_of_2(n_q // n_k),
             BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=1,

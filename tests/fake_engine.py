@@ -70,6 +70,7 @@ class FakeEngine:
         self.hold = hold
         self.model_name, self.device, self.max_context = model_name, device, max_context
         self.submitted: list[tuple[list[dict], SamplingParams]] = []
+        self.thinking_switches: list[bool | None] = []  # each request's enable_thinking
         self._ids = itertools.count(1)
         self._live: list[FakeHandle] = []
         self._prompts: list[list[str]] = []  # for the prefix cache's hit count
@@ -79,7 +80,7 @@ class FakeEngine:
         self._thread.start()
 
     def submit(self, messages: list[dict] | str, params: SamplingParams | None = None, *,
-               raw: bool = False) -> FakeHandle:
+               raw: bool = False, enable_thinking: bool | None = None) -> FakeHandle:
         params = params or SamplingParams()
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -93,6 +94,7 @@ class FakeEngine:
             self._prompts.append(prompt)
             handle = FakeHandle(next(self._ids), prompt, words(self.reply(messages)), params, cached, self)
             self.submitted.append((messages, params))
+            self.thinking_switches.append(enable_thinking)
             self._live.append(handle)
             self._cv.notify()
         return handle

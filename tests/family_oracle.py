@@ -26,10 +26,12 @@ CORPUS = ["The capital of France is Paris. What is the capital of Italy? Rome!",
           "Sliding windows, rotary embeddings and a paged KV cache: 我想在 apple 工作 😁"] * 4
 
 
-def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None) -> None:
-    """A byte-level BPE tokenizer of `vocab_size` tokens (special tokens last) trained on CORPUS, written as
+def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None,
+                   tokenizer_class: str = "PreTrainedTokenizerFast", fill: bool = False) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens (the special ones last) trained on CORPUS, written as
     tokenizer.json + tokenizer_config.json, the way Qwen2 / Llama-3 / Phi-4 ship theirs. `pre_split`: the family's
-    pre-tokenizer regex (else GPT-2's)."""
+    pre-tokenizer regex (else GPT-2's). `fill`: <unusedN> tokens fill the vocabulary, as in Gemma's (llama.cpp's
+    converter trims Gemma's embedding to the tokenizer's size)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -40,12 +42,48 @@ def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_sp
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
-    tok.add_special_tokens(specials)
+    # CORPUS has fewer merges than asked for
+    unused = [f"<unused{i}>" for i in range(vocab_size - len(specials) - tok.get_vocab_size())] if fill else []
+    tok.add_special_tokens(unused + specials)
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[-1], "bos_token": None,
+        "tokenizer_class": tokenizer_class, "eos_token": specials[-1], "bos_token": None,
         "add_bos_token": False, "model_max_length": 4096}))
+
+
+def sentencepiece_bpe(model_dir: Path, vocab_size: int) -> None:
+    """A SentencePiece BPE tokenizer of `vocab_size` pieces trained on CORPUS with the settings of Gemma's (those
+    transformers' GemmaConverter lists: byte fallback, digits split, no dummy prefix, whitespace kept; <pad> <eos>
+    <bos> <unk> as ids 0 to 3, the turn markers user-defined), written as tokenizer.model, and as tokenizer.json
+    by transformers' own conversion of it, as Gemma's tokenizer.json was made."""
+    import io
+
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, split_digits=True, add_dummy_prefix=False, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", allow_whitespace_only_pieces=True, character_coverage=1.0,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "tokenizer.model").write_bytes(model.getvalue())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}))
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(model_dir)
+    # Gemma's own files mark the turn markers special (GemmaConverter.special_tokens): so do these
+    markers = ("<start_of_turn>", "<end_of_turn>")
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    for added in spec["added_tokens"]:
+        added["special"] = added["special"] or added["content"] in markers
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(t["id"]): t for t in spec["added_tokens"]}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def save_tiny_model(model_cls, config, model_dir: Path, seed: int = 0) -> torch.nn.Module:
@@ -80,16 +118,42 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 
 
 def convert_to_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None,
-                    sliding_window: bool = False) -> Path:
+                    sliding_window: bool = False, vocab_only: bool = False) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on model_dir (in a subprocess: the converter brings its own gguf-py)."""
     if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
         raise FileNotFoundError(f"{CONVERTER} is missing: `make test` fetches llama.cpp's converter (see Makefile)")
     args = [sys.executable, __file__, str(model_dir), "--outfile", str(out), "--outtype", outtype]
     args += (["--pre", pre] if pre else []) + (["--sliding-window"] if sliding_window else [])
+    args += ["--vocab-only"] if vocab_only else []
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     return out
+
+
+def rewrite_gguf(src: Path, dst: Path, keys: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """src written afresh with gguf-py: metadata `keys` set (name -> (value, GGUFValueType)) and the tensors in
+    `drop` left out. For files that contradict themselves (the converter's output is f32 throughout)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader, keys = GGUFReader(src), dict(keys or {})
+    arch = keys.pop("general.architecture", (reader.fields["general.architecture"].contents(),))[0]
+    writer = GGUFWriter(dst, arch)
+    for name, f in reader.fields.items():
+        if not name.startswith("GGUF.") and name not in ("general.architecture", *keys):
+            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, f.contents(), f.types[0], sub)
+    for name, (value, vtype) in keys.items():
+        writer.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 def _run_converter(argv: list[str]) -> None:

@@ -2,17 +2,30 @@
 safetensors (same logits within 1e-4 of their range, same greedy tokens) and converted to GGUF by llama.cpp's
 converter (same greedy tokens). tests/family_oracle.py builds the models and runs the oracles."""
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 import transformers
+from gguf import GGUFValueType, GGUFWriter
 
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.checkpoints.architectures import FAMILIES as SUPPORTED
+from llamaterm.engine.checkpoints.architectures import REFUSED
+from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
+from llamaterm.engine.checkpoints.gguf import _config as gguf_config
+from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
+from llamaterm.engine.checkpoints.safetensors_loader import model_config
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
-from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, save_tiny_model
+from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, rewrite_gguf, save_tiny_model
+from tests.test_cli import llamaterm
 from tests.test_fidelity import our_last_logits
 from tests.test_gpu_model import assert_greedy_choices
 
@@ -27,6 +40,12 @@ class Family:
     config: transformers.PretrainedConfig
     pre: str  # the GGUF pre-tokenizer llama.cpp's converter would detect for the family's real tokenizer
     pre_split: str | None = None  # the family's pre-tokenizer regex, for the test tokenizer
+    tokenizer_class: str = "PreTrainedTokenizerFast"  # as the family's tokenizer_config.json names it
+    unused_tokens: bool = False  # <unusedN> tokens fill the vocabulary, as in Gemma's
+    needs_tensor: str = "blk.1.ffn_down.weight"  # a GGUF tensor without which the family's model does not load
+    needs_key: str = "num_hidden_layers"  # a config.json key (a.b: b in object a) without which it does not load
+    # transformers' GGUF reader reads the family back (a check of the converter); where it does not, why
+    hf_misreads_gguf: str | None = None
     prompt: list[int] = field(default_factory=lambda: PROMPT)
     gguf_window: bool = False  # have llama.cpp's converter write the sliding window it leaves out for the family
 
@@ -37,25 +56,93 @@ def small(**kw) -> dict:
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, **kw)
 
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Llama 3's tokenizer.json
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")  # Qwen2.5's tokenizer.json
+
+GPT4O_SPLIT = (  # Phi-4-mini's tokenizer.json (o200k)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# transformers' GGUF loader maps no LongRoPE keys or factor tensors for phi3: it rebuilds the model with plain RoPE
+PHI3_GGUF_IN_TRANSFORMERS = "transformers reads phi3 GGUFs without their rope_factors_long/short (plain RoPE)"
+
 FAMILIES = {
     "llama": Family(transformers.LlamaForCausalLM, transformers.LlamaConfig(**small(tie_word_embeddings=False)),
-                    "llama-bpe"),
+                    "llama-bpe", LLAMA3_SPLIT),
+    # Qwen2.5-0.5B / 1.5B / 3B tie their embeddings, 7B does not; q/k/v biases either way
+    "qwen2": Family(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**small(tie_word_embeddings=True)),
+                    "qwen2", QWEN2_SPLIT, needs_tensor="blk.0.attn_v.bias"),
+    "qwen2-untied": Family(transformers.Qwen2ForCausalLM,
+                           transformers.Qwen2Config(**small(tie_word_embeddings=False, rope_theta=1e6)), "qwen2",
+                           QWEN2_SPLIT),
+    # Qwen3: head_dim from the config, 128 as in every Qwen3 (0.6B: 1024 / 16 heads would give 64); transformers'
+    # GGUF reader assumes 128, so its check of the converter's output holds only there
+    "qwen3": Family(transformers.Qwen3ForCausalLM,
+                    transformers.Qwen3Config(**small(tie_word_embeddings=True) | dict(head_dim=128, rope_theta=1e6)),
+                    "qwen2", QWEN2_SPLIT, needs_tensor="blk.1.attn_k_norm.weight", needs_key="head_dim"),
+    # Phi-4-mini: LongRoPE on 3/4 of each head (its tokenizer is o200k's, GPT2Tokenizer with the gpt-4o split);
+    # tied embeddings. The greedy runs stay within the original context (64 tokens, 4096 in Phi-3.5 and Phi-4-mini):
+    # past it see test_longrope_past_the_original_context
+    "phi3": Family(transformers.Phi3ForCausalLM, transformers.Phi3Config(**small(
+        tie_word_embeddings=True, original_max_position_embeddings=64, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(6)],
+                      "long_factor": [1.5 + i for i in range(6)]}, pad_token_id=0, eos_token_id=1)),
+        "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", needs_tensor="blk.0.attn_qkv.weight",
+        needs_key="rope_parameters.long_factor", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    # Phi-3.5-mini: LongRoPE on the whole head, untied
+    "phi3-full-rotary": Family(transformers.Phi3ForCausalLM, transformers.Phi3Config(**small(
+        tie_word_embeddings=False, original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
+                      "long_factor": [2.0 + i / 2 for i in range(8)]}, pad_token_id=0, eos_token_id=1)),
+        "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    # Gemma 3 (text): five sliding layers (window 8) and a global one, Gemma 3's pattern, which its GGUFs leave to
+    # llama.cpp's default; a RoPE base per kind and linear scaling on the global layers (Gemma 3 4B+: x8); head_dim
+    # 32 on hidden 64, q/k norms, (1 + weight) norms, GeGLU, a scaled embedding
+    "gemma3": Family(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**small(
+        tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=32,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}) | dict(
+        head_dim=32, num_hidden_layers=6)),
+        "llama-bpe", LLAMA3_SPLIT, unused_tokens=True, needs_tensor="blk.2.post_ffw_norm.weight",
+        needs_key="query_pre_attn_scalar",
+        hf_misreads_gguf="transformers rebuilds gemma3 GGUFs with other position settings than the converter wrote "
+                         "(their logits agree at the first position only)"),
     # a window of 8, far shorter than the 19-token prompt and its 24 greedy tokens
     "mistral": Family(transformers.MistralForCausalLM, transformers.MistralConfig(**small(sliding_window=8)),
-                      "llama-bpe", gguf_window=True),
+                      "llama-bpe", LLAMA3_SPLIT, gguf_window=True),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_model(request, tmp_path_factory):
-    """(family, transformers model, safetensors folder, GGUF file) for one family."""
-    fam = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param) / "hf"
-    model = save_tiny_model(fam.model_cls, fam.config, folder)
-    byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split)
-    gguf = convert_to_gguf(folder, folder.parent / f"{request.param}.f32.gguf", pre=fam.pre,
-                           sliding_window=fam.gguf_window)
-    return fam, model, folder, gguf
+_BUILT: dict[str, tuple] = {}
+
+
+def built(name: str, tmp_path_factory) -> tuple[Family, torch.nn.Module, Path, Path]:
+    """(family, transformers model, safetensors folder, GGUF file), made once per session."""
+    if name not in _BUILT:
+        fam = FAMILIES[name]
+        folder = tmp_path_factory.mktemp(name) / "hf"
+        model = save_tiny_model(fam.model_cls, fam.config, folder)
+        byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class,
+                       fam.unused_tokens)
+        gguf = convert_to_gguf(folder, folder.parent / f"{name}.f32.gguf", pre=fam.pre, sliding_window=fam.gguf_window)
+        _BUILT[name] = fam, model, folder, gguf
+    return _BUILT[name]
+
+
+def families(names) -> pytest.fixture:
+    """A fixture over the families `names`, each built once."""
+    @pytest.fixture(scope="module", params=sorted(names))
+    def fixture(request, tmp_path_factory):
+        return built(request.param, tmp_path_factory)
+    return fixture
+
+
+family_model = families(FAMILIES)
+longrope_model = families(n for n, f in FAMILIES.items() if "long_factor" in (f.config.rope_parameters or {}))
+gguf_readable_model = families(n for n, f in FAMILIES.items() if f.hf_misreads_gguf is None)
 
 
 def ours(path: Path) -> Engine:
@@ -89,10 +176,11 @@ def test_gguf_from_llama_cpp_converter_gives_transformers_tokens(family_model):
         engine.shutdown()
 
 
-def test_transformers_reads_the_same_logits_from_the_converted_gguf(family_model):
+def test_transformers_reads_the_same_logits_from_the_converted_gguf(gguf_readable_model):
     """The converter is the oracle for the GGUF path, so check it: transformers' own GGUF reader on its output
-    gives the original model's logits (where transformers can read that architecture from GGUF)."""
-    fam, model, _, gguf = family_model
+    gives the original model's logits (where transformers can read that architecture from GGUF: see
+    Family.hf_misreads_gguf)."""
+    fam, model, _, gguf = gguf_readable_model
     arch = type(model).__name__
     try:
         back = fam.model_cls.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -102,6 +190,27 @@ def test_transformers_reads_the_same_logits_from_the_converted_gguf(family_model
         back.config.sliding_window = fam.config.sliding_window  # what this checks
     want = hf_logits(model, fam.prompt)
     assert torch.allclose(hf_logits(back, fam.prompt), want, atol=1e-4 * float(want.max() - want.min()))
+
+
+def test_longrope_past_the_original_context(longrope_model):
+    """Tokens from the original context on take LongRoPE's long factors: each one's logits are those of
+    transformers' forward pass decoding token by token over its own KV cache. (transformers' generate() instead drops
+    the cache when a sequence first passes the original context and recomputes it all with the long factors; the
+    engine keeps the cache, whose earlier keys stay rotated by the short ones.)"""
+    _, model, folder, _ = longrope_model
+    start = model.config.original_max_position_embeddings
+    ids = [(7 * i) % VOCAB for i in range(start + 8)]
+    engine = ours(folder)
+    try:
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(torch.tensor([ids[: start - 4]]), cache=cache, use_cache=True)  # short: all before
+            for n in range(start - 4, len(ids)):  # one token at a time across the original context
+                want = model(torch.tensor([ids[n:n + 1]]), cache=cache, use_cache=True).logits[0, -1]
+                got = our_last_logits(engine, ids[: n + 1])
+                assert (got - want).abs().max() <= 1e-4 * (want.max() - want.min()), n
+    finally:
+        engine.shutdown()
 
 
 # --- sliding windows beyond the FAMILIES harness ------------------------------------------------------------
@@ -123,6 +232,92 @@ def test_ministral_interleaved_sliding_and_full_layers_match_transformers(tmp_pa
         assert greedy(engine, PROMPT, GREEDY_STEPS) == hf_greedy(model, PROMPT, GREEDY_STEPS)
     finally:
         engine.shutdown()
+
+
+TEXTS = ["Hello world! It's 2024: 12345 apples, 6.78 pears.", "  def f(x):\n\treturn x**2  # ok\n\n",
+         "Ünïcödé and 我想在 apple 工作 😁 — mixed CASE words, don't STOP", "<|im_start|>user\nHi<|im_end|>"]
+
+
+def test_gguf_tokenizer_encodes_as_the_tokenizer_json(family_model):
+    """The converter's GGUF vocabulary, read as llama.cpp reads it (the family's pre-tokenizer type), gives the
+    ids the tokenizers library gives from the folder's tokenizer.json, built with that family's split."""
+    _, _, folder, gguf = family_model
+    ours_ = Tokenizer.from_gguf_metadata(read_gguf_file(gguf).metadata)
+    theirs = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in TEXTS:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours_.encode(text, add_special=False, parse_special=True) == want, text
+
+
+def test_info_names_the_family(family_model):
+    """`llamaterm ls` and `info` show the family a checkpoint runs as, whichever format: the converter's GGUF name."""
+    _, _, folder, gguf = family_model
+    arch = read_gguf_file(gguf).metadata["general.architecture"]
+    assert read_checkpoint(folder).family == read_checkpoint(gguf).family == arch
+
+
+# ---- bad input ----
+
+
+def test_gguf_whose_metadata_contradicts_its_tensors(family_model, tmp_path):
+    fam, _, _, gguf = family_model
+    arch = read_gguf_file(gguf).metadata["general.architecture"]
+    one_kv_head = {f"{arch}.attention.head_count_kv": (1, GGUFValueType.UINT32)}
+    fewer_kv_heads = rewrite_gguf(gguf, tmp_path / "kv.gguf", one_kv_head)
+    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.attn_(k|qkv)\.(weight|bias)' has shape .*; the "
+                                               "metadata implies"):
+        load_gguf(fewer_kv_heads)
+    lacking = rewrite_gguf(gguf, tmp_path / "lacking.gguf", drop=(fam.needs_tensor,))
+    with pytest.raises(ModelFormatError, match=f"tensors are missing: {re.escape(fam.needs_tensor)}"):
+        load_gguf(lacking)
+
+
+def test_config_missing_a_field_the_family_needs(family_model):
+    fam, _, folder, _ = family_model
+    hf = json.loads((folder / "config.json").read_text())
+    *outer, key = fam.needs_key.split(".")
+    del (hf[outer[0]] if outer else hf)[key]
+    with pytest.raises(ModelFormatError, match=f"config.json: {key} is missing"):
+        model_config(hf, "tiny")
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_variants_are_refused_by_name_with_what_runs(tmp_path, name):
+    if name[0].isupper():  # a transformers class: config.json
+        with pytest.raises(ModelFormatError) as err:
+            model_config({"architectures": [name]}, "m")
+    else:  # a GGUF's general.architecture
+        writer = GGUFWriter(tmp_path / "v.gguf", name)
+        writer.add_block_count(2)
+        for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+            write()
+        with pytest.raises(ModelFormatError) as err:
+            load_gguf(tmp_path / "v.gguf")
+    message = str(err.value)
+    assert f"{REFUSED[name]}, '{name}', is not supported" in message
+    assert all(f"{f.models} ({f.arch})" in message for f in SUPPORTED)
+    if name == "qwen3moe":  # and from the command line: `info` says so, `run` fails in one line
+        info = llamaterm("info", str(tmp_path / "v.gguf"))
+        assert info.returncode == 0 and f"architecture  qwen3moe: {REFUSED[name]}" in info.stdout
+        run = llamaterm("run", "--model", str(tmp_path / "v.gguf"), "hi")
+        assert run.returncode == 1 and run.stderr.count("\n") == 1 and "is not supported" in run.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_gpu_gives_the_cpu_paths_greedy_tokens(family_model, source):
+    """The family's tiny model on the GPU (Triton kernels, fp16): every token it picks is the fp32 CPU path's argmax
+    (or within fp16 noise of it, which assert_greedy_choices reports), and so the same greedy tokens."""
+    fam, _, folder, gguf = family_model
+    path = folder if source == "safetensors" else gguf
+    cpu, gpu = ours(path), Engine.from_model(EngineConfig(model=str(path), device="cuda", kv_tokens=1024))
+    try:
+        got = greedy(gpu, fam.prompt, GREEDY_STEPS)
+        assert_greedy_choices(cpu, fam.prompt, got)
+        assert got == greedy(cpu, fam.prompt, GREEDY_STEPS)
+    finally:
+        cpu.shutdown()
+        gpu.shutdown()
 
 
 @pytest.mark.parametrize("family_model", ["mistral"], indirect=True)
@@ -148,19 +343,6 @@ def test_sliding_window_caps_kv_use_of_a_long_generation(family_model):
 
 
 # --- on the GPU (the lead runs these on an H200) ------------------------------------------------------------
-
-
-@pytest.mark.cuda
-def test_family_on_the_gpu_gives_the_cpu_tokens(family_model):
-    """Triton kernels in fp16 against the CPU path in fp32: every greedy token is the fp32 argmax after the same
-    prefix, or within fp16 noise of it (tests/test_gpu_model.py)."""
-    fam, _, folder, _ = family_model
-    cpu, gpu = (Engine.from_model(EngineConfig(model=str(folder), device=d, kv_tokens=1024)) for d in ("cpu", "cuda"))
-    try:
-        assert_greedy_choices(cpu, fam.prompt, greedy(gpu, fam.prompt, 4 * GREEDY_STEPS))
-    finally:
-        cpu.shutdown()
-        gpu.shutdown()
 
 
 @pytest.mark.cuda
@@ -197,3 +379,43 @@ def test_sliding_window_caps_kv_use_of_a_long_chat_on_the_gpu(tmp_path):
     finally:
         cpu.shutdown()
         gpu.shutdown()
+
+
+# --- Gemma 3 settings as its files write them ---------------------------------------------------------------
+
+GEMMA3_1B = {  # google/gemma-3-1b-it's config.json, in the form the Hub has it (no layer_types, no rope_parameters)
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+    "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "num_hidden_layers": 26, "vocab_size": 262144, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
+    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+
+
+def test_gemma3_config_json_reads_as_transformers_reads_it():
+    """The older config.json form, against transformers' own Gemma3TextConfig on the same keys."""
+    ours_, theirs = model_config(GEMMA3_1B, "gemma-3-1b"), transformers.Gemma3TextConfig(**GEMMA3_1B)
+    assert [ours_.is_sliding(i) for i in range(26)] == [t == "sliding_attention" for t in theirs.layer_types]
+    assert (ours_.sliding_window, ours_.head_dim, ours_.attention_scale) == (512, 256, 256**-0.5)
+    assert ours_.rope_theta == theirs.rope_parameters["full_attention"]["rope_theta"]
+    assert ours_.rope_theta_sliding == theirs.rope_parameters["sliding_attention"]["rope_theta"]
+    assert (ours_.embedding_scale, ours_.tie_word_embeddings) == (1152**0.5, theirs.tie_word_embeddings)
+
+
+def test_gemma3_gguf_settings_llama_cpp_assumes(tmp_path):
+    """Where a Gemma 3 GGUF leaves settings out: every sixth layer global, local base 10000, and the attention
+    scale llama.cpp's gemma3 loader picks: head_dim's, or hidden / heads for the 62-layer 27B."""
+    for layers, scale in ((26, 256**-0.5), (62, (5376 // 32) ** -0.5)):
+        writer = GGUFWriter(tmp_path / f"g{layers}.gguf", "gemma3")
+        for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 32768),
+                           (writer.add_embedding_length, 5376 if layers == 62 else 1152),
+                           (writer.add_feed_forward_length, 6912), (writer.add_head_count, 32 if layers == 62 else 4),
+                           (writer.add_key_length, 128 if layers == 62 else 256), (writer.add_sliding_window, 1024),
+                           (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, 262144)):
+            add(value)
+        for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+            write()
+        c = gguf_config(read_gguf_file(tmp_path / f"g{layers}.gguf"))
+        assert [c.is_sliding(i) for i in range(12)] == [i % 6 != 5 for i in range(12)]
+        assert (c.attention_scale, c.rope_theta_sliding, c.sliding_window) == (scale, 10000.0, 1024)

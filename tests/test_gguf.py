@@ -13,6 +13,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
 
+from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES
 from llamaterm.engine.checkpoints.gguf import RawTensor, convert_tensor, load_gguf, read_gguf_file, read_gguf_info
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.store.model_store import resolve_model
@@ -350,9 +351,12 @@ def test_absurd_shapes(tmp_path, tiny_bytes):
     assert "shape" in message and "token_embd.weight" in message
 
 
-def test_unknown_architecture(tmp_path):
-    message = load_error(write_metadata_only(tmp_path / "qwen.gguf", "qwen2", lambda w: w.add_block_count(2)))
-    assert "'qwen2' is not supported" in message and "llama" in message
+@pytest.mark.parametrize("arch, named", [("mamba", "the architecture 'mamba'"),
+                                         ("qwen2moe", "Qwen2 MoE (a mixture of experts), 'qwen2moe',")])
+def test_unknown_architecture(tmp_path, arch, named):
+    message = load_error(write_metadata_only(tmp_path / "m.gguf", arch, lambda w: w.add_block_count(2)))
+    assert f"{named} is not supported" in message
+    assert all(f"({family})" in message for family in GGUF_ARCHITECTURES)  # and what is
 
 
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "Q2_K"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llamaterm.kernels import ops_cpu
-from llamaterm.kernels.activation import silu_and_mul_ref
+from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref
 from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
@@ -91,11 +91,16 @@ def test_rope(lib):
     for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, inv_freq, lib), rope_ref(q, k, positions, inv_freq),
                         strict=True):
         assert rel_err(out, ref) < FP32_TOL
+    per_token = inv_freq * torch.rand(7, 1)  # a row per token (LongRoPE)
+    for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, per_token, lib), rope_ref(q, k, positions, per_token),
+                        strict=True):
+        assert rel_err(out, ref) < FP32_TOL
 
 
-def test_silu_and_mul(lib):
+@pytest.mark.parametrize("activation, ref", [("silu", silu_and_mul_ref), ("gelu_tanh", gelu_tanh_and_mul_ref)])
+def test_act_and_mul(lib, activation, ref):
     gate_up = torch.randn(3, 2 * 50) * 4
-    assert rel_err(ops_cpu.silu_and_mul_cpu(gate_up, lib), silu_and_mul_ref(gate_up)) < FP32_TOL
+    assert rel_err(ops_cpu.act_and_mul_cpu(gate_up, activation, lib), ref(gate_up)) < FP32_TOL
 
 
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page", [

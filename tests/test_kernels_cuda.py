@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from llamaterm.kernels.activation import silu_and_mul, silu_and_mul_ref
+from llamaterm.kernels.activation import act_and_mul, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv_ref
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear, linear_ref
@@ -109,4 +109,5 @@ def test_small_ops_llama(dtype):
     assert torch.equal(v_cache, v_ref)
 
     gate_up = torch.randn(t, 28672, device="cuda", dtype=dtype)
-    assert rel_err(silu_and_mul(gate_up), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
+    assert rel_err(act_and_mul(gate_up, "silu"), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
+    assert rel_err(act_and_mul(gate_up, "gelu_tanh"), gelu_tanh_and_mul_ref(gate_up.float())) < TOL[dtype]

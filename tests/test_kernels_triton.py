@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from llamaterm.kernels.activation import silu_and_mul_ref  # noqa: E402
-from llamaterm.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
+from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref  # noqa: E402
+from llamaterm.kernels.activation_triton import act_and_mul_triton  # noqa: E402
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton  # noqa: E402
 from llamaterm.kernels.linear import linear_ref  # noqa: E402
@@ -194,18 +194,30 @@ def test_rope_write_kv(dtype):
     inv_freq = 500_000.0 ** -(torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
     inv_freq[head_dim // 4:] /= 8  # Llama-3-style scaled low frequencies
     slots = torch.tensor([5, -1, 0, 13, 22, 8], device=DEVICE)
-    caches = [torch.full((6, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-    q_out = rope_write_kv_triton(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
-    q_ref, k_ref = rope_ref(q, k, positions, inv_freq)
-    write_kv_ref(k_ref, v, caches[2], caches[3], slots)
-    assert rel_err(q_out, q_ref) < TOL[dtype]
-    for out, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(out.isnan(), ref.isnan())
-    assert rel_err(caches[0].nan_to_num(), caches[2].nan_to_num()) < TOL[dtype]
-    assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())  # v is copied as it is
+    per_token = inv_freq * torch.rand(t, 1, device=DEVICE)  # a row per token, as LongRoPE's long and short factors
+    for freq in (inv_freq, per_token):
+        caches = [torch.full((6, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+        q_out = rope_write_kv_triton(q, k, v, positions, freq, caches[0], caches[1], slots)
+        q_ref, k_ref = rope_ref(q, k, positions, freq)
+        write_kv_ref(k_ref, v, caches[2], caches[3], slots)
+        assert rel_err(q_out, q_ref) < TOL[dtype]
+        for out, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.equal(out.isnan(), ref.isnan())
+        assert rel_err(caches[0].nan_to_num(), caches[2].nan_to_num()) < TOL[dtype]
+        assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())  # v is copied as it is
+
+
+def test_rope_ref_rows_are_per_token():
+    """The reference's [T, D/2] form is, for each token, the shared form with that token's row."""
+    q, k, positions = torch.randn(4, 3, 16), torch.randn(4, 1, 16), torch.tensor([0, 5, 4096, 9000])
+    inv_freq = 10000.0 ** -(torch.arange(8) / 8) * torch.rand(4, 1)
+    rows = [rope_ref(q[i:i + 1], k[i:i + 1], positions[i:i + 1], inv_freq[i]) for i in range(4)]
+    for got, want in zip(rope_ref(q, k, positions, inv_freq), map(torch.cat, zip(*rows, strict=True)), strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_silu_and_mul(dtype):
-    gate_up = torch.randn(2, 3, 2 * 1100, device=DEVICE).to(dtype)  # two column blocks per row
-    assert rel_err(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
+@pytest.mark.parametrize("activation, ref", [("silu", silu_and_mul_ref), ("gelu_tanh", gelu_tanh_and_mul_ref)])
+def test_act_and_mul(dtype, activation, ref):
+    gate_up = (torch.randn(2, 3, 2 * 1100, device=DEVICE) * 3).to(dtype)  # two column blocks per row
+    assert rel_err(act_and_mul_triton(gate_up, activation), ref(gate_up.float())) < TOL[dtype]

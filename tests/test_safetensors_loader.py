@@ -181,7 +181,8 @@ def write_quantized(path, quantization_config, make_linear, bias=False):
             oracle[gguf_name(f"model.layers.{i}.{module}.weight")] = (w, bound)
     tensors.update(dense)
     save_file(tensors, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config_json(quantization_config=quantization_config)))
+    hf_config = config_json(quantization_config=quantization_config, attention_bias=bias)
+    (path / "config.json").write_text(json.dumps(hf_config))
     return {gguf_name(k): v for k, v in dense.items()}, oracle
 
 
@@ -335,7 +336,9 @@ def test_missing_config_json(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "Qwen2ForCausalLM"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}, r"Qwen2 MoE .*'Qwen2MoeForCausalLM'.* is "
+     r"not supported \(llamaterm runs: .*\(qwen2\)"),
+    ({"architectures": ["MambaForCausalLM"]}, "the architecture 'MambaForCausalLM' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,

@@ -144,6 +144,8 @@ def test_a_wrong_or_missing_key_gets_401(server, model):
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "n": 2}, 400, "n = 2"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "frobnicate": True}, 400, "Unrecognized"),
+        ("/chat/completions", {"model": SERVED, "messages": QUESTION, "chat_template_kwargs": {"x": 1}}, 400,
+         "enable_thinking"),
         ("/completions", {"model": SERVED, "prompt": [1, 2, 3]}, 400, "prompt"),
         ("/no/such/endpoint", {}, 404, "no such endpoint"),
     ],

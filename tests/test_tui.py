@@ -560,3 +560,53 @@ def test_a_history_locked_mid_session_is_reported_and_the_chat_goes_on(home, mon
     run(app, scenario)
     (conv,) = History.open(db).search()
     assert [m.content for m in History.open(db).load(conv.id).messages] == ["first", REPLY]  # saved before
+
+
+THINKING_REPLY = "<think>\nThe user greets me. I greet back.\n</think>\n\nHello **there**!"
+
+
+def test_thinking_is_folded_shown_on_f3_and_switched_per_pane(home):
+    engine = FakeEngine(THINKING_REPLY)
+    app = make_app(engine)
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        await pilot.press("ctrl+s")
+        settings = app.screen
+        settings.query_one("#thinking").value = "False"  # the template's switch: off for this pane
+        await pilot.press("ctrl+s")
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        pane = app.chat.panes[0]
+        assert engine.thinking_switches == [False]
+        assert pane.session.settings.thinking is False  # saved with the pane's settings
+        view = pane.reply_view
+        thinking = view.query_one(".thinking")
+        assert view.query_one(Markdown).source == "Hello **there**!"  # the answer alone, as Markdown
+        assert thinking.display and str(thinking.render()) == "▸ Thought (7 words) · F3 shows"
+        await pilot.press("f3")
+        assert str(thinking.render()) == "▾ Thought · F3 folds\nThe user greets me. I greet back."
+        await type_and_send(pilot, "again")  # a new reply follows the pane: shown
+        await idle(pilot)
+        assert str(pane.reply_view.query_one(".thinking").render()).startswith("▾ Thought")
+        await pilot.press("f3")
+        assert all(str(v.render()).startswith("▸") for v in pane.query(".thinking"))
+        await pilot.press("ctrl+y")
+        assert app.clipboard == "Hello **there**!"  # the answer, not the thinking
+        await pilot.click(thinking)
+        assert str(thinking.render()).startswith("▾")  # a click unfolds one reply's
+
+    run(app, scenario)
+
+
+def test_a_reply_without_thinking_has_no_thinking_line():
+    app = make_app()
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        view = app.chat.panes[0].reply_view
+        assert not view.query_one(".thinking").display and view.query_one(Markdown).source == REPLY
+
+    run(app, scenario)

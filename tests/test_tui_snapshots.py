@@ -112,4 +112,4 @@ def test_settings_screen(snap_compare):
         still_cursors(pilot.app)
 
     app = ChatApp(lambda *_: FakeEngine(), sessions=2)
-    assert snap_compare(app, terminal_size=(100, 34), run_before=run_before)
+    assert snap_compare(app, terminal_size=(100, 38), run_before=run_before)  # the whole dialog

@@ -112,7 +112,7 @@ def write_tiny_llama(
 
     vocab_from: the GGUF whose tokenizer to copy (a path, or "default" for the default model); with None the
         file has no tokenizer and `vocab_size` tokens.
-    attention_bias: write F32 q/k/v/o biases (Hugging Face Llama's attention_bias).
+    attention_bias: write F32 q/k/v biases (as Hugging Face Llama's attention_bias, less its o_proj bias).
     rope_freqs: head_dim / 2 values, written as Llama-3's rope_freqs.weight.
     rope_scaling: (type, factor), e.g. ("linear", 4.0), written as the rope.scaling keys.
     split_max_tensors: split the model into parts of at most that many tensors (`name-00001-of-0000N.gguf`);
@@ -152,7 +152,7 @@ def write_tiny_llama(
     def matrix(name: str, rows: int, cols: int, permute_heads: int = 0) -> None:
         w = rng.normal(0.0, 0.02, size=(rows, cols)).astype(np.float32)  # Hugging Face row order
         _add_matrix(writer, name, converter_permute(w, permute_heads) if permute_heads else w, qtype, rng)
-        if attention_bias and ".attn_" in name:
+        if attention_bias and name.split(".")[-2] in ("attn_q", "attn_k", "attn_v"):
             b = rng.normal(0.0, 0.02, size=rows).astype(np.float32)
             writer.add_tensor(name.replace(".weight", ".bias"), converter_permute(b, permute_heads)
                               if permute_heads else b)

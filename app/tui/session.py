@@ -28,6 +28,7 @@ class ChatSettings:
     seed: int | None = None
     model: str = ""  # see Backend: "" is the default model, or the server's first
     server: str = ""  # "" is this machine
+    thinking: bool | None = None  # the chat template's thinking switch (Qwen3's enable_thinking); None: its default
 
     def __post_init__(self):
         self.sampling_params()  # a bad value fails here, where the user typed it, not in the engine
@@ -123,7 +124,8 @@ class Session:
         """Send the queued request. One the engine refuses (too long for the context) ends with its reason."""
         self.queued, self.engine = False, engine
         try:
-            self.handle = engine.submit(self.request_messages(), self.settings.sampling_params())
+            self.handle = engine.submit(self.request_messages(), self.settings.sampling_params(),
+                                        enable_thinking=self.settings.thinking)
         except RequestError as e:
             self._end_reply("error", str(e))
 

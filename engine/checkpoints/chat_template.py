@@ -149,8 +149,13 @@ class ChatTemplate:
         except Exception as err:  # the compiler on hostile input: RecursionError, MemoryError, ...
             raise ModelFormatError(f"the model's chat template does not compile: {type(err).__name__}") from err
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool, bos_token: str, eos_token: str,
+               enable_thinking: bool | None = None) -> str:
+        """enable_thinking: the thinking switch of templates that have one (Qwen3's); None leaves it undefined, so
+        each template takes its own default."""
+        switches = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         chunks = self._template.generate(
+            **switches,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,

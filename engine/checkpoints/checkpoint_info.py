@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from llamaterm.engine.checkpoints.architectures import family_of
 from llamaterm.engine.checkpoints.fields import read
 from llamaterm.engine.checkpoints.hf_files import chat_template_source
 from llamaterm.engine.errors import ModelFormatError
@@ -29,12 +30,13 @@ MAX_LISTED_ITEMS = 16
 class CheckpointInfo:
     format: str  # "gguf" or "safetensors"
     quant: str | None  # "Q4_K_M", "BF16", "GPTQ-4bit", ...
-    architecture: str | None  # "llama"
+    architecture: str | None  # as the file names it: GGUF's "llama", config.json's model_type "mistral"
     parameters: int | None
     context_length: int | None
     tensor_types: dict[str, int] = field(default_factory=dict)  # type name -> tensor count
     chat_template: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # GGUF key-values or config.json
+    family: str | None = None  # the family llamaterm runs it as (architectures.py); None: not supported
 
 
 def is_first_gguf(path: str) -> bool:
@@ -65,6 +67,7 @@ def read_gguf(first: Path) -> CheckpointInfo:
         tensor_types=info["tensor_types"],
         chat_template=get("tokenizer.chat_template", str),
         metadata={key: _shown(value) for key, value in info["metadata"].items() if key != "tokenizer.chat_template"},
+        family=family_of(arch),
     )
 
 
@@ -134,6 +137,7 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
         tensor_types=dict(types),
         chat_template=chat_template_source(folder),
         metadata=config,
+        family=family_of((get(config, "architectures", "strings") or [None])[0] or get(config, "model_type", str)),
     )
 
 

@@ -9,7 +9,8 @@ container: the GGUF spec (ggml's docs/gguf.md); block layouts: ggml's ggml-commo
 
 Quantized tensors become QuantWeight: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly; Q4_K, Q5_K (group 32) and Q6_K
 (group 16) with each super-block scale times sub-block scale rounded once to fp16. The converter's q/k row
-permutation is undone, so rows are in Hugging Face order and the model applies half-split (NeoX) RoPE.
+permutation of Llama models is undone, so rows are in Hugging Face order and the model applies half-split (NeoX)
+RoPE, as llama.cpp does for the other families, whose rows the converter leaves in that order.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, supported_list
+from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
-from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
@@ -262,8 +263,7 @@ def _config(f: GGUFFile) -> ModelConfig:
     meta, path = f.metadata, f.path
     arch = read(meta, "general.architecture", str, where=str(path))
     if arch not in GGUF_ARCHITECTURES:
-        raise _bad(path, f"the architecture {arch!r} is not supported (llamaterm runs: {supported_list()})",
-                   "Pick a Llama-family model (Llama 2/3, Mistral, SmolLM, TinyLlama) in GGUF format.")
+        raise _bad(path, not_supported(arch), "Pick a model of one of those families.")
     required = MISSING
 
     def get(key: str, default: object = required, kind: type = int):
@@ -271,13 +271,18 @@ def _config(f: GGUFFile) -> ModelConfig:
 
     hidden, n_heads = get("embedding_length"), get("attention.head_count")
     n_kv_heads = get("attention.head_count_kv", n_heads)
-    head_dim = get("attention.key_length", get("rope.dimension_count", max(hidden // n_heads, 1)))
-    for key in ("attention.value_length", "rope.dimension_count"):  # differing values: a variant we don't run
-        if get(key, head_dim) != head_dim:
-            raise _bad(path, f"{arch}.{key} differs from head_dim {head_dim}, which llamaterm does not run",
-                       "Pick a standard Llama-family model.")
+    # llama.cpp's defaults: a head is hidden / heads wide unless key_length says otherwise; RoPE rotates all of it
+    # unless rope.dimension_count says less (Phi-4-mini)
+    head_dim = get("attention.key_length", max(hidden // n_heads, 1))
+    rope_dim = get("rope.dimension_count", head_dim)
+    if get("attention.value_length", head_dim) != head_dim:
+        raise _bad(path, f"{arch}.attention.value_length differs from key_length {head_dim}, which llamaterm "
+                         "does not run", "Pick a standard model of the family.")
     n_layers = get("block_count")
-    window, sliding_layers = _sliding_window(f, arch, n_layers)
+    # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
+    # and Gemma 3's pattern, left out of its GGUFs, is llama.cpp's: every sixth layer global
+    window, sliding_layers = ((None, None) if arch == "phi3" else
+                              _sliding_window(f, arch, n_layers, 6 if arch == "gemma3" else None))
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
     fields = dict(
@@ -289,28 +294,48 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
+        rope_dim=None if rope_dim == head_dim else rope_dim,
         vocab_size=vocab_size,
         context_length=get("context_length"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=get("rope.freq_base", 10000.0, float),
         tie_word_embeddings="output.weight" not in f.tensors,
+        # Qwen2 always has them; a Llama has them when it was trained with attention_bias
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        fused_projections=arch == "phi3",
         sliding_window=window,
         sliding_layers=sliding_layers,
     )
+    if arch == "gemma3":  # the converter stores its norms as 1 + weight already; the rest as llama.cpp defaults it
+        fields |= dict(post_norms=True, activation="gelu_tanh", embedding_scale=hidden**0.5,
+                       # query_pre_attn_scalar is no GGUF key: llama.cpp's scale is 27B's (62 layers) or head_dim's
+                       attention_scale=(hidden // n_heads if n_layers == 62 else head_dim) ** -0.5,
+                       rope_theta_sliding=get("rope.freq_base_swa", 10000.0, float),
+                       final_logit_softcap=read(meta, f"{arch}.final_logit_softcapping", float, None,
+                                                where=str(path), positive=True))
     try:
         return ModelConfig(**fields)
     except ModelFormatError as e:  # the checks every reader shares
         raise _bad(path, str(e)) from None
 
 
-def _sliding_window(f: GGUFFile, arch: str, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+def _sliding_window(f: GGUFFile, arch: str, n_layers: int, period: int | None
+                    ) -> tuple[int | None, tuple[bool, ...] | None]:
     """(window, which layers use it) from {arch}.attention.sliding_window (0 or absent: none, as llama.cpp reads
-    it) and .sliding_window_pattern (a bool per layer, true: sliding; absent: every layer slides)."""
+    it) and .sliding_window_pattern: a bool per layer (true: sliding), or a period n (every nth layer is global, as
+    llama.cpp's set_swa_pattern); absent: the family's period, else every layer slides."""
     where, key = str(f.path), f"{arch}.attention.sliding_window"
     window = read(f.metadata, key, int, 0, where=where)
     if window < 0:
         raise _bad(f.path, f"{key} = {window} is negative (0 means no sliding window)")
-    pattern = read(f.metadata, f"{key}_pattern", "bools", None, where=where)
+    if isinstance(f.metadata.get(f"{key}_pattern"), int | np.integer):
+        period = read(f.metadata, f"{key}_pattern", int, where=where, positive=True)
+        pattern = None
+    else:
+        pattern = read(f.metadata, f"{key}_pattern", "bools", None, where=where)
+    if window and pattern is None and period is not None:
+        return window, tuple(i % period < period - 1 for i in range(n_layers))
     if window == 0 or pattern is None:
         return window or None, None
     if len(pattern) != n_layers:
@@ -318,45 +343,58 @@ def _sliding_window(f: GGUFFile, arch: str, n_layers: int) -> tuple[int | None, 
     return int(window), tuple(bool(x) for x in pattern)
 
 
-def _rope_freq_factors(f: GGUFFile, c: ModelConfig) -> tuple[float, ...] | None:
-    """RoPE frequency divisors: Llama-3 scaling comes baked into the rope_freqs tensor, linear scaling is one
-    factor for all. Called once the tensors have been checked against the config, which bounds head_dim."""
-    arch, head_dim = c.arch, c.head_dim
+# Tensors of RoPE frequency divisors, rotary_dim // 2 each: Llama 3's, LongRoPE's (Phi-3)
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
+    """The ModelConfig fields of RoPE scaling: Llama-3's comes baked into the rope_freqs tensor, linear scaling is
+    one factor for all, LongRoPE (Phi-3) has short and long factor tensors. Called once the tensors have been
+    checked against the config, which bounds their shapes."""
+    arch, half = c.arch, c.rotary_dim // 2
     get = lambda key, kind, default=None: read(f.metadata, f"{arch}.{key}", kind, default, where=str(f.path),
                                                positive=kind is float)
-    factors = None
-    if (t := f.tensors.get("rope_freqs.weight")) is not None:
-        if t.type != GGMLQuantizationType.F32 or t.shape != (head_dim // 2,):
-            raise _bad(f.path, f"rope_freqs.weight is {t.type.name} {t.shape}, not F32 ({head_dim // 2},)")
-        factors = t.data.view(np.float32).tolist()
-        if not all(0 < x < math.inf for x in factors):
-            raise _bad(f.path, "rope_freqs.weight holds values that are not positive and finite")
+
+    def factors(name: str) -> list[float] | None:
+        if (t := f.tensors.get(name)) is None:
+            return None
+        if t.type != GGMLQuantizationType.F32:
+            raise _bad(f.path, f"{name} is {t.type.name}, not F32")
+        values = t.data.view(np.float32).tolist()
+        if not all(0 < x < math.inf for x in values):
+            raise _bad(f.path, f"{name} holds values that are not positive and finite")
+        return values
+
+    freqs, short, long = map(factors, ROPE_FACTORS)
+    if (short is None) != (long is None):
+        raise _bad(f.path, "it has one of rope_factors_short and rope_factors_long but not the other")
+    if long is not None:
+        # llama.cpp's defaults: the original context is the trained one, the attention factor 1
+        return dict(rope_freq_factors=tuple(short), rope_long_factors=tuple(long),
+                    rope_long_from=int(get("rope.scaling.original_context_length", int, c.context_length)),
+                    rope_attention_factor=float(get("rope.scaling.attn_factor", float, 1.0)))
     legacy_linear = get("rope.scale_linear", float)  # the old spelling of linear scaling
     scaling = get("rope.scaling.type", str, "none" if legacy_linear is None else "linear")
     if scaling == "linear":
         factor = get("rope.scaling.factor", float, legacy_linear)
         if factor is None:
             raise _bad(f.path, f"{arch}.rope.scaling.factor is missing for linear RoPE scaling")
-        factors = [x * factor for x in (factors or [1.0] * (head_dim // 2))]
+        freqs = [x * factor for x in (freqs or [1.0] * half)]
     elif scaling != "none":
-        raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear and Llama-3 are)",
+        raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear, Llama-3 and LongRoPE are)",
                    "Pick a model without that context extension.")
-    return None if factors is None else tuple(factors)
+    return dict(rope_freq_factors=None if freqs is None else tuple(freqs))
 
 
 def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """Every tensor a llama GGUF may hold, with its numpy shape; and the names that must be there."""
-    modules = weight_shapes(c)
-    shapes = {f"{name}.weight": shape for name, shape in modules.items()}
-    # optional biases of the blocks' linears (Llama's attention_bias / mlp_bias)
-    shapes |= {f"{name}.bias": shape[:1] for name, shape in modules.items()
-               if name.startswith("blk.") and len(shape) == 2}
-    required = {f"{name}.weight" for name in modules} - {"output.weight"}  # no output: tied to the embedding
-    return shapes | {"rope_freqs.weight": (c.head_dim // 2,)}, required
+    """Every tensor the GGUF may hold, with its numpy shape; and the names that must be there."""
+    shapes = tensor_shapes(c)
+    required = set(shapes) - {"output.weight"}  # no output: tied to the embedding
+    return shapes | {name: (c.rotary_dim // 2,) for name in ROPE_FACTORS}, required
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
-    if c.n_layers * 9 > len(f.tensors):  # before building per-layer tables from an absurd block_count
+    if c.n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
         raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
     shapes, required = _expected_shapes(c)
     if missing := sorted(required - f.tensors.keys()):
@@ -364,7 +402,7 @@ def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
     for name, t in f.tensors.items():
         if name not in shapes:
             raise _bad(f.path, f"tensor {name!r} is not part of a {c.arch} model",
-                       "Pick a standard Llama-family model.")
+                       "It is a variant llamaterm does not run: pick a standard model of the family.")
         if t.shape != shapes[name]:
             raise _bad(f.path, f"tensor {name!r} has shape {t.shape}; the metadata implies {shapes[name]}")
         if t.type in _UNPACK and len(t.shape) == 1:
@@ -482,17 +520,21 @@ def _unpermute(t: RawTensor, n_head: int) -> RawTensor:
 
 
 def load_gguf(path: str | Path) -> Checkpoint:
-    """Load a Llama-family GGUF model; the first part of a split model loads all parts. Any problem with the
+    """Load a GGUF model of a supported family; the first part of a split model loads all parts. Any problem with the
     file raises ModelFormatError."""
     f = read_gguf_parts(Path(path))
     config = _config(f)
     _check_tensors(f, config)
-    config = dataclasses.replace(config, rope_freq_factors=_rope_freq_factors(f, config))
+    scaling = _rope_scaling(f, config)
+    try:
+        config = dataclasses.replace(config, **scaling)
+    except ModelFormatError as e:  # the checks every reader shares
+        raise _bad(f.path, str(e)) from None
     tensors = {}
     for name, t in f.tensors.items():
-        if name == "rope_freqs.weight":  # already in config.rope_freq_factors
+        if name in ROPE_FACTORS:  # already in the config
             continue
-        if ".attn_q." in name or ".attn_k." in name:
+        if config.arch == "llama" and (".attn_q." in name or ".attn_k." in name):  # the one family permuted
             t = _unpermute(t, config.n_heads if ".attn_q." in name else config.n_kv_heads)
         tensors[name] = w = convert_tensor(t)
         if isinstance(w, QuantWeight) and not all(x.isfinite().all() for x in (w.scales, w.offsets)

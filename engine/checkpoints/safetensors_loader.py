@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, supported_list
+from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import ModelConfig, weight_shapes
+from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
 from llamaterm.kernels.qweight import QuantWeight
@@ -35,16 +35,26 @@ LAYER_MODULES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused q/k/v
     "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",  # Gemma 3's is a norm after attention: GEMMA_LAYER_MODULES
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused gate and up, as llama.cpp names it
     "mlp.down_proj": "ffn_down",
 }
+# Gemma 3 norms each block's input, its attention's output, the MLP's input and its output
+GEMMA_LAYER_MODULES = LAYER_MODULES | {"post_attention_layernorm": "post_attention_norm",
+                                       "pre_feedforward_layernorm": "ffn_norm",
+                                       "post_feedforward_layernorm": "post_ffw_norm"}
+# transformers' config.json spellings of the MLP activations llamaterm runs
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
 IGNORED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
-# Llama-family head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
+# Head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
 MAX_HEAD_DIM = 4096
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into nibble i of word c: column j is in nibble REVERSE[j].
@@ -93,49 +103,80 @@ def read_config_json(model_dir: Path) -> dict:
 
 
 def model_config(hf: dict, name: str) -> ModelConfig:
-    """config.json (as a dict) -> ModelConfig, refusing what the Llama forward pass cannot run."""
+    """config.json (as a dict) -> ModelConfig, refusing what the forward pass cannot run."""
     architectures = field(hf, "architectures", "strings", [])
     arch = architectures[0] if architectures else None
-    if arch not in HF_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
-        raise ModelFormatError(f"unsupported architecture {arch or hf.get('model_type')!r}: llamaterm runs "
-                               f"{supported_list()}")
+    if arch is None and hf.get("model_type") == "llama":
+        arch = "LlamaForCausalLM"
+    if arch not in HF_ARCHITECTURES:
+        raise ModelFormatError(f"config.json: {not_supported(arch or hf.get('model_type'))}")
+    family = HF_ARCHITECTURES[arch]
     size = lambda key, default=MISSING: field(hf, key, int, default, positive=True)
     n_heads = size("num_attention_heads")
     hidden_size = size("hidden_size")
     context_length = size("max_position_embeddings")
     n_layers = size("num_hidden_layers")
+    gemma = family == "gemma3"
     window, sliding_layers = None, None
     if arch in SLIDING_WINDOW_ARCHITECTURES:  # Llama ignores a sliding_window key; these read it
         window, sliding_layers = sliding_window(hf, n_layers)
-    if (act := field(hf, "hidden_act", str, "silu")) != "silu":
-        raise ModelFormatError(f"unsupported activation {act!r}: the Llama MLP uses silu")
+    elif gemma:  # every sixth layer global, unless the config says otherwise (Gemma3TextConfig's default)
+        window, sliding_layers = sliding_window(hf, n_layers, field(hf, "sliding_window_pattern", int, 6,
+                                                                    positive=True))
+    elif family == "phi3":  # transformers' Phi-3 slides where its config gives a window (Phi-3-mini-4k: 2047)
+        window = size("sliding_window", None)
+    if family in ("qwen2", "qwen3") and field(hf, "use_sliding_window", bool, False):
+        raise ModelFormatError("config.json: use_sliding_window (Qwen's window on its upper layers) is not supported")
+    act = field(hf, "hidden_activation" if gemma else "hidden_act", str, "gelu_pytorch_tanh" if gemma else "silu")
+    if ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
+        raise ModelFormatError(f"unsupported activation {act!r} for {arch} (llamaterm runs {', '.join(ACTIVATIONS)}, "
+                               "each where its family uses it)")
+    if field(hf, "attn_logit_softcapping", float, None) is not None:
+        raise ModelFormatError("config.json: attn_logit_softcapping (Gemma 2's) is not supported")
+    # Qwen3's and Gemma 3's config defaults differ from hidden / heads (transformers: 128, 256); their files say
+    head_dim = size("head_dim", MISSING if family in ("qwen3", "gemma3") else max(hidden_size // n_heads, 1))
+    partial = field(rope_params(hf), "partial_rotary_factor", float, field(hf, "partial_rotary_factor", float, 1.0),
+                    positive=True)
     config = ModelConfig(
-        arch="llama",
+        arch=family,
         name=name,
         n_layers=n_layers,
         hidden_size=hidden_size,
         intermediate_size=size("intermediate_size"),
         n_heads=n_heads,
         n_kv_heads=size("num_key_value_heads", n_heads),
-        head_dim=size("head_dim", max(hidden_size // n_heads, 1)),
+        head_dim=head_dim,
+        rope_dim=None if partial == 1 else int(head_dim * partial),
         vocab_size=size("vocab_size"),
         context_length=context_length,
         rms_norm_eps=float(field(hf, "rms_norm_eps", float, 1e-6, positive=True)),
         rope_theta=float(field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0),
                                positive=True)),
-        tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, False)),
+        tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, gemma)),  # transformers' defaults
+        qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
+        qk_norm=family in ("qwen3", "gemma3"),
+        fused_projections=family == "phi3",
         sliding_window=window,
         sliding_layers=sliding_layers,
     )
-    return replace(config, rope_freq_factors=rope_freq_factors(hf, config))
+    if gemma:
+        config = replace(config, post_norms=True, activation="gelu_tanh", embedding_scale=hidden_size**0.5,
+                         attention_scale=field(hf, "query_pre_attn_scalar", float, positive=True) ** -0.5,
+                         rope_theta_sliding=float(field(rope_params(hf, "sliding_attention"), "rope_theta", float,
+                                                        field(hf, "rope_local_base_freq", float, 10000.0),
+                                                        positive=True)),
+                         final_logit_softcap=field(hf, "final_logit_softcapping", float, None, positive=True))
+    return replace(config, **rope_scaling(hf, config))
 
 
-def sliding_window(hf: dict, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
-    """(window, which layers use it) as transformers reads them: `sliding_window` (absent: 4096, Mistral's and
-    Ministral's default; null: none) and `layer_types` ("sliding_attention" or "full_attention" per layer;
-    absent: every layer slides)."""
+def sliding_window(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) as transformers reads them: `sliding_window` (absent: 4096, Mistral's,
+    Ministral's and Gemma 3's default; null: none) and `layer_types` ("sliding_attention" or "full_attention" per
+    layer; absent: every layer slides, or with a `pattern` of n, every nth layer is full, as Gemma 3's)."""
     window = field(hf, "sliding_window", int, 4096 if "sliding_window" not in hf else None, positive=True)
     layer_types = field(hf, "layer_types", "strings", None)
+    if window is not None and layer_types is None and pattern is not None:
+        return window, tuple((i + 1) % pattern != 0 for i in range(n_layers))
     if window is None or layer_types is None:
         return window, None
     kinds = {"sliding_attention": True, "full_attention": False}
@@ -150,23 +191,34 @@ def field(hf: dict, key: str, kind, default=MISSING, *, positive: bool = False):
     return read(hf, key, kind, default, where="config.json", positive=positive)
 
 
-def rope_params(hf: dict) -> dict:
-    """RoPE settings: transformers 5 writes `rope_parameters`, older ones `rope_theta` and `rope_scaling`."""
+def rope_params(hf: dict, layer_type: str = "full_attention") -> dict:
+    """RoPE settings: transformers 5 writes `rope_parameters`, older ones `rope_theta` and `rope_scaling`. Gemma 3's
+    have a set per layer type: the full-attention layers' unless `layer_type` says otherwise."""
     params = [hf.get(key) or {} for key in ("rope_parameters", "rope_scaling")]
     if not all(isinstance(p, dict) for p in params):
         raise ModelFormatError("config.json: rope_parameters and rope_scaling must be JSON objects")
+    params = [p.get(layer_type) or {} if "full_attention" in p else {} if layer_type != "full_attention" else p
+              for p in params]
+    if not all(isinstance(p, dict) for p in params):
+        raise ModelFormatError(f"config.json: the RoPE settings of {layer_type} layers must be a JSON object")
     return {**params[0], **params[1]}
 
 
-def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None:
+def rope_scaling(hf: dict, config: ModelConfig) -> dict:
+    """The ModelConfig fields of the config's RoPE scaling: Llama 3's or LongRoPE (Phi-3's, once called "su")."""
     params = rope_params(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return None
+        return {}
+    if rope_type in ("longrope", "su"):
+        return longrope(hf, params, config)
+    if rope_type == "linear":  # positions divided by factor: every frequency is
+        return {"rope_freq_factors": (float(field(params, "factor", float, positive=True)),) * (config.rotary_dim // 2)}
     if rope_type != "llama3":
-        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: only 'llama3' is supported")
+        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3' and "
+                               "'longrope'")
     if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
-        raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any Llama model's "
+        raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any model's "
                                f"(at most {MAX_HEAD_DIM}); the file is damaged")
     factor, low, high = (field(params, k, float, positive=True) for k in ("factor", "low_freq_factor",
                                                                           "high_freq_factor"))
@@ -185,7 +237,20 @@ def rope_freq_factors(hf: dict, config: ModelConfig) -> tuple[float, ...] | None
         else:
             smooth = (old_context / wavelen - low) / (high - low)
             factors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return tuple(factors)
+    return {"rope_freq_factors": tuple(factors)}
+
+
+def longrope(hf: dict, params: dict, config: ModelConfig) -> dict:
+    """LongRoPE as transformers computes it (_compute_longrope_parameters): short factors up to the original
+    context, long ones past it; the attention factor sqrt(1 + ln(s) / ln(original)), s = context / original,
+    unless the config gives one."""
+    key = "original_max_position_embeddings"  # in the RoPE settings, or beside them (Phi-3.5)
+    old = field(params if key in params else hf, key, int, positive=True)
+    short, long = (tuple(float(x) for x in field(params, f"{k}_factor", "numbers")) for k in ("short", "long"))
+    scale = field(params, "factor", float, config.context_length / old, positive=True)
+    default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(old))
+    return {"rope_freq_factors": short, "rope_long_factors": long, "rope_long_from": old,
+            "rope_attention_factor": float(field(params, "attention_factor", float, default, positive=True))}
 
 
 def quant_scheme(qc: dict | None) -> QuantScheme | None:
@@ -317,12 +382,13 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 # --- names and shapes ------------------------------------------------------------------------------------
 
 
-def gguf_module(hf_module: str) -> str | None:
+def gguf_module(hf_module: str, family: str) -> str | None:
+    layer_modules = GEMMA_LAYER_MODULES if family == "gemma3" else LAYER_MODULES
     if hf_module in TOP_MODULES:
         return TOP_MODULES[hf_module]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_module)
-    if m and m[2] in LAYER_MODULES:
-        return f"blk.{int(m[1])}.{LAYER_MODULES[m[2]]}"
+    if m and m[2] in layer_modules:
+        return f"blk.{int(m[1])}.{layer_modules[m[2]]}"
     return None
 
 
@@ -335,30 +401,34 @@ def convert_tensors(
         if IGNORED_TENSOR.fullmatch(name):
             continue
         hf_module, _, part = name.rpartition(".")
-        module = gguf_module(hf_module)
+        module = gguf_module(hf_module, config.arch)
         if module is None:
-            raise ModelFormatError(f"unexpected tensor {name!r}: not part of a Llama model")
+            raise ModelFormatError(f"unexpected tensor {name!r}: not part of a {config.arch} model")
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
-    if config.n_layers * len(LAYER_MODULES) > len(modules):  # before per-layer tables for an absurd count
+    if config.n_layers * 6 > len(modules):  # a block has at least 6 modules; checked before per-layer tables
         raise ModelFormatError(f"config.json: num_hidden_layers = {config.n_layers}, but the checkpoint holds "
                                f"only {len(raw)} tensors")
     if config.tie_word_embeddings:
         modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
-    shapes = weight_shapes(config)
+    shapes = tensor_shapes(config)
     if config.tie_word_embeddings:
-        del shapes["output"]
-    if missing := [name for name in shapes if name not in modules]:
+        del shapes["output.weight"]
+    wanted = {name.rpartition(".")[0] for name in shapes}
+    if missing := [name for name in wanted if name not in modules]:
         raise ModelFormatError(f"the checkpoint lacks tensors for {missing[:5]} (from config.json)")
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     for module, (hf_module, parts) in modules.items():
-        if module not in shapes:
+        if module not in wanted:
             layers = config.n_layers
             raise ModelFormatError(f"unexpected tensors {hf_module}.* ({layers} layers in config.json)")
-        shape = shapes[module]
+        shape = shapes[f"{module}.weight"]
+        if "bias" in parts and f"{module}.bias" not in shapes:
+            raise ModelFormatError(f"{hf_module}.bias is not part of a {config.arch} model as config.json describes "
+                                   "it (llamaterm runs biases of q/k/v only: Qwen2's, or Llama's attention_bias)")
+        if "bias" not in parts and f"{module}.bias" in shapes:
+            raise ModelFormatError(f"{hf_module}.bias is missing: the checkpoint is incomplete")
         if "bias" in parts:
-            if len(shape) != 2:
-                raise ModelFormatError(f"unexpected tensor {hf_module}.bias")
-            tensors[f"{module}.bias"] = dense(parts.pop("bias"), (shape[0],), f"{hf_module}.bias")
+            tensors[f"{module}.bias"] = dense(parts.pop("bias"), shapes[f"{module}.bias"], f"{hf_module}.bias")
         if parts.keys() & {"qweight", "weight_packed"} and len(shape) == 2 and module != "token_embd":
             if scheme is None:
                 raise ModelFormatError(f"{hf_module} is quantized but config.json has no quantization_config")
@@ -366,6 +436,8 @@ def convert_tensors(
             tensors[f"{module}.weight"] = convert(parts, shape, scheme, hf_module)
         elif set(parts) == {"weight"}:
             tensors[f"{module}.weight"] = dense(parts["weight"], shape, f"{hf_module}.weight")
+            if config.arch == "gemma3" and module.endswith("norm"):  # Gemma3RMSNorm scales by 1 + weight, in fp32
+                tensors[f"{module}.weight"] = tensors[f"{module}.weight"].float() + 1
         else:
             raise ModelFormatError(f"unexpected tensors for {hf_module}: {sorted(parts)}")
     return tensors

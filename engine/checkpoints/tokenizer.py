@@ -40,6 +40,11 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+_GPT4O_SPLIT = (  # the regex of o200k's tokenizer.json (Phi-4-mini), as llama.cpp gives it for the "gpt-4o" pre-type
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZER_SPLITS = {
     "llama-bpe": (_LLAMA3_SPLIT,),
     "llama3": (_LLAMA3_SPLIT,),
@@ -47,6 +52,7 @@ PRE_TOKENIZER_SPLITS = {
     "smollm": (r"\p{N}", _GPT2_SPLIT),
     "gpt-2": (_GPT2_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
+    "gpt-4o": (_GPT4O_SPLIT,),
 }
 # Llama 3 vocabularies take a pre-token that is a whole vocabulary entry as is, and add BOS by default
 _LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3"})
@@ -185,8 +191,12 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
-        """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
+    def from_hf_dir(cls, path: str | Path, model_vocab_size: int = 0) -> "Tokenizer":
+        """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json.
+
+        model_vocab_size: the rows of the model's embedding. Models pad it beyond the tokenizer's ids (Qwen2.5:
+        152064 rows for 151665 tokens); those ids decode to nothing, as they do in transformers (llama.cpp's
+        converter pads the GGUF vocabulary with [PAD] tokens to the same end)."""
         folder = Path(path)
         spec_text = read_text(folder / "tokenizer.json")
         if spec_text is None:
@@ -220,7 +230,7 @@ class Tokenizer:
         if top >= 2 * len(vocab):  # ids index a table of max id + 1 entries: a sparse one is a damaged file
             raise ModelFormatError(f"{folder / 'tokenizer.json'}: token {token!r} has id {top}, far beyond the "
                                    f"{len(vocab)} tokens of the vocabulary; the file is damaged")
-        tokens = [""] * (top + 1)
+        tokens = [""] * max(top + 1, model_vocab_size)
         token_types = [UNUSED] * len(tokens)
         for token, i in vocab.items():
             tokens[i] = token
@@ -296,20 +306,23 @@ class Tokenizer:
         # Compiled on first use, so a model with a broken template still loads for raw prompts
         return ChatTemplate(self._chat_template_source or CHATML_TEMPLATE)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            enable_thinking: bool | None = None) -> str:
+        """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none).
+        enable_thinking: the template's thinking switch, where it has one (None: its default)."""
         return self._chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token="" if self.bos_id is None else self._tokens[self.bos_id],
             eos_token="" if self.eos_id is None else self._tokens[self.eos_id],
+            enable_thinking=enable_thinking,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None) -> list[int]:
         """The prompt's ids: template markers parsed as special tokens, BOS added once if the model asks."""
-        ids = self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special=False, parse_special=True
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
+        ids = self.encode(text, add_special=False, parse_special=True)
         if self.add_bos and ids[:1] != [self.bos_id]:  # templates such as Llama 3's write BOS themselves
             ids.insert(0, self.bos_id)
         return ids

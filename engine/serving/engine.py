@@ -38,6 +38,8 @@ from llamaterm.engine.serving.model_runner import HostTokens, ModelRunner
 from llamaterm.engine.serving.sampling import needs_history, sample
 from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import PENDING, Sequence
+from llamaterm.engine.thinking import OPEN as THINK_OPEN
+from llamaterm.engine.thinking import opens_thinking
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 
@@ -52,6 +54,7 @@ class RequestHandle(EventStream):
     events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     finished: bool = False
     finish_time: float | None = None
+    opens_thinking: bool = False  # the chat template opened a thinking block: the reply's text starts with its tag
 
     def stats(self) -> RequestStats:
         seq = self.seq
@@ -81,11 +84,11 @@ class InFlight:
 class OutputState:
     """Turns sampled tokens into text deltas: incremental detokenization, stop strings held back until safe."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], prefix: str = ""):
         self.detok = tokenizer.detokenizer()
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
+        self.text = prefix
         self.emitted = 0
         self.stopped = False
 
@@ -188,7 +191,8 @@ class Engine:
             return self.max_context
         return min(self.max_context, self.pool_tokens())
 
-    def encode_prompt(self, prompt: list[dict] | str, raw: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
+                      ) -> list[int]:
         if isinstance(prompt, str) and raw:
             if not prompt:
                 raise RequestError("the prompt is empty: give some text")
@@ -196,13 +200,14 @@ class Engine:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not messages or not any(m.get("content") for m in messages):
             raise RequestError("the prompt is empty: give some text")
-        return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
 
     def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
-               prompt_ids: list[int] | None = None) -> RequestHandle:
-        """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids."""
+               enable_thinking: bool | None = None, prompt_ids: list[int] | None = None) -> RequestHandle:
+        """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids.
+        enable_thinking: the chat template's thinking switch (None: the template's default)."""
         params = params or SamplingParams()
-        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw)
+        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw, enable_thinking)
         if any(not 0 <= i < self.model.config.vocab_size for i in ids):  # a tokenizer larger than the weights
             raise RequestError(f"the prompt has a token id outside the model's {self.model.config.vocab_size}-token "
                                "vocabulary: its tokenizer and its weights do not match")
@@ -226,6 +231,8 @@ class Engine:
             generator=self._generator(params.seed),
         )
         handle = RequestHandle(seq.id, seq, self)
+        if prompt_ids is None and not raw:  # R1 distills, QwQ: the template ends its prompt inside <think>
+            handle.opens_thinking = opens_thinking(self.tokenizer.decode(ids[-4:]))
         with self._cv:
             if self._stopped:
                 raise RequestError("the engine has shut down")
@@ -296,7 +303,8 @@ class Engine:
                 cancels, self._cancels = self._cancels, []
             for handle in incoming:
                 self._handles[handle.id] = handle
-                self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop)
+                prefix = THINK_OPEN if handle.opens_thinking else ""
+                self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop, prefix)
                 self.scheduler.add(handle.seq)
             for request_id in cancels:
                 if request_id in self._handles:

@@ -1,4 +1,5 @@
-"""The Llama-family forward pass over a paged KV cache.
+"""The forward pass over a paged KV cache, one for every family: what differs between families is data in
+ModelConfig (biases, norms, activation, RoPE), read here.
 
 One flat batch of tokens per step: prefill chunks and decode tokens of many sequences side by side,
 described by `StepInput` (names as in vLLM: slot mapping, block tables, context lengths). Every op goes through
@@ -10,8 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from llamaterm.engine.checkpoints.config import ModelConfig
-from llamaterm.engine.errors import ModelFormatError
-from llamaterm.kernels.activation import silu_and_mul
+from llamaterm.kernels.activation import act_and_mul
 from llamaterm.kernels.attention import paged_attention
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear
@@ -76,41 +76,68 @@ def linear_parts(x: torch.Tensor, parts: list[Weight]) -> torch.Tensor:
     return torch.cat([linear(x, p) for p in parts], dim=-1)
 
 
+def take_rows(parts: list[Weight], index: torch.Tensor) -> list[Weight]:
+    """The rows `index` of the matrix the parts stack into; each part's rows must stay within it."""
+    out, start = [], 0
+    for w in parts:
+        rows = (index[start:start + w.shape[0]] - start).to(w.scales.device if isinstance(w, QuantWeight) else w.device)
+        out.append(w.take_rows(rows) if isinstance(w, QuantWeight) else w[rows])
+        start += w.shape[0]
+    return out
+
+
+def rotary_rows(c: ModelConfig) -> torch.Tensor:
+    """For partial rotary, the q/k/v rows with each q and k head in ModelConfig.rotary_order."""
+    heads = lambda n: (torch.arange(n)[:, None] * c.head_dim + c.rotary_order()).flatten()
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return torch.cat([heads(c.n_heads), q + heads(c.n_kv_heads), torch.arange(q + kv, q + 2 * kv)])
+
+
 def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     """Quantized weights keep their format; dense ones (norms, fp16 linears) take the compute dtype."""
     return w.to(device) if isinstance(w, QuantWeight) else w.to(device, dtype)
 
 
 class Layer:
-    def __init__(self, t: dict[str, Weight], i: int, device, dtype, window: int | None):
-        get = lambda name: to_device(t[f"blk.{i}.{name}.weight"], device, dtype)
-        self.window = window  # sliding-window attention's keys per query; None: the whole context
+    def __init__(self, c: ModelConfig, t: dict[str, Weight], i: int, device, dtype):
+        get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
+        self.window = c.layer_window(i)  # sliding-window attention's keys per query; None: the whole context
+        self.sliding_rope = c.rope_theta_sliding is not None and c.is_sliding(i)  # Gemma 3's local RoPE base
         self.attn_norm = get("attn_norm")
         self.ffn_norm = get("ffn_norm")
-        self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
-        # Llama checkpoints with attention_bias=true carry q/k/v biases; the rest have none
-        biases = [t.get(f"blk.{i}.attn_{p}.bias") for p in "qkv"]
-        self.qkv_bias = torch.cat(biases).to(device, dtype) if all(b is not None for b in biases) else None
+        if c.fused_projections:
+            self.qkv, self.gate_up = [get("attn_qkv")], [get("ffn_up")]
+        else:
+            self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
+            self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
+        self.qkv_bias = torch.cat([get(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
+        if c.rotary_order() is not None:
+            self.qkv = take_rows(self.qkv, rotary_rows(c))
+            self.qkv_bias = None if self.qkv_bias is None else take_rows([self.qkv_bias], rotary_rows(c))[0]
+        self.q_norm, self.k_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else (None, None)
         self.o = get("attn_output")
-        self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
         self.down = get("ffn_down")
+        self.post_attn_norm, self.post_ffn_norm = ((get("post_attention_norm"), get("post_ffw_norm")) if c.post_norms
+                                                   else (None, None))
 
 
 class Model:
     def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device,
                  dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
-        qkv_biases = ("attn_q", "attn_k", "attn_v")
-        unsupported = [n for n in tensors if n.endswith(".bias") and n.split(".")[-2] not in qkv_biases]
-        if unsupported:
-            raise ModelFormatError(f"{unsupported[0]}: biases outside q/k/v are not supported")
         self.token_embd = to_device(tensors["token_embd.weight"], device, dtype)
         self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
         self.lm_head = (self.token_embd if config.tie_word_embeddings
                         else to_device(tensors["output.weight"], device, dtype))
-        self.layers = [Layer(tensors, i, device, dtype, config.layer_window(i)) for i in range(config.n_layers)]
+        self.layers = [Layer(config, tensors, i, device, dtype) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
-        self.scale = config.head_dim**-0.5
+        self.long_inv_freq = None if config.rope_long_factors is None else config.inv_freq(long=True).to(device)
+        self.sliding_inv_freq = config.inv_freq(sliding=True).to(device)
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.q_scale = None  # LongRoPE's attention factor on the rotated dims of q and k, squared onto q's alone
+        if config.rope_attention_factor != 1:
+            rotated = self.inv_freq.repeat(2) != 0
+            self.q_scale = torch.where(rotated, config.rope_attention_factor**2, 1.0).to(dtype)
 
     def keep_dense_weights(self, budget: int) -> int:
         """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized
@@ -145,6 +172,11 @@ class Model:
         n_tokens = step.input_ids.shape[0]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         h = embedding(step.input_ids, self.token_embd, self.dtype)
+        if c.embedding_scale != 1:
+            h = h * c.embedding_scale
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None:  # LongRoPE: from the original context on, the long factors
+            inv_freq = torch.where((step.positions >= c.rope_long_from)[:, None], self.long_inv_freq, inv_freq)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual)
@@ -155,12 +187,25 @@ class Model:
             q = q.view(n_tokens, c.n_heads, c.head_dim)
             k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
-            q = rope_write_kv(q, k, v, step.positions, self.inv_freq, k_cache, v_cache, step.slot_mapping)
+            if c.qk_norm:
+                q, _ = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k, _ = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            freq = self.sliding_inv_freq if layer.sliding_rope else inv_freq
+            q = rope_write_kv(q, k, v, step.positions, freq, k_cache, v_cache, step.slot_mapping)
+            if self.q_scale is not None:
+                q = q * self.q_scale
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                 step.query_start_loc, self.scale, layer.window)
             h = linear(o.view(n_tokens, q_size), layer.o)
+            if c.post_norms:
+                h, _ = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
-            h = linear(silu_and_mul(linear_parts(x, layer.gate_up)), layer.down)
+            h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
+            if c.post_norms:
+                h, _ = rms_norm(h, layer.post_ffn_norm, c.rms_norm_eps)
         last = step.logits_indices
         x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last])
-        return linear(x, self.lm_head).float()
+        logits = linear(x, self.lm_head).float()
+        if c.final_logit_softcap is not None:
+            logits = c.final_logit_softcap * torch.tanh(logits / c.final_logit_softcap)
+        return logits

@@ -32,6 +32,7 @@ class Submit:
     prompt: list[dict] | str
     params: SamplingParams
     raw: bool
+    enable_thinking: bool | None
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,13 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="llamaterm-engine-reader", daemon=True)
         self._reader.start()
 
-    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False
-               ) -> ProcessHandle:
+    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
+               enable_thinking: bool | None = None) -> ProcessHandle:
         """As Engine.submit; a request the engine refuses raises here, in the caller's thread."""
         request_id = next(self._ids)
         handle = self._handles[request_id] = ProcessHandle(request_id, self.max_context)
         ack = self._acks[request_id] = queue.SimpleQueue()
-        self._send(Submit(request_id, prompt, params or SamplingParams(), raw))
+        self._send(Submit(request_id, prompt, params or SamplingParams(), raw, enable_thinking))
         error = ack.get()
         if error is not None:
             del self._handles[request_id]
@@ -237,7 +238,8 @@ def serve(conn, config: EngineConfig) -> None:
                     engine.cancel(handle)
                 continue
             try:
-                handles[message.request_id] = engine.submit(message.prompt, message.params, raw=message.raw)
+                handles[message.request_id] = engine.submit(message.prompt, message.params, raw=message.raw,
+                                                            enable_thinking=message.enable_thinking)
                 error = None
             except LlamatermError as e:
                 error = e

@@ -13,7 +13,8 @@ def load_checkpoint(name: str | None):
     if path.is_dir():
         from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors
 
-        return load_safetensors(path), Tokenizer.from_hf_dir(path), path
+        ckpt = load_safetensors(path)
+        return ckpt, Tokenizer.from_hf_dir(path, ckpt.config.vocab_size), path
     if path.suffix != ".gguf":
         raise ModelFormatError(f"{path}: not a .gguf file or a model folder; llamaterm loads GGUF and safetensors")
     from llamaterm.engine.checkpoints.gguf import load_gguf

@@ -111,6 +111,7 @@ def describe_checkpoint(checkpoint: Path) -> dict[str, Any]:
         "format": info.format,
         "quant": info.quant,
         "architecture": info.architecture,
+        "family": info.family,
         "parameters": info.parameters,
         "context_length": info.context_length,
     }

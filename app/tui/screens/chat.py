@@ -36,6 +36,7 @@ from llamaterm.app.tui.session import Session
 from llamaterm.app.tui.widgets.chat_pane import ChatPane
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.app.tui.widgets.transcript import CopyRequested
+from llamaterm.engine.thinking import split_reply
 
 MAX_PANES = 8
 TICK_HZ = 20
@@ -64,7 +65,10 @@ class ChatScreen(Screen):
                 tooltip="Add or remove the active pane from the broadcast targets"),
         Binding("ctrl+r", "regenerate", "Regenerate", show=False, tooltip="Ask the last prompt again"),
         Binding("f4", "edit", "Edit last", show=False, tooltip="Edit the last prompt and send it again"),
-        Binding("ctrl+y", "copy_reply", "Copy reply", show=False, tooltip="Copy the active pane's last reply"),
+        Binding("f3", "toggle_thinking", "Thinking", show=False,
+                tooltip="Show or fold the thinking (<think>...</think>) of the active pane's replies"),
+        Binding("ctrl+y", "copy_reply", "Copy reply", show=False,
+                tooltip="Copy the active pane's last reply (its answer, without the thinking)"),
         Binding("ctrl+b", "copy_code", "Copy code", show=False,
                 tooltip="Copy the last code block of the active pane's last reply"),
         Binding("ctrl+l", "clear", "Clear", show=False, tooltip="Start a new conversation in the active pane"),
@@ -380,12 +384,16 @@ class ChatScreen(Screen):
         self.load_backends()
         await pane.show_asked()
 
+    def action_toggle_thinking(self) -> None:
+        self.active.toggle_thinking()
+
     def action_copy_reply(self) -> None:
         reply = self.active.session.reply
-        if reply is None or not reply.content:
+        answer = split_reply(reply.content)[1] if reply is not None else ""
+        if not answer:
             self.notify("No reply to copy yet.")
             return
-        self.copy(reply.content, "reply")
+        self.copy(answer, "reply")
 
     def action_copy_code(self) -> None:
         view = self.active.reply_view

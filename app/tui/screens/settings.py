@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, TextArea
+from textual.widgets import Button, Input, Label, Select, TextArea
 
 from llamaterm.app.tui.session import ChatSettings
 from llamaterm.engine.errors import LlamatermError, RequestError
@@ -24,6 +24,8 @@ FIELDS = [
     ("seed", "Seed", "integer", "blank = random"),
 ]
 OPTIONAL = {"model", "server", "seed"}
+# The chat template's thinking switch: the template's default, or set (only templates with one read it)
+THINKING = [("template default", None), ("on", True), ("off", False)]
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
@@ -47,6 +49,12 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                         continue
                     yield Input("" if value is None else str(value), type=kind, id=name, compact=True)
                     yield Label(hint, classes="field-hint")
+            with Horizontal(classes="field"):
+                yield Label("Thinking", classes="field-label")
+                options = [(label, str(value)) for label, value in THINKING]
+                yield Select(options, value=str(self.settings.thinking), allow_blank=False, id="thinking",
+                             compact=True)
+                yield Label("enable_thinking, as Qwen3's", classes="field-hint")
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -64,7 +72,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 name: parse(label, kind, self.query_one(f"#{name}", Input).value, name in OPTIONAL)
                 for name, label, kind, _ in FIELDS
             }
-            settings = ChatSettings(system=self.query_one("#system", TextArea).text.strip(), **values)
+            thinking = {str(value): value for _, value in THINKING}[self.query_one("#thinking", Select).value]
+            settings = ChatSettings(system=self.query_one("#system", TextArea).text.strip(), thinking=thinking,
+                                    **values)
         except LlamatermError as e:
             self.query_one("#error", Label).update(Content(str(e)))
             return

@@ -21,6 +21,7 @@ class ChatPane(Vertical):
     selected = reactive(True)  # receives prompts from the broadcast input
     number = reactive(1)
     closing = False  # being removed: its children may already be gone
+    thinking_shown = False  # replies show their thinking unfolded
 
     def __init__(self, session: Session, number: int):
         super().__init__()
@@ -30,7 +31,7 @@ class ChatPane(Vertical):
     def compose(self) -> ComposeResult:
         yield PaneStats(classes="pane-stats")
         with VerticalScroll(classes="transcript"):
-            yield from map(message_view, self.session.messages)
+            yield from (message_view(m, self.thinking_shown) for m in self.session.messages)
         yield Input(placeholder="Ask this pane…", compact=True, classes="pane-input")
 
     def on_mount(self) -> None:
@@ -76,7 +77,7 @@ class ChatPane(Vertical):
         """Show the prompt just asked and its reply (empty, or as far as it got meanwhile)."""
         if self.has_undrawn:  # the previous reply's last text and final form, still waiting for the budget
             await self.draw()
-        await self.transcript.mount_all(map(message_view, self.session.messages[-2:]))
+        await self.transcript.mount_all(message_view(m, self.thinking_shown) for m in self.session.messages[-2:])
         self.transcript.anchor()  # a new question brings the view back to the bottom
         self.show_submitted()
         self.show_title()
@@ -89,6 +90,12 @@ class ChatPane(Vertical):
     def show_submitted(self) -> None:
         self.session.refresh_stats()  # prompt and cached tokens are known at once
         self.show_stats()
+
+    def toggle_thinking(self) -> None:
+        """Show or fold the thinking of every reply in the pane (and of those to come)."""
+        self.thinking_shown = not self.thinking_shown
+        for view in self.transcript.query_children(ReplyMessage):
+            view.show_thinking(self.thinking_shown)
 
     def pull(self) -> None:
         """Take what the engine produced since the last tick into the session (cheap: no drawing)."""
@@ -112,7 +119,7 @@ class ChatPane(Vertical):
         self.session.close()
         self.session = session
         await self.transcript.remove_children()
-        await self.transcript.mount_all(map(message_view, session.messages))
+        await self.transcript.mount_all(message_view(m, self.thinking_shown) for m in session.messages)
         self.transcript.anchor()
         self.show_title()
         self.show_stats()

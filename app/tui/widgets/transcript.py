@@ -1,4 +1,5 @@
-"""The messages of a conversation as shown in a pane: the user's as plain text, replies as streaming Markdown."""
+"""The messages of a conversation as shown in a pane: the user's as plain text, replies as streaming Markdown, a
+reply's thinking (<think>...</think>, engine/thinking.py) dimmed and folded to one line until it is shown."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
 
 from llamaterm.app.tui.session import ChatMessage
+from llamaterm.engine.thinking import ThinkingSplitter
 
 NOTES = {"cancelled": "⏹ stopped", "length": "… max tokens reached"}
 
@@ -35,20 +37,54 @@ class UserMessage(Static):
 class ReplyMessage(Vertical):
     """Text arrives in batches through a MarkdownStream, which re-parses only the last block. When the reply
     ends, the document is rendered in full wherever the streamed blocks differ from a full parse; where they
-    match, re-rendering would cost a long reply a visible stall (every block rebuilt) for the same result."""
+    match, re-rendering would cost a long reply a visible stall (every block rebuilt) for the same result.
+    The thinking, split off as the text arrives, is a dimmed line above the answer: folded, its length; shown,
+    its text."""
 
-    def __init__(self, message: ChatMessage):
+    def __init__(self, message: ChatMessage, thinking_shown: bool = False):
         super().__init__()
         self.message = message
-        self.shown = len(message.content)  # how much of the message the view holds; the rest is to draw
+        self.thinking_shown = thinking_shown
+        self.shown = 0  # how much of the message the view holds; the rest is to draw
+        self.thinking = self.answer = ""  # the message's parts, as far as the view holds it
         self.finished = message.finish_reason is not None  # drawn in its final form
+        self._split = ThinkingSplitter()
+        self._take(message.content, end=self.finished)
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
-        yield Markdown(self.message.content[: self.shown])
+        thinking = Static(self._thinking_text(), classes="thinking", markup=False)
+        thinking.display = self._split.thinks
+        yield thinking
+        yield Markdown(self.answer)
         note = Static(self._note(), classes="note", markup=False)
         note.display = bool(self._note())
         yield note
+
+    def _take(self, text: str, end: bool = False) -> str:
+        """Split the message's new text; returns its new answer text."""
+        self.shown += len(text)
+        parts = [self._split.push(text)] + ([self._split.finish()] if end else [])
+        thinking, answer = ("".join(p[i] for p in parts) for i in (0, 1))
+        self.thinking += thinking
+        self.answer += answer
+        return answer
+
+    def _thinking_text(self) -> str:
+        state = "Thinking…" if self._split.state == "thinking" else "Thought"
+        if not self.thinking_shown:
+            return f"▸ {state} ({len(self.thinking.split())} words) · F3 shows"
+        return f"▾ {state} · F3 folds\n{self.thinking.strip()}"
+
+    def show_thinking(self, shown: bool) -> None:
+        self.thinking_shown = shown
+        self._draw_thinking()
+
+    def _draw_thinking(self) -> None:
+        view = self.query_one(".thinking", Static)
+        view.display = self._split.thinks
+        if self._split.thinks:
+            view.update(self._thinking_text())
 
     @property
     def lagging(self) -> bool:
@@ -57,8 +93,12 @@ class ReplyMessage(Vertical):
 
     async def draw_new_text(self) -> None:
         """Append, in one batch, all the text the message gained since the last draw."""
-        text = self.message.content[self.shown :]
-        self.shown += len(text)
+        thought = len(self.thinking)
+        text = self._take(self.message.content[self.shown :])
+        if len(self.thinking) != thought:
+            self._draw_thinking()
+        if not text:
+            return
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)
@@ -75,10 +115,11 @@ class ReplyMessage(Vertical):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self.shown = len(self.message.content)
+        self._take(self.message.content[self.shown :], end=True)
+        self._draw_thinking()
         markdown = self.query_one(Markdown)
-        if markdown.source != self.message.content or not streamed_blocks_match(markdown):
-            await markdown.update(self.message.content)
+        if markdown.source != self.answer or not streamed_blocks_match(markdown):
+            await markdown.update(self.answer)
         note = self.query_one(".note", Static)
         note.update(self._note())
         note.display = bool(self._note())
@@ -90,8 +131,10 @@ class ReplyMessage(Vertical):
         fence = next((w for w in event.widget.ancestors_with_self if isinstance(w, MarkdownFence)), None)
         if fence is not None:
             self.post_message(CopyRequested(fence.code, "code block"))
+        elif event.widget.has_class("thinking"):
+            self.show_thinking(not self.thinking_shown)
         else:
-            self.post_message(CopyRequested(self.message.content, "reply"))
+            self.post_message(CopyRequested(self.answer, "reply"))
 
     def _note(self) -> str:
         if self.message.error:
@@ -111,5 +154,5 @@ def streamed_blocks_match(markdown: Markdown) -> bool:
     return actual == expected
 
 
-def message_view(message: ChatMessage) -> UserMessage | ReplyMessage:
-    return UserMessage(message) if message.role == "user" else ReplyMessage(message)
+def message_view(message: ChatMessage, thinking_shown: bool = False) -> UserMessage | ReplyMessage:
+    return UserMessage(message) if message.role == "user" else ReplyMessage(message, thinking_shown)
