@@ -27,7 +27,7 @@ from llamaterm.engine.serving.engine import Engine
 from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, rewrite_gguf, save_tiny_model
 from tests.test_cli import llamaterm
 from tests.test_fidelity import our_last_logits
-from tests.test_gpu_model import assert_greedy_choices
+from tests.test_gpu_model import assert_greedy_choices, assert_same_until_near_tie
 
 VOCAB = 384
 PROMPT = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12, 45, 46, 47, 48, 301, 2, 9]
@@ -307,14 +307,14 @@ def test_variants_are_refused_by_name_with_what_runs(tmp_path, name):
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_gpu_gives_the_cpu_paths_greedy_tokens(family_model, source):
     """The family's tiny model on the GPU (Triton kernels, fp16): every token it picks is the fp32 CPU path's argmax
-    (or within fp16 noise of it, which assert_greedy_choices reports), and so the same greedy tokens."""
+    wherever that path's top-2 margin is above 0.05, and so the same greedy tokens up to its first near-tie."""
     fam, _, folder, gguf = family_model
     path = folder if source == "safetensors" else gguf
     cpu, gpu = ours(path), Engine.from_model(EngineConfig(model=str(path), device="cuda", kv_tokens=1024))
     try:
         got = greedy(gpu, fam.prompt, GREEDY_STEPS)
         assert_greedy_choices(cpu, fam.prompt, got)
-        assert got == greedy(cpu, fam.prompt, GREEDY_STEPS)
+        assert_same_until_near_tie(cpu, fam.prompt, got, greedy(cpu, fam.prompt, GREEDY_STEPS))
     finally:
         cpu.shutdown()
         gpu.shutdown()

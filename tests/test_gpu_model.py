@@ -57,6 +57,14 @@ def assert_greedy_choices(cpu: Engine, prompt: list[int], generated: list[int]) 
             assert tok == int(ref[t].argmax()), (t, tok, int(ref[t].argmax()), top2_margin(ref[t]))
 
 
+def assert_same_until_near_tie(cpu: Engine, prompt: list[int], generated: list[int], expected: list[int]) -> None:
+    """The GPU's greedy continuation is the fp32 path's (`expected`) up to that path's first near-tie, from where
+    the two may part."""
+    ref = logits_at(cpu, prompt + expected[:-1], len(prompt) - 1)
+    tie = next((t for t in range(len(expected)) if top2_margin(ref[t]) <= MARGIN), len(expected))
+    assert generated[:tie] == expected[:tie], (tie, generated, expected)
+
+
 @pytest.fixture(scope="module", params=["tiny", "default"])
 def engines(request, tmp_path_factory):
     if request.param == "tiny":
@@ -82,11 +90,7 @@ def test_gpu_matches_cpu_reference(engines, chat):
     generated = gpu.generate(chat, params)[1].seq.generated
     assert len(generated) == 32
     assert_greedy_choices(cpu, ids, generated)
-    # so the greedy continuations agree up to the reference's first near-tie (from there they may part)
-    expected = cpu.generate(chat, params)[1].seq.generated
-    ref_steps = logits_at(cpu, ids + expected[:-1], len(ids) - 1)
-    tie = next((t for t in range(len(expected)) if top2_margin(ref_steps[t]) <= MARGIN), len(expected))
-    assert generated[:tie] == expected[:tie]
+    assert_same_until_near_tie(cpu, ids, generated, cpu.generate(chat, params)[1].seq.generated)
 
 
 def test_gpu_batch_matches_solo(engines):
