@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a compiled kernel reads only constexpr globals
 
 
 @triton.jit
