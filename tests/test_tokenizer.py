@@ -497,3 +497,13 @@ def test_missing_or_inconsistent_vocabulary(tmp_path):
         Tokenizer.from_gguf_metadata(sentencepiece_meta(**{"tokenizer.ggml.scores": None}))
     with pytest.raises(ModelFormatError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["caf\udce9", "\ud800 hi", "ok \udfff"])
+def test_text_that_is_not_unicode_is_refused(smollm, text):
+    """A lone surrogate (an undecodable byte kept by surrogateescape, or JSON's "\\ud800") made the tokenizers
+    library raise TypeError, which ended the engine process that `llamaterm serve` runs on."""
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        smollm.encode(text)
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        smollm.encode_chat([{"role": "user", "content": text}])
