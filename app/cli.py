@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,7 @@ def read_prompt(prompt: str | None) -> str:
         if prompt is None and sys.stdin.isatty():
             fail("give a PROMPT, or pipe one on stdin (see llamaterm run --help)", 2)
         return as_text(sys.stdin.buffer.read(), "stdin")
-    return prompt
+    return as_text(os.fsencode(prompt), "the prompt")  # argv's undecodable bytes come as surrogates: find them
 
 
 def read_file(path: Path) -> str:

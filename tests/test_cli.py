@@ -91,6 +91,9 @@ def test_bad_input_gets_a_clear_error(args, code, words):
     (["run", "-"], b"caf\xe9 au lait", "stdin is not UTF-8 text (byte 0xe9 at offset 3)"),
     (["run", "-"], bytes(range(256)), "stdin is not UTF-8 text (byte 0x80 at offset 128)"),
     (["tokenize", "-"], b"\xff\xfe", "stdin is not UTF-8 text"),
+    (["run", "caf\udce9"], b"", "the prompt is not UTF-8 text (byte 0xe9 at offset 3)"),  # argv b"caf\xe9"
+    (["tokenize", "\udcff"], b"", "the prompt is not UTF-8 text (byte 0xff at offset 0)"),
+    (["run", "--system", "\udcff", "hi"], b"", "the text is not valid Unicode"),
     (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
     (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
     (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
@@ -106,6 +109,16 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
     stderr = out.stderr.decode()
     assert out.returncode in (1, 2) and one_line_error(stderr), stderr
     assert words in stderr
+
+
+def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
+    """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat."""
+    out = subprocess.run([LLAMATERM, "chat", "--plain", "--max-tokens", "8"], capture_output=True, timeout=300,
+                         input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n")
+    stderr = out.stderr.decode()
+    assert out.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "llamaterm: the text is not valid Unicode" in stderr
+    assert "Paris" in out.stdout.decode()
 
 
 def test_ctrl_c_while_the_command_line_loads_exits_quietly():
