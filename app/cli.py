@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -40,6 +42,21 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+@contextmanager
+def interrupts_held():
+    """Hold a Ctrl-C back while the engine's libraries import. numpy's import swallows a KeyboardInterrupt raised
+    inside it (the command then ran on to the end and exited 0, or failed later with an AttributeError
+    traceback); taken once the imports are done, it exits 130 like a Ctrl-C at any other point."""
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
+
+
 def sampling_params(**values):
     from llamaterm.engine.errors import RequestError
     from llamaterm.engine.sampling_params import SamplingParams
@@ -57,8 +74,9 @@ def load_engine(model: str | None, device: str | None, kv_tokens: int | None, se
         from llamaterm.app.remote import RemoteEngine
 
         return RemoteEngine(server, model, api_key)
-    from llamaterm.engine.api import EngineConfig
-    from llamaterm.engine.serving.engine import Engine
+    with interrupts_held():
+        from llamaterm.engine.api import EngineConfig
+        from llamaterm.engine.serving.engine import Engine
 
     return Engine.from_model(EngineConfig(model=model, device=device, kv_tokens=kv_tokens))
 
@@ -263,10 +281,11 @@ def serve(
 
     Example: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1
     """
-    from llamaterm.app.serve import check_port
-    from llamaterm.app.serve import serve as serve_http
-    from llamaterm.engine.api import EngineConfig
-    from llamaterm.engine.serving.process import EngineProcess
+    with interrupts_held():
+        from llamaterm.app.serve import check_port
+        from llamaterm.app.serve import serve as serve_http
+        from llamaterm.engine.api import EngineConfig
+        from llamaterm.engine.serving.process import EngineProcess
 
     problem = check_port(host, port)
     if problem:
@@ -288,7 +307,8 @@ def tokenize(
     as_json: Annotated[bool, typer.Option("--json", help="Print ids and token texts as JSON.")] = False,
 ):
     """Print the token ids of TEXT (for debugging prompts)."""
-    from llamaterm.engine.store.loader import load_tokenizer
+    with interrupts_held():
+        from llamaterm.engine.store.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     text = read_prompt(text)

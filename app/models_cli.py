@@ -37,8 +37,11 @@ def pull(
 
       llamaterm pull HuggingFaceTB/SmolLM2-135M-Instruct --name smol
     """
-    from llamaterm.engine.store import hub
-    from llamaterm.engine.store.model_store import VALID_NAME, format_size
+    from llamaterm.app.cli import interrupts_held
+
+    with interrupts_held():
+        from llamaterm.engine.store import hub
+        from llamaterm.engine.store.model_store import VALID_NAME, format_size
 
     try:
         hub.parse_ref(ref)
@@ -60,7 +63,10 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ):
     """List the models in the store: name, format, quant, architecture, parameters, context and size on disk."""
-    from llamaterm.engine.store.model_store import format_size, list_models
+    from llamaterm.app.cli import interrupts_held
+
+    with interrupts_held():
+        from llamaterm.engine.store.model_store import format_size, list_models
 
     rows = [
         {
@@ -107,8 +113,11 @@ def rm(
     """Remove a model from the store and free its disk space."""
     from filelock import Timeout
 
+    from llamaterm.app.cli import interrupts_held
     from llamaterm.engine.errors import LlamatermError
-    from llamaterm.engine.store.model_store import find_model, format_size, model_lock, remove_model
+
+    with interrupts_held():
+        from llamaterm.engine.store.model_store import find_model, format_size, model_lock, remove_model
 
     model = find_model(name)
     size = format_size(model.size_on_disk())
@@ -127,8 +136,11 @@ def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Show a model's metadata, tensor types and chat template."""
-    from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
-    from llamaterm.engine.store.model_store import find_model, format_size
+    from llamaterm.app.cli import interrupts_held
+
+    with interrupts_held():
+        from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
+        from llamaterm.engine.store.model_store import find_model, format_size
 
     path = Path(name).expanduser()
     if path.exists():

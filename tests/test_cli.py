@@ -121,17 +121,25 @@ def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
     assert "Paris" in out.stdout.decode()
 
 
-def test_ctrl_c_while_the_command_line_loads_exits_quietly():
-    """SIGINT while typer is being imported, the first tenth of a second of `llamaterm run`: a KeyboardInterrupt
-    traceback before; now exit 130 and nothing on stderr, as for a Ctrl-C at any later point."""
+@pytest.mark.parametrize("module, args", [
+    ("typer", ["run", "hi"]),  # the first tenth of a second: a KeyboardInterrupt traceback
+    # inside numpy's extension module, which turned it into an ImportError traceback (or, a moment later,
+    # swallowed it: the command ran on and exited 0)
+    ("numpy.dtypes", ["run", "--max-tokens", "1", "hi"]),
+    ("numpy.dtypes", ["tokenize", "hi"]),
+    ("numpy.dtypes", ["info", "default"]),
+])
+def test_ctrl_c_while_the_command_line_loads_exits_quietly(module, args):
+    """SIGINT while `module` is being imported, in the first instant of a command: now exit 130 and nothing on
+    stderr, as for a Ctrl-C at any later point."""
     code = (
         "import os, signal, sys\n"
-        "class InterruptAtTyper:\n"
+        "class Interrupt:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'typer':\n"
+        f"        if name == {module!r}:\n"
         "            os.kill(os.getpid(), signal.SIGINT)\n"
-        "sys.meta_path.insert(0, InterruptAtTyper())\n"
-        "sys.argv = ['llamaterm', 'run', 'hi']\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        f"sys.argv = ['llamaterm', *{args!r}]\n"
         "from llamaterm.app.__main__ import main\n"
         "main()\n"
     )
