@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, decode_rate
-from llamaterm.engine.errors import LlamatermError, ModelNotFound
+from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
@@ -99,10 +99,16 @@ class RemoteEngine:
         """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
-        stream = RemoteStream(next(self._ids), self.max_context)
         path, body = request_body(self.model_name, prompt, params or SamplingParams(), raw)
+        try:
+            content = json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # a lone surrogate: an undecodable byte from argv or stdin
+            raise RequestError("the text is not valid Unicode (a lone surrogate, or a byte that is not UTF-8): give "
+                               "UTF-8 text") from None
+        stream = RemoteStream(next(self._ids), self.max_context)
         self._live[stream.id] = stream
-        threading.Thread(target=self._read, args=(stream, path, body), name="llamaterm-remote", daemon=True).start()
+        threading.Thread(target=self._read, args=(stream, path, content), name="llamaterm-remote",
+                         daemon=True).start()
         return stream
 
     def cancel(self, handle: RequestStream | int) -> None:
@@ -150,11 +156,11 @@ class RemoteEngine:
                                  f"{reply.status_code} without a list of models): check the URL") from None
         return cards
 
-    def _read(self, stream: RemoteStream, path: str, body: dict) -> None:
+    def _read(self, stream: RemoteStream, path: str, body: bytes) -> None:
         """The request's thread: the server's chunks in, events out, until the end, an error or a cancel."""
         reason = None
         try:
-            with self.http.stream("POST", path, json=body) as reply:
+            with self.http.stream("POST", path, content=body, headers={"Content-Type": "application/json"}) as reply:
                 stream.response = reply
                 if stream.end is not None:  # cancelled while connecting
                     return

@@ -11,7 +11,7 @@ from serve_support import app_server
 
 from llamaterm.app import remote
 from llamaterm.app.remote import RemoteEngine, api_base
-from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.errors import LlamatermError, RequestError
 
 MODELS = b'{"object": "list", "data": [{"id": "dropper", "object": "model"}]}'
 
@@ -148,6 +148,14 @@ def test_a_reply_not_in_openai_s_shape_fails_that_request_only(chunk):
         stats = stream.stats()
         assert stats.finished and stats.prompt_tokens == 0 and stats.context_tokens == stats.generated_tokens
         assert engine.submit("again") is not None  # the engine itself goes on
+
+
+def test_text_that_is_not_unicode_is_refused_before_it_is_sent():
+    """It failed in the reader thread while httpx encoded the body, blamed on the server's reply."""
+    port = scripted_server(MODELS)
+    with RemoteEngine(f"http://127.0.0.1:{port}") as engine:
+        with pytest.raises(RequestError, match="not valid Unicode"):
+            engine.submit([{"role": "user", "content": "caf\udce9"}])
 
 
 @pytest.mark.parametrize("url", ["ftp://host/v1", "http://", "not a url at all", "http://[::1", "http://256.1.1.1/v1",
