@@ -66,8 +66,11 @@ def ls(
     from llamaterm.app.cli import interrupts_held
 
     with interrupts_held():
-        from llamaterm.engine.store.model_store import format_size, list_models
+        from llamaterm.engine.store.model_store import format_size, scan_store
 
+    models, damaged = scan_store()
+    for d in damaged:
+        say(f"llamaterm: {d.name} is not a model llamaterm can read ({d.reason}): `llamaterm rm {d.name}` removes it")
     rows = [
         {
             "name": m.name,
@@ -80,13 +83,14 @@ def ls(
             "repo": m.manifest.get("repo"),
             "path": str(m.checkpoint),
         }
-        for m in list_models()
+        for m in models
     ]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        say("The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model.")
+        say("The store holds no model llamaterm can read: `llamaterm pull REPO[:QUANT]` downloads one." if damaged
+            else "The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model.")
         return
     table = [("NAME", "FORMAT", "QUANT", "ARCH", "PARAMS", "CONTEXT", "SIZE")]
     for r in rows:
@@ -117,10 +121,20 @@ def rm(
     from llamaterm.engine.errors import LlamatermError
 
     with interrupts_held():
-        from llamaterm.engine.store.model_store import find_model, format_size, model_lock, remove_model
+        from llamaterm.engine.store.model_store import (
+            DamagedModel,
+            find_model,
+            folder_size,
+            format_size,
+            model_lock,
+            remove_model,
+        )
 
-    model = find_model(name)
-    size = format_size(model.size_on_disk())
+    try:
+        model = find_model(name)
+    except DamagedModel as damaged:  # a folder of that name, but no model in it: removed all the same
+        model = damaged
+    size = format_size(folder_size(model.folder))
     if not yes and not typer.confirm(f"Remove {model.name} ({size})?", err=True):
         raise typer.Exit(1)
     try:
