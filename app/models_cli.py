@@ -153,6 +153,7 @@ def info(
     from llamaterm.app.cli import interrupts_held
 
     with interrupts_held():
+        from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE
         from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
         from llamaterm.engine.store.model_store import find_model, format_size
 
@@ -205,7 +206,8 @@ def info(
         text = json.dumps(value, default=str) if not isinstance(value, str) else value
         typer.echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
     typer.echo("\nchat template")
-    typer.echo(ci.chat_template.rstrip() if ci.chat_template else "  (none)")
+    typer.echo(ci.chat_template.rstrip() if ci.chat_template else f"  (none: chats are formatted as ChatML)\n"
+               f"{CHATML_TEMPLATE}")
 
 
 def format_count(n: int | None) -> str:

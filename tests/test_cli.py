@@ -155,6 +155,15 @@ def test_a_vanishing_temperature_answers_like_greedy():
     assert tiny["token_ids"] == greedy["token_ids"] and tiny["text"].strip()
 
 
+def test_info_shows_the_template_the_engine_uses(tmp_path):
+    """A model without a chat template showed "(none)" while the engine formats its chats as ChatML."""
+    bare = write_tiny_llama(tmp_path / "bare.gguf", metadata={"tokenizer.chat_template": None})
+    out = llamaterm("info", str(bare))
+    assert out.returncode == 0, out.stderr
+    shown = out.stdout.split("\nchat template\n", 1)[1]
+    assert "ChatML" in shown and "<|im_start|>" in shown
+
+
 def test_bad_model_files(tmp_path, tiny):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
