@@ -161,3 +161,43 @@ def test_a_server_failing_mid_reply_fails_that_pane_only():
             assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
 
         run(app, scenario)
+
+
+def test_a_pane_put_on_a_server_in_its_settings_and_a_server_that_is_down():
+    """The per-pane backend choice as a user makes it: ctrl+s, the Server field, save. A server that is down is
+    one line in that pane (and the status bar); the other pane keeps its local model."""
+    served = FakeEngine(lambda messages: "from the server", model_name="served-llama")
+    local = FakeEngine(model_name="local-llama")
+    with served, app_server(served) as url:
+        app = ChatApp(lambda b, share: open_engine(b, share, None) if b.server else local, sessions=2)
+
+        async def settings_server(pilot, pane: int, server: str) -> None:
+            app.chat.panes[pane].query_one(".pane-input").focus()
+            await pilot.press("ctrl+s")
+            assert isinstance(app.screen, SettingsScreen)
+            app.screen.query_one("#server", Input).value = server
+            await pilot.press("ctrl+s")
+
+        async def scenario(pilot):
+            await all_loaded(pilot, 1)
+            await settings_server(pilot, 0, url)
+            await all_loaded(pilot, 2)
+            app.query_one("#prompt").focus()  # the prompt that asks every pane
+            await pilot.press(*"hello", "enter")
+            await idle(pilot)
+            there, here = app.chat.panes
+            assert there.session.messages[-1].content == "from the server"
+            assert here.session.messages[-1].content == REPLY
+            assert there.border_subtitle == f"served-llama @ {url.split('/')[2]}"
+
+            await settings_server(pilot, 0, "http://127.0.0.1:9/v1")  # the discard port: nothing listens
+            await wait_until(pilot, lambda: app.chat.failed)
+            app.query_one("#prompt").focus()
+            await pilot.press(*"again", "enter")
+            await idle(pilot)
+            assert there.session.messages[-1].finish_reason == "error"
+            assert "cannot reach the server at http://127.0.0.1:9/v1" in there.session.messages[-1].error
+            assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
+            assert "cannot reach the server" in status_text(app)
+
+        run(app, scenario)
