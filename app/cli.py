@@ -142,7 +142,8 @@ def run(
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object (a line each with --each-line).")] = False,
     each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
-    file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
+    file: Annotated[Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with "
+                                                    "--each-line).")] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
     server: ServerOpt = None,
@@ -157,13 +158,15 @@ def run(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
     )
+    if file and prompt is not None:
+        fail("give a PROMPT or --file, not both", 2)
     if each_line:
         source = read_file(file) if file else read_prompt("-")
         prompts = [line for line in source.splitlines() if line.strip()]
         if not prompts:
             fail("no prompts: --each-line reads one prompt per non-empty line", 2)
     else:
-        prompts = [read_prompt(prompt)]
+        prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
     with load_engine(model, device, kv_tokens, server, api_key) as engine:

@@ -97,6 +97,9 @@ def test_bad_input_gets_a_clear_error(args, code, words):
     (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
     (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
     (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
+    (["run", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),  # without --each-line: stdin was read
+    (["run", "--file", "{tmp}"], b"", "cannot read --file"),
+    (["run", "--file", "{tmp}/latin1.txt", "hi"], b"", "give a PROMPT or --file, not both"),
     (["run", "--seed", str(2**70), "hi"], b"", "seed must be in [0, 2**64)"),
     (["run", "--device", "bogus", "hi"], b"", "unknown device 'bogus'"),
     (["run", "--device", "cuda", "hi"], b"", "no CUDA GPU"),  # run with no GPU visible, below
@@ -119,6 +122,13 @@ def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
     assert out.returncode == 0 and "Traceback" not in stderr, stderr
     assert "llamaterm: the text is not valid Unicode" in stderr
     assert "Paris" in out.stdout.decode()
+
+
+def test_file_alone_is_the_prompt(tmp_path):
+    (tmp_path / "question.txt").write_text("What is the capital\nof France?\n")
+    out = llamaterm("run", "--json", "--max-tokens", "8", "--file", str(tmp_path / "question.txt"))
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in json.loads(out.stdout)["text"]
 
 
 @pytest.mark.parametrize("module, args", [
