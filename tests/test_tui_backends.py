@@ -23,15 +23,18 @@ def home(tmp_path, monkeypatch):
 
 
 class Loader:
-    """A fake engine per backend, named after its model; models named "broken" do not load."""
+    """A fake engine per backend, named after its model; models named "broken" do not load. Each takes its
+    kv_share of what is left of a device's memory (1.0 in all), as Engine's default pool does."""
 
     def __init__(self, **options):
-        self.options, self.engines, self.shares = options, {}, {}
+        self.options, self.engines, self.taken = options, {}, {}
+        self.free = 1.0
 
     def __call__(self, backend: Backend, kv_share: float):
         if backend.model == "broken":
             raise ModelNotFound("no model named 'broken'")
-        self.shares[backend] = kv_share
+        self.taken[backend] = kv_share * self.free
+        self.free -= self.taken[backend]
         name = backend.model or "default"
         engine = self.engines[backend] = FakeEngine(lambda messages: f"{name} says hi", model_name=name,
                                                     **self.options)
@@ -53,7 +56,8 @@ def test_two_local_models_side_by_side_answer_the_same_question():
 
     async def scenario(pilot):
         await all_loaded(pilot, 2)
-        assert loader.shares == {Backend("alpha"): 0.5, Backend("beta"): 0.5}  # the memory split between them
+        # the memory split evenly between them (it was 1/2 each of what was free: a half, then a quarter)
+        assert loader.taken == {Backend("alpha"): 0.5, Backend("beta"): 0.5}
         await pilot.press(*"hello", "enter")
         await idle(pilot)
         panes = app.chat.panes
