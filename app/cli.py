@@ -46,7 +46,11 @@ def fail(message: str, code: int = 1) -> None:
 def interrupts_held():
     """Hold a Ctrl-C back while the engine's libraries import. numpy's import swallows a KeyboardInterrupt raised
     inside it (the command then ran on to the end and exited 0, or failed later with an AttributeError
-    traceback); taken once the imports are done, it exits 130 like a Ctrl-C at any other point."""
+    traceback); taken once the imports are done, it exits 130 like a Ctrl-C at any other point. Where SIGINT is
+    not Python's KeyboardInterrupt (ignored, as in a script's background job), it is left as it is."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
     pending = []
     previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True))
     try:

@@ -124,6 +124,24 @@ def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
     assert "Paris" in out.stdout.decode()
 
 
+def test_an_ignored_sigint_stays_ignored_while_the_engine_imports():
+    """A command started with SIGINT ignored (a script's background job) must not exit on one."""
+    code = (
+        "import os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'numpy.dtypes':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['llamaterm', 'tokenize', 'Hello world']\n"
+        "from llamaterm.app.__main__ import main\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "19556 905\n"), out.stderr  # tests/data: llama.cpp's ids
+
+
 def test_file_alone_is_the_prompt(tmp_path):
     (tmp_path / "question.txt").write_text("What is the capital\nof France?\n")
     out = llamaterm("run", "--json", "--max-tokens", "8", "--file", str(tmp_path / "question.txt"))
