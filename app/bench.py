@@ -87,11 +87,14 @@ def bench(
 
 def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens
               ) -> dict:
-    t = time.perf_counter()
-    import torch
+    from llamaterm.app.cli import interrupts_held
 
-    from llamaterm.engine import bench as wl
-    from llamaterm.engine.api import EngineConfig
+    t = time.perf_counter()
+    with interrupts_held():
+        import torch
+
+        from llamaterm.engine import bench as wl
+        from llamaterm.engine.api import EngineConfig
     imports = time.perf_counter() - t
 
     progress = Progress(3 + len(counts) * (1 + scaling) + scaling + (peer is not None) + len(GRID) * grid)

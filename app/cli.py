@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -39,6 +42,25 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+@contextmanager
+def interrupts_held():
+    """Hold a Ctrl-C back while the engine's libraries import. numpy's import swallows a KeyboardInterrupt raised
+    inside it (the command then ran on to the end and exited 0, or failed later with an AttributeError
+    traceback); taken once the imports are done, it exits 130 like a Ctrl-C at any other point. Where SIGINT is
+    not Python's KeyboardInterrupt (ignored, as in a script's background job), it is left as it is."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
+
+
 def sampling_params(**values):
     from llamaterm.engine.errors import RequestError
     from llamaterm.engine.sampling_params import SamplingParams
@@ -57,8 +79,9 @@ def load_engine(model: str | None, device: str | None, kv_tokens: int | None, se
         from llamaterm.app.remote import RemoteEngine
 
         return RemoteEngine(server, model, api_key)
-    from llamaterm.engine.api import EngineConfig
-    from llamaterm.engine.serving.engine import Engine
+    with interrupts_held():
+        from llamaterm.engine.api import EngineConfig
+        from llamaterm.engine.serving.engine import Engine
 
     config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions))
     return Engine.from_model(config)
@@ -69,7 +92,7 @@ def read_prompt(prompt: str | None) -> str:
         if prompt is None and sys.stdin.isatty():
             fail("give a PROMPT, or pipe one on stdin (see llamaterm run --help)", 2)
         return as_text(sys.stdin.buffer.read(), "stdin")
-    return prompt
+    return as_text(os.fsencode(prompt), "the prompt")  # argv's undecodable bytes come as surrogates: find them
 
 
 def read_file(path: Path) -> str:
@@ -132,7 +155,8 @@ def run(
         "'thinking').")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object (a line each with --each-line).")] = False,
     each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
-    file: Annotated[Path | None, typer.Option(help="Read prompts from this file (with --each-line).")] = None,
+    file: Annotated[Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with "
+                                                    "--each-line).")] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
     server: ServerOpt = None,
@@ -147,13 +171,15 @@ def run(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
     )
+    if file and prompt is not None:
+        fail("give a PROMPT or --file, not both", 2)
     if each_line:
         source = read_file(file) if file else read_prompt("-")
         prompts = [line for line in source.splitlines() if line.strip()]
         if not prompts:
             fail("no prompts: --each-line reads one prompt per non-empty line", 2)
     else:
-        prompts = [read_prompt(prompt)]
+        prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
     with load_engine(model, device, kv_tokens, server, api_key, sessions=len(prompts)) as engine:
@@ -295,10 +321,11 @@ def serve(
 
     Example: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1
     """
-    from llamaterm.app.serve import check_port
-    from llamaterm.app.serve import serve as serve_http
-    from llamaterm.engine.api import EngineConfig
-    from llamaterm.engine.serving.process import EngineProcess
+    with interrupts_held():
+        from llamaterm.app.serve import check_port
+        from llamaterm.app.serve import serve as serve_http
+        from llamaterm.engine.api import EngineConfig
+        from llamaterm.engine.serving.process import EngineProcess
 
     problem = check_port(host, port)
     if problem:
@@ -320,7 +347,8 @@ def tokenize(
     as_json: Annotated[bool, typer.Option("--json", help="Print ids and token texts as JSON.")] = False,
 ):
     """Print the token ids of TEXT (for debugging prompts)."""
-    from llamaterm.engine.store.loader import load_tokenizer
+    with interrupts_held():
+        from llamaterm.engine.store.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     text = read_prompt(text)

@@ -37,8 +37,11 @@ def pull(
 
       llamaterm pull HuggingFaceTB/SmolLM2-135M-Instruct --name smol
     """
-    from llamaterm.engine.store import hub
-    from llamaterm.engine.store.model_store import VALID_NAME, format_size
+    from llamaterm.app.cli import interrupts_held
+
+    with interrupts_held():
+        from llamaterm.engine.store import hub
+        from llamaterm.engine.store.model_store import VALID_NAME, format_size
 
     try:
         hub.parse_ref(ref)
@@ -60,9 +63,15 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ):
     """List the models in the store: name, format, quant, architecture, parameters, context and size on disk."""
+    from llamaterm.app.cli import interrupts_held
     from llamaterm.engine.checkpoints.architectures import family_of
-    from llamaterm.engine.store.model_store import format_size, list_models
 
+    with interrupts_held():
+        from llamaterm.engine.store.model_store import format_size, scan_store
+
+    models, damaged = scan_store()
+    for d in damaged:
+        say(f"llamaterm: {d.name} is not a model llamaterm can read ({d.reason}): `llamaterm rm {d.name}` removes it")
     rows = [
         {
             "name": m.name,
@@ -77,13 +86,14 @@ def ls(
             "repo": m.manifest.get("repo"),
             "path": str(m.checkpoint),
         }
-        for m in list_models()
+        for m in models
     ]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        say("The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model.")
+        say("The store holds no model llamaterm can read: `llamaterm pull REPO[:QUANT]` downloads one." if damaged
+            else "The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model.")
         return
     table = [("NAME", "FORMAT", "QUANT", "ARCH", "PARAMS", "CONTEXT", "SIZE")]
     for r in rows:
@@ -110,11 +120,24 @@ def rm(
     """Remove a model from the store and free its disk space."""
     from filelock import Timeout
 
+    from llamaterm.app.cli import interrupts_held
     from llamaterm.engine.errors import LlamatermError
-    from llamaterm.engine.store.model_store import find_model, format_size, model_lock, remove_model
 
-    model = find_model(name)
-    size = format_size(model.size_on_disk())
+    with interrupts_held():
+        from llamaterm.engine.store.model_store import (
+            DamagedModel,
+            find_model,
+            folder_size,
+            format_size,
+            model_lock,
+            remove_model,
+        )
+
+    try:
+        model = find_model(name)
+    except DamagedModel as damaged:  # a folder of that name, but no model in it: removed all the same
+        model = damaged
+    size = format_size(folder_size(model.folder))
     if not yes and not typer.confirm(f"Remove {model.name} ({size})?", err=True):
         raise typer.Exit(1)
     try:
@@ -130,8 +153,12 @@ def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Show a model's metadata, tensor types and chat template."""
-    from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
-    from llamaterm.engine.store.model_store import find_model, format_size
+    from llamaterm.app.cli import interrupts_held
+
+    with interrupts_held():
+        from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE
+        from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
+        from llamaterm.engine.store.model_store import find_model, format_size
 
     path = Path(name).expanduser()
     if path.exists():
@@ -183,7 +210,8 @@ def info(
         text = json.dumps(value, default=str) if not isinstance(value, str) else value
         typer.echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
     typer.echo("\nchat template")
-    typer.echo(ci.chat_template.rstrip() if ci.chat_template else "  (none)")
+    typer.echo(ci.chat_template.rstrip() if ci.chat_template else f"  (none: chats are formatted as ChatML)\n"
+               f"{CHATML_TEMPLATE}")
 
 
 def shown_family(family: str | None, architecture: str | None, why: bool = False) -> str:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, decode_rate
-from llamaterm.engine.errors import LlamatermError, ModelNotFound
+from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
@@ -88,7 +88,7 @@ class RemoteEngine:
             names = ", ".join(str(c.get("id")) for c in cards)
             raise ModelNotFound(f"the server at {self.base_url} has no model {model!r}: it serves {names}")
         self.model_name = str(card["id"])
-        self.max_context = int(card.get("max_model_len") or 0)  # vLLM, SGLang and llamaterm say; 0: not known
+        self.max_context = count(card.get("max_model_len")) or 0  # vLLM, SGLang and llamaterm say; 0: not known
         self.device = urlsplit(self.base_url).netloc
         self._ids = itertools.count(1)
         self._live: dict[int, RemoteStream] = {}
@@ -99,10 +99,16 @@ class RemoteEngine:
         """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
-        stream = RemoteStream(next(self._ids), self.max_context)
         path, body = request_body(self.model_name, prompt, params or SamplingParams(), raw, enable_thinking)
+        try:
+            content = json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # a lone surrogate: an undecodable byte from argv or stdin
+            raise RequestError("the text is not valid Unicode (a lone surrogate, or a byte that is not UTF-8): give "
+                               "UTF-8 text") from None
+        stream = RemoteStream(next(self._ids), self.max_context)
         self._live[stream.id] = stream
-        threading.Thread(target=self._read, args=(stream, path, body), name="llamaterm-remote", daemon=True).start()
+        threading.Thread(target=self._read, args=(stream, path, content), name="llamaterm-remote",
+                         daemon=True).start()
         return stream
 
     def cancel(self, handle: RequestStream | int) -> None:
@@ -135,7 +141,7 @@ class RemoteEngine:
     def _models(self) -> list[dict]:
         where = f"the server at {self.base_url}"
         try:
-            reply = self.http.get("/models")
+            reply = self.http.get("/models", timeout=CONNECT_TIMEOUT_S)  # one that never answers is not a server
         except httpx2.HTTPError as e:
             raise LlamatermError(f"cannot reach {where} ({type(e).__name__}: {e}): is it running, and is the "
                                  "URL right?") from None
@@ -150,11 +156,11 @@ class RemoteEngine:
                                  f"{reply.status_code} without a list of models): check the URL") from None
         return cards
 
-    def _read(self, stream: RemoteStream, path: str, body: dict) -> None:
+    def _read(self, stream: RemoteStream, path: str, body: bytes) -> None:
         """The request's thread: the server's chunks in, events out, until the end, an error or a cancel."""
         reason = None
         try:
-            with self.http.stream("POST", path, json=body) as reply:
+            with self.http.stream("POST", path, content=body, headers={"Content-Type": "application/json"}) as reply:
                 stream.response = reply
                 if stream.end is not None:  # cancelled while connecting
                     return
@@ -175,8 +181,10 @@ class RemoteEngine:
                 stream.finish("error", "the server closed the stream before the reply ended")
             else:
                 stream.finish(reason)
-        except (httpx2.HTTPError, httpx2.StreamError, ValueError) as e:
+        except (httpx2.HTTPError, httpx2.StreamError) as e:
             stream.finish("error", f"the connection to the server failed ({type(e).__name__}: {e})")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not in OpenAI's shape
+            stream.finish("error", f"the server's reply is not OpenAI-compatible ({type(e).__name__}: {e})")
         except ServerError as e:
             stream.finish("error", str(e))
         finally:
@@ -189,25 +197,39 @@ def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:
         raise ServerError(f"the server failed the request: {error_message(json.dumps(chunk))}")
     usage = chunk.get("usage")
     if usage:
-        stream.prompt_tokens = usage.get("prompt_tokens") or 0
-        stream.generated = usage.get("completion_tokens") or stream.generated
-        stream.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        stream.prompt_tokens = count(usage.get("prompt_tokens")) or 0
+        stream.generated = count(usage.get("completion_tokens")) or stream.generated
+        stream.cached_tokens = count((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     reason = None
     for choice in chunk.get("choices") or []:
         text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+        if not isinstance(text, str | None) or not isinstance(choice.get("finish_reason"), str | None):
+            raise TypeError(f"a choice of {json.dumps(choice)[:100]}")
         if text:
             stream.text(text, time.perf_counter())
         reason = choice.get("finish_reason") or reason
     return reason
 
 
+def count(value: object) -> int | None:
+    """A token count from the server, or None where it sent something else."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def api_base(url: str) -> str:
     """The API's base URL: a bare http://host:port means its /v1, as every OpenAI-compatible server has it."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.netloc or any(c.isspace() for c in url):
-        raise LlamatermError(f"{url!r} is not a server URL: give one like http://127.0.0.1:8000/v1")
-    path = parts.path.rstrip("/") or "/v1"
-    return f"{parts.scheme}://{parts.netloc}{path}"
+    problem = LlamatermError(f"{url!r} is not a server URL: give one like http://127.0.0.1:8000/v1")
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.netloc or any(c.isspace() for c in url):
+            raise problem
+        base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/') or '/v1'}"
+        if parts.port == 0:  # reading the port refuses one out of range, too
+            raise problem
+        httpx2.URL(base)  # httpx refuses a host it cannot use, such as 256.1.1.1
+    except (ValueError, httpx2.InvalidURL):
+        raise problem from None
+    return base
 
 
 def request_body(model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import socket
 import time
@@ -347,11 +348,21 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
                     raise error
                 return JSONResponse(responder.whole("".join(text), events[-1].finish_reason, usage(stream)))
 
+    async def answer(request: Request, chat: bool) -> Response:
+        try:
+            return await complete(request, chat)
+        except APIError:
+            raise
+        except Exception as e:  # not foreseen: still an error object, on a connection that stays open
+            logging.getLogger("uvicorn.error").exception("a request failed")
+            raise APIError(500, f"the server failed on this request ({type(e).__name__}: {e})",
+                           kind="server_error") from e
+
     async def chat_completions(request: Request) -> Response:
-        return await complete(request, chat=True)
+        return await answer(request, chat=True)
 
     async def completions(request: Request) -> Response:
-        return await complete(request, chat=False)
+        return await answer(request, chat=False)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": engine.model_name})

@@ -1,2 +1,3 @@
 """Compute ops for the engine. Each op has a torch reference (the CPU path and the test oracle) and, where it
-pays, a Triton implementation for CUDA; `llamaterm.kernels.dispatch` picks one per call."""
+pays, a Triton implementation for CUDA; `llamaterm.kernels.dispatch` picks one per call. Imports torch and triton
+only: nothing of the engine or the app."""

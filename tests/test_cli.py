@@ -91,9 +91,15 @@ def test_bad_input_gets_a_clear_error(args, code, words):
     (["run", "-"], b"caf\xe9 au lait", "stdin is not UTF-8 text (byte 0xe9 at offset 3)"),
     (["run", "-"], bytes(range(256)), "stdin is not UTF-8 text (byte 0x80 at offset 128)"),
     (["tokenize", "-"], b"\xff\xfe", "stdin is not UTF-8 text"),
+    (["run", "caf\udce9"], b"", "the prompt is not UTF-8 text (byte 0xe9 at offset 3)"),  # argv b"caf\xe9"
+    (["tokenize", "\udcff"], b"", "the prompt is not UTF-8 text (byte 0xff at offset 0)"),
+    (["run", "--system", "\udcff", "hi"], b"", "the text is not valid Unicode"),
     (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
     (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
     (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
+    (["run", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),  # without --each-line: stdin was read
+    (["run", "--file", "{tmp}"], b"", "cannot read --file"),
+    (["run", "--file", "{tmp}/latin1.txt", "hi"], b"", "give a PROMPT or --file, not both"),
     (["run", "--seed", str(2**70), "hi"], b"", "seed must be in [0, 2**64)"),
     (["run", "--device", "bogus", "hi"], b"", "unknown device 'bogus'"),
     (["run", "--device", "cuda", "hi"], b"", "no CUDA GPU"),  # run with no GPU visible, below
@@ -108,17 +114,60 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
     assert words in stderr
 
 
-def test_ctrl_c_while_the_command_line_loads_exits_quietly():
-    """SIGINT while typer is being imported, the first tenth of a second of `llamaterm run`: a KeyboardInterrupt
-    traceback before; now exit 130 and nothing on stderr, as for a Ctrl-C at any later point."""
+def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
+    """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat."""
+    out = subprocess.run([LLAMATERM, "chat", "--plain", "--max-tokens", "8"], capture_output=True, timeout=300,
+                         input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n")
+    stderr = out.stderr.decode()
+    assert out.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "llamaterm: the text is not valid Unicode" in stderr
+    assert "Paris" in out.stdout.decode()
+
+
+def test_an_ignored_sigint_stays_ignored_while_the_engine_imports():
+    """A command started with SIGINT ignored (a script's background job) must not exit on one."""
     code = (
         "import os, signal, sys\n"
-        "class InterruptAtTyper:\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "class Interrupt:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'typer':\n"
+        "        if name == 'numpy.dtypes':\n"
         "            os.kill(os.getpid(), signal.SIGINT)\n"
-        "sys.meta_path.insert(0, InterruptAtTyper())\n"
-        "sys.argv = ['llamaterm', 'run', 'hi']\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['llamaterm', 'tokenize', 'Hello world']\n"
+        "from llamaterm.app.__main__ import main\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "19556 905\n"), out.stderr  # tests/data: llama.cpp's ids
+
+
+def test_file_alone_is_the_prompt(tmp_path):
+    (tmp_path / "question.txt").write_text("What is the capital\nof France?\n")
+    out = llamaterm("run", "--json", "--max-tokens", "8", "--file", str(tmp_path / "question.txt"))
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in json.loads(out.stdout)["text"]
+
+
+@pytest.mark.parametrize("module, args", [
+    ("typer", ["run", "hi"]),  # the first tenth of a second: a KeyboardInterrupt traceback
+    # inside numpy's extension module, which turned it into an ImportError traceback (or, a moment later,
+    # swallowed it: the command ran on and exited 0)
+    ("numpy.dtypes", ["run", "--max-tokens", "1", "hi"]),
+    ("numpy.dtypes", ["tokenize", "hi"]),
+    ("numpy.dtypes", ["info", "default"]),
+])
+def test_ctrl_c_while_the_command_line_loads_exits_quietly(module, args):
+    """SIGINT while `module` is being imported, in the first instant of a command: now exit 130 and nothing on
+    stderr, as for a Ctrl-C at any later point."""
+    code = (
+        "import os, signal, sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r}:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        f"sys.argv = ['llamaterm', *{args!r}]\n"
         "from llamaterm.app.__main__ import main\n"
         "main()\n"
     )
@@ -132,6 +181,15 @@ def test_a_vanishing_temperature_answers_like_greedy():
             for t in ("1e-45", "0")]
     tiny, greedy = (json.loads(r.stdout) for r in runs)
     assert tiny["token_ids"] == greedy["token_ids"] and tiny["text"].strip()
+
+
+def test_info_shows_the_template_the_engine_uses(tmp_path):
+    """A model without a chat template showed "(none)" while the engine formats its chats as ChatML."""
+    bare = write_tiny_llama(tmp_path / "bare.gguf", metadata={"tokenizer.chat_template": None})
+    out = llamaterm("info", str(bare))
+    assert out.returncode == 0, out.stderr
+    shown = out.stdout.split("\nchat template\n", 1)[1]
+    assert "ChatML" in shown and "<|im_start|>" in shown
 
 
 def test_bad_model_files(tmp_path, tiny):

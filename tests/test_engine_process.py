@@ -5,7 +5,7 @@ import time
 import pytest
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.errors import ModelNotFound, RequestError
+from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.process import EngineProcess
@@ -47,6 +47,17 @@ def test_cancel_and_errors_cross_the_process(tiny):
         while remote.stats().kv_blocks_used and time.time() < deadline:
             time.sleep(0.05)
         assert remote.stats().kv_blocks_used == 0
+
+
+def test_a_request_the_engine_fails_on_is_refused_and_the_process_serves_on(tiny):
+    """An exception other than LlamatermError in the child's submit ended the child: every later request of
+    `llamaterm serve` then got 503. Here a prompt of the wrong type stands for any such request."""
+    with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
+        with pytest.raises(LlamatermError, match="could not take the request"):
+            remote.submit(42, raw=True)  # type: ignore[arg-type]
+        events = list(remote.submit("Once upon a time", SamplingParams(max_tokens=3, ignore_eos=True),
+                                    raw=True).events())
+        assert events[-1].finish_reason == "length"
 
 
 def test_a_missing_model_fails_at_start():

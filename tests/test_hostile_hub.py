@@ -136,3 +136,13 @@ def test_damaged_folders_do_not_break_ls_rm_or_info(hub_server, models):
     assert ls() == []
     r = llamaterm("info", "/")  # walked the whole filesystem, then a traceback
     assert_user_error(r, "not a readable safetensors checkpoint")
+
+    # each damaged folder is named, not hidden: ls says so, using one says so, and rm removes it
+    told = llamaterm("ls").stderr.splitlines()
+    for name in ("a-list", "bad-header", "empty-object", "escapes"):
+        assert any(line.startswith(f"llamaterm: {name} is not a model") and f"llamaterm rm {name}" in line
+                   for line in told), told
+        assert_user_error(llamaterm("run", "--model", name, "hi"), f"the stored model {name!r} is damaged")
+    assert "bad-header/model.safetensors" in "".join(told)  # with the reason
+    assert llamaterm("rm", "-y", "a-list").returncode == 0
+    assert not (home() / "a-list").exists() and (home() / "escapes").exists()

@@ -9,8 +9,9 @@ import pytest
 from fake_engine import FakeEngine
 from serve_support import app_server
 
+from llamaterm.app import remote
 from llamaterm.app.remote import RemoteEngine, api_base
-from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.errors import LlamatermError, RequestError
 
 MODELS = b'{"object": "list", "data": [{"id": "dropper", "object": "model"}]}'
 
@@ -76,7 +77,89 @@ def test_server_urls(url, base):
     assert api_base(url) == base
 
 
-@pytest.mark.parametrize("url", ["ftp://host/v1", "http://", "not a url at all"])
+def scripted_server(models: bytes, chunks: list[bytes] = (), answer: bool = True) -> int:
+    """A server on a free port that answers GET /v1/models with `models` and a completion with `chunks` as
+    server-sent events, one connection each; with answer=False it takes connections and never answers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def serve() -> None:
+        with listener:
+            while True:
+                conn, _ = listener.accept()
+                request = conn.recv(65536)
+                if not answer:
+                    held.append(conn)  # open, unanswered
+                    continue
+                with conn:
+                    if b"/models" in request.split(b"\r\n")[0]:
+                        head = b"content-type: application/json\r\ncontent-length: %d" % len(models)
+                        conn.sendall(b"HTTP/1.1 200 OK\r\n%s\r\nconnection: close\r\n\r\n%s" % (head, models))
+                    else:
+                        body = b"".join(b"data: %s\n\n" % c for c in chunks) + b"data: [DONE]\n\n"
+                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def within(seconds: float, work):
+    """work() in a thread, or a failure after `seconds` (the old code hung for ever on these servers)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(work()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"still waiting after {seconds} s"
+    return result[0]
+
+
+def test_a_server_that_never_answers_is_refused_in_time(monkeypatch):
+    monkeypatch.setattr(remote, "CONNECT_TIMEOUT_S", 0.5)
+    port = scripted_server(MODELS, answer=False)
+
+    def connect():
+        with pytest.raises(LlamatermError, match="cannot reach the server") as err:
+            RemoteEngine(f"http://127.0.0.1:{port}")
+        return err
+
+    within(10, connect)
+
+
+@pytest.mark.parametrize("chunk", [
+    b"[1, 2]",  # not an object
+    b'{"choices": "abc"}',
+    b'{"choices": [{"index": 0, "delta": "abc"}]}',
+    b'{"choices": [{"index": 0, "delta": {"content": 5}}]}',
+    b'{"choices": [{"index": 0, "text": "a", "finish_reason": 7}]}',
+    b'{"choices": [], "usage": {"prompt_tokens": "many", "completion_tokens": [1]}}',
+    b'{"choices": [], "usage": 12}',
+])
+def test_a_reply_not_in_openai_s_shape_fails_that_request_only(chunk):
+    """Each of these ended the reader thread with an exception (AttributeError, TypeError): the request never
+    finished, so `llamaterm run` and the pane waited for ever, or stats() failed on a count that was text."""
+    models = b'{"object": "list", "data": [{"id": "odd", "max_model_len": "a lot"}]}'
+    port = scripted_server(models, [b'{"choices": [{"index": 0, "delta": {"content": "Hi"}}]}', chunk])
+    with RemoteEngine(f"http://127.0.0.1:{port}") as engine:
+        assert engine.max_context == 0  # "a lot" is no count
+        stream = engine.submit("hi")
+        events = within(10, lambda: list(stream.events()))
+        assert events[-1].finish_reason == "error" and "server" in events[-1].error
+        stats = stream.stats()
+        assert stats.finished and stats.prompt_tokens == 0 and stats.context_tokens == stats.generated_tokens
+        assert engine.submit("again") is not None  # the engine itself goes on
+
+
+def test_text_that_is_not_unicode_is_refused_before_it_is_sent():
+    """It failed in the reader thread while httpx encoded the body, blamed on the server's reply."""
+    port = scripted_server(MODELS)
+    with RemoteEngine(f"http://127.0.0.1:{port}") as engine:
+        with pytest.raises(RequestError, match="not valid Unicode"):
+            engine.submit([{"role": "user", "content": "caf\udce9"}])
+
+
+@pytest.mark.parametrize("url", ["ftp://host/v1", "http://", "not a url at all", "http://[::1", "http://256.1.1.1/v1",
+                                 "http://127.0.0.1:99999/v1"])
 def test_urls_that_are_not_servers(url):
     with pytest.raises(LlamatermError, match="not a server URL"):
         api_base(url)

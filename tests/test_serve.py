@@ -8,7 +8,8 @@ import time
 import httpx2
 import openai
 import pytest
-from serve_support import LLAMATERM, llamaterm_serve, metrics
+from fake_engine import FakeEngine
+from serve_support import LLAMATERM, app_server, llamaterm_serve, metrics
 
 KEY = "test-key"
 SERVED = "the served model"  # stands for its name in the parameters below
@@ -160,6 +161,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     error = reply.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).choices[0].message.content
+
+
+def test_text_that_is_not_unicode_is_refused_and_the_server_keeps_serving(server, client, model):
+    """One message holding a lone surrogate (valid JSON, not Unicode text) ended the engine process: every later
+    request got 503 "the engine process has exited"."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "\ud800 hi"}]}).encode()
+    reply = httpx2.post(server + "/chat/completions", content=body, timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert reply.status_code == 400 and "not valid Unicode" in reply.json()["error"]["message"]
+    assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).choices[0].message.content
+
+
+class FailingEngine(FakeEngine):
+    """A fake engine whose submit fails with an exception no engine should raise, for the prompt "fail"."""
+
+    def submit(self, prompt, params=None, *, raw=False):
+        if prompt == "fail":
+            raise RuntimeError("a bug")
+        return super().submit(prompt, params, raw=raw)
+
+
+def test_an_unforeseen_failure_is_an_openai_error_and_the_server_keeps_serving():
+    with FailingEngine(model_name="m") as engine, app_server(engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="m", prompt="fail", max_tokens=1)
+        assert err.value.body["type"] == "server_error" and "RuntimeError: a bug" in err.value.body["message"]
+        assert client.completions.create(model="m", prompt="hello", max_tokens=1).choices[0].text
 
 
 def llamaterm(*args: str) -> subprocess.CompletedProcess:

@@ -14,9 +14,12 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import ModelFormatError, RequestError
 from llamaterm.engine.store.model_store import resolve_model
+from tests.fuzz import byte_level_tokenizer_json
+from tests.test_safetensors_loader import write_dense
 
 DATA = Path(__file__).resolve().parent / "data"
 VECTORS = json.loads((DATA / "smollm2_tokenizer.json").read_text(encoding="utf-8"))["cases"]
@@ -497,3 +500,54 @@ def test_missing_or_inconsistent_vocabulary(tmp_path):
         Tokenizer.from_gguf_metadata(sentencepiece_meta(**{"tokenizer.ggml.scores": None}))
     with pytest.raises(ModelFormatError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["caf\udce9", "\ud800 hi", "ok \udfff"])
+def test_text_that_is_not_unicode_is_refused(smollm, text):
+    """A lone surrogate (an undecodable byte kept by surrogateescape, or JSON's "\\ud800") made the tokenizers
+    library raise TypeError, which ended the engine process that `llamaterm serve` runs on."""
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        smollm.encode(text)
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        smollm.encode_chat([{"role": "user", "content": text}])
+
+
+# ---- which chat template a Hugging Face folder ships: the engine and `llamaterm info` ask the same place ----
+
+
+@pytest.mark.parametrize("files", [
+    {"tokenizer_config.json": "C"},
+    {"tokenizer_config.json": "C", "chat_template.json": "J"},
+    {"tokenizer_config.json": "C", "chat_template.jinja": "K", "chat_template.json": "J"},
+    {"tokenizer_config.json": [("tool_use", "T"), ("default", "D")]},
+])
+def test_a_folder_s_chat_template_as_transformers_picks_it(tmp_path, files):
+    """tokenizer.py once took only a named template called "default" while `llamaterm info` fell back to the
+    first, and neither read chat_template.json. Now both ask hf_files.chat_template_source, which picks what
+    transformers' AutoTokenizer picks; rendered here against transformers' own apply_chat_template."""
+    write_dense(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    body = lambda mark: mark + "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    for name, template in files.items():
+        if name == "tokenizer_config.json":
+            config["chat_template"] = (body(template) if isinstance(template, str)
+                                       else [{"name": n, "template": body(t)} for n, t in template])
+        elif name == "chat_template.json":
+            (tmp_path / name).write_text(json.dumps({"chat_template": body(template)}))
+        else:
+            (tmp_path / name).write_text(body(template))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(messages, add_generation_prompt=False) == expected
+    shown = read_checkpoint(tmp_path).chat_template
+    assert shown[0] == expected[0] and shown == body(expected[0])  # `info` shows the template the engine uses
+
+
+def test_a_processor_s_chat_template_json_is_read_where_there_is_no_other(tmp_path):
+    """The Hub download fetches chat_template.json; a repo whose only template is there gets it, not ChatML."""
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "J{{ messages[0]['content'] }}"}))
+    assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}]) == "Jhi"

@@ -23,15 +23,18 @@ def home(tmp_path, monkeypatch):
 
 
 class Loader:
-    """A fake engine per backend, named after its model; models named "broken" do not load."""
+    """A fake engine per backend, named after its model; models named "broken" do not load. Each takes its
+    kv_share of what is left of a device's memory (1.0 in all), as Engine's default pool does."""
 
     def __init__(self, **options):
-        self.options, self.engines, self.shares = options, {}, {}
+        self.options, self.engines, self.taken = options, {}, {}
+        self.free = 1.0
 
     def __call__(self, backend: Backend, kv_share: float):
         if backend.model == "broken":
             raise ModelNotFound("no model named 'broken'")
-        self.shares[backend] = kv_share
+        self.taken[backend] = kv_share * self.free
+        self.free -= self.taken[backend]
         name = backend.model or "default"
         engine = self.engines[backend] = FakeEngine(lambda messages: f"{name} says hi", model_name=name,
                                                     **self.options)
@@ -53,7 +56,8 @@ def test_two_local_models_side_by_side_answer_the_same_question():
 
     async def scenario(pilot):
         await all_loaded(pilot, 2)
-        assert loader.shares == {Backend("alpha"): 0.5, Backend("beta"): 0.5}  # the memory split between them
+        # the memory split evenly between them (it was 1/2 each of what was free: a half, then a quarter)
+        assert loader.taken == {Backend("alpha"): 0.5, Backend("beta"): 0.5}
         await pilot.press(*"hello", "enter")
         await idle(pilot)
         panes = app.chat.panes
@@ -159,5 +163,45 @@ def test_a_server_failing_mid_reply_fails_that_pane_only():
             assert there.session.messages[-1].finish_reason == "error"
             assert "shutting down" in there.session.messages[-1].error
             assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
+
+        run(app, scenario)
+
+
+def test_a_pane_put_on_a_server_in_its_settings_and_a_server_that_is_down():
+    """The per-pane backend choice as a user makes it: ctrl+s, the Server field, save. A server that is down is
+    one line in that pane (and the status bar); the other pane keeps its local model."""
+    served = FakeEngine(lambda messages: "from the server", model_name="served-llama")
+    local = FakeEngine(model_name="local-llama")
+    with served, app_server(served) as url:
+        app = ChatApp(lambda b, share: open_engine(b, share, None) if b.server else local, sessions=2)
+
+        async def settings_server(pilot, pane: int, server: str) -> None:
+            app.chat.panes[pane].query_one(".pane-input").focus()
+            await pilot.press("ctrl+s")
+            assert isinstance(app.screen, SettingsScreen)
+            app.screen.query_one("#server", Input).value = server
+            await pilot.press("ctrl+s")
+
+        async def scenario(pilot):
+            await all_loaded(pilot, 1)
+            await settings_server(pilot, 0, url)
+            await all_loaded(pilot, 2)
+            app.query_one("#prompt").focus()  # the prompt that asks every pane
+            await pilot.press(*"hello", "enter")
+            await idle(pilot)
+            there, here = app.chat.panes
+            assert there.session.messages[-1].content == "from the server"
+            assert here.session.messages[-1].content == REPLY
+            assert there.border_subtitle == f"served-llama @ {url.split('/')[2]}"
+
+            await settings_server(pilot, 0, "http://127.0.0.1:9/v1")  # the discard port: nothing listens
+            await wait_until(pilot, lambda: app.chat.failed)
+            app.query_one("#prompt").focus()
+            await pilot.press(*"again", "enter")
+            await idle(pilot)
+            assert there.session.messages[-1].finish_reason == "error"
+            assert "cannot reach the server at http://127.0.0.1:9/v1" in there.session.messages[-1].error
+            assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
+            assert "cannot reach the server" in status_text(app)
 
         run(app, scenario)

@@ -31,8 +31,15 @@ class ChatApp(App):
     def __init__(self, load_engine: Callable[[Backend, float], object], sessions: int = 1,
                  system: str | None = None, backends: list[Backend] | None = None):
         """load_engine(backend, kv_share) runs in a worker thread and returns the backend's engine (open_engine, or
-        a stand-in). The panes take `backends` in turn (default: the default local model)."""
+        a stand-in). The panes take `backends` in turn (default: the default local model).
+
+        Local models load one at a time, each measuring the memory free once the one before has its own, and each
+        takes 1 / (the local loads still to come, its own included) of it: models loaded together split it evenly
+        (with 1/n each, the second of two got half of what the first left, a quarter of the whole)."""
         super().__init__()
+        self.local_load = threading.Lock()
+        self.local_loads_waiting = 0  # guarded by waiting_lock
+        self.waiting_lock = threading.Lock()
         if not 1 <= sessions <= MAX_PANES:
             raise ValueError(f"sessions must be between 1 and {MAX_PANES}, not {sessions}")
         self.load_engine = load_engine
@@ -59,10 +66,18 @@ class ChatApp(App):
         if self.history.path is None and self.chat.is_mounted:  # else the screen's on_mount shows it
             self.chat.history_in_memory()
 
+    def start_engine(self, backend: Backend) -> None:
+        """Load the backend's engine in a worker thread. A local load is counted here, before its thread starts,
+        so that loads started together all count in each other's share."""
+        if backend.local:
+            with self.waiting_lock:
+                self.local_loads_waiting += 1
+        self.load_in_thread(backend)
+
     @work(thread=True, exit_on_error=False, group="engine")
-    def start_engine(self, backend: Backend, kv_share: float) -> None:
+    def load_in_thread(self, backend: Backend) -> None:
         try:
-            engine = self.load_engine(backend, kv_share)
+            engine = self.load_local(backend) if backend.local else self.load_engine(backend, 1.0)
         except Exception as e:  # shown in the status bar and the waiting panes; the app stays usable
             self.call_from_thread(self.chat.engine_failed, backend, str(e) or type(e).__name__)
             return
@@ -70,6 +85,16 @@ class ChatApp(App):
             self.call_from_thread(self.chat.engine_ready, backend, engine)
         except RuntimeError:  # the app quit while the model loaded
             engine.shutdown()
+
+    def load_local(self, backend: Backend):
+        try:
+            with self.local_load:
+                with self.waiting_lock:
+                    share = 1 / self.local_loads_waiting
+                return self.load_engine(backend, share)
+        finally:
+            with self.waiting_lock:
+                self.local_loads_waiting -= 1
 
     @work(thread=True, exit_on_error=False, group="engine")
     def stop_engine(self, engine) -> None:
@@ -88,12 +113,5 @@ class ChatApp(App):
 
 def run_tui(backends: list[Backend], sessions: int, system: str | None, api_key: str | None = None) -> None:
     """`llamaterm chat`: the TUI with `sessions` panes, which take `backends` in turn."""
-    one_at_a_time = threading.Lock()  # a local model measures the memory free only once the one before has its own
-
-    def load_engine(backend: Backend, kv_share: float):
-        if not backend.local:
-            return open_engine(backend, kv_share, api_key)
-        with one_at_a_time:
-            return open_engine(backend, kv_share, api_key)
-
-    ChatApp(load_engine, sessions=sessions, system=system, backends=backends).run()
+    ChatApp(lambda backend, kv_share: open_engine(backend, kv_share, api_key), sessions=sessions, system=system,
+            backends=backends).run()

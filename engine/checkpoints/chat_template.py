@@ -5,14 +5,19 @@ with the environment Hugging Face transformers gives them (trim_blocks, lstrip_b
 `tojson`, `raise_exception`, `strftime_now`, `{% generation %}` blocks), so they render here as there.
 
 The sandbox stops attribute tricks, not a template that never ends: each render also has a budget. The output
-may hold MAX_OUTPUT_CHARS, `*`, `+` and `**` refuse results beyond it before computing them (they are taken out
-of jinja's compile-time constant folding too), and a trace function stops a render that runs past
+may hold MAX_OUTPUT_CHARS; `*`, `+`, `**` and `%` refuse results beyond it before computing them (they are taken
+out of jinja's compile-time constant folding too), and so do the filters and string methods that can make a value
+many times larger than what they are given (a width, a separator, a replacement: one C call each, which no time
+limit can stop); no filter or method may return a value beyond it. A trace function stops a render that runs past
 MAX_RENDER_S (the loops of a template are Python loops in its compiled code, so its frames see every turn).
 """
 
+import functools
 import json
+import re
 import sys
 import time
+from collections.abc import Sized
 from datetime import datetime
 
 import jinja2
@@ -28,6 +33,7 @@ MAX_TEMPLATE_CHARS = 1 << 20  # real templates are a few kB
 MAX_OUTPUT_CHARS = 1 << 24  # 16M characters: more than any model's context holds as text
 MAX_INT_BITS = 1 << 16  # integers a template may compute (Python prints at most 4300 digits anyway)
 MAX_RENDER_S = 2.0  # real templates render in milliseconds
+MAX_INDENT = 64  # tojson's indent: real templates use 2 or 4
 
 # Used when a model ships no template: ChatML, the format of transformers' old default template. A model not
 # trained on it still gets a readable prompt, but its markers are plain text to it.
@@ -83,6 +89,85 @@ def _size(x) -> int | None:
     return len(x) if isinstance(x, str | list | tuple) else None
 
 
+def _check_size(what: str, size: int, limit: int = MAX_OUTPUT_CHARS) -> None:
+    if size > limit:
+        raise _OverBudget(f"{what} would make a value of size {size}, beyond the limit of {limit}")
+
+
+def _format_bound(fmt: str, args) -> int:
+    """At most how long `fmt % args` or `fmt.format(*args)` is: the format, the widths and precisions spelled in it,
+    the arguments' lengths, and with `*` widths (`%*s`) the integer arguments too."""
+    args = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, tuple | list) else [args]
+    size = len(fmt) + sum(int(n) for n in re.findall(r"\d+", fmt))
+    for a in args:
+        if isinstance(a, int) and not isinstance(a, bool):
+            size += a if "*" in fmt and a > 0 else 32
+        else:
+            size += len(a) if isinstance(a, str | list | tuple | dict) else 32
+    return size
+
+
+def _check_call(name: str, target, args: tuple, kwargs: dict, method: bool) -> None:
+    """Refuse a call whose result would pass MAX_OUTPUT_CHARS: of the method `name` of `target` (method=True), or
+    of the filter `name` on the value `target`."""
+    def arg(i: int, key: str, default=None):
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    what = f"{name}()"
+    if name in ("format", "format_map"):  # their integer arguments are values, not sizes
+        if isinstance(target, str):
+            values = arg(0, "", {}) if name == "format_map" else (*args, *kwargs.values())
+            _check_size(what, _format_bound(target, values))
+        return
+    for value in (*args, *kwargs.values()):  # a width, a count, a number of rows: a size
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_size(what, value)
+    if name == "tojson":  # its indent comes again on every line, at every depth
+        indent = arg(1, "indent")
+        _check_size("tojson()'s indent", len(indent) if isinstance(indent, str) else int(indent or 0), MAX_INDENT)
+    if name == "replace" and isinstance(target, str):
+        old, new, count = str(arg(0, "old", "")), str(arg(1, "new", "")), arg(2, "count")
+        hits = target.count(old) if old else len(target) + 1
+        if isinstance(count, int) and count >= 0:
+            hits = min(hits, count)
+        _check_size(what, len(target) + hits * max(0, len(new) - len(old)))
+    elif name == "join":  # str.join(items) on a separator, or the filter join(items, separator)
+        sep, items = (target, arg(0, "iterable")) if method else (arg(0, "d", ""), target)
+        if isinstance(sep, str) and isinstance(items, Sized):
+            chars = len(items) if isinstance(items, str) else sum(len(x) for x in items if isinstance(x, str))  # type: ignore
+            _check_size(what, len(sep) * len(items) + chars)
+    elif name in ("indent", "expandtabs", "wordwrap") and isinstance(target, str):
+        if name == "indent":  # the width, a number or a string, at every line
+            width = arg(0, "width", 4)
+            _check_size(what, len(target) + (len(width) if isinstance(width, str) else int(width or 0))
+                        * (target.count("\n") + 1))
+        elif name == "expandtabs":
+            _check_size(what, len(target) + int(arg(0, "tabsize", 8) or 0) * target.count("\t"))
+        else:  # at worst a wrapstring after every character
+            _check_size(what, len(target) * (1 + len(str(arg(2, "wrapstring") or "\n"))))
+
+
+def _checked(name: str, result):
+    size = _size(result)
+    if size is not None and not isinstance(result, int):
+        _check_size(f"{name}()", size)
+    return result
+
+
+def _budgeted_filter(name: str, f):
+    """The filter `f`, refusing a call (and a result) beyond the budget. jinja passes the context, the environment
+    or the eval context first to filters marked for it (functools.wraps keeps the mark)."""
+    skip = getattr(f, "jinja_pass_arg", None) is not None
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        given = args[1:] if skip else args
+        _check_call(name, given[0] if given else None, given[1:], kwargs, method=False)
+        return _checked(name, f(*args, **kwargs))
+
+    return run
+
+
 class _CodeGenerator(jinja2.compiler.CodeGenerator):
     def visit_Concat(self, node, frame) -> None:
         # `a ~ b` is not a binop jinja lets the sandbox intercept: check the joined string's length instead
@@ -92,7 +177,7 @@ class _CodeGenerator(jinja2.compiler.CodeGenerator):
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "+", "**"})
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
     code_generator_class = _CodeGenerator
 
     def checked_concat(self, joined: str) -> str:
@@ -114,7 +199,16 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                 size, limit = max(a, b) + 1 if ints else a + b, MAX_INT_BITS if ints else MAX_OUTPUT_CHARS
             if size > limit:
                 raise _OverBudget(f"{operator!r} would make a value of size {size}, beyond the limit of {limit}")
+        if operator == "%" and isinstance(left, str):
+            _check_size("'%'", _format_bound(left, right))
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own names: kwargs may hold any other)
+        # a method's object: a str for 'x'.center(n); format() is jinja's wrapper around str.format
+        method = getattr(__obj, "__wrapped__", __obj)
+        name = getattr(method, "__name__", "")
+        _check_call(name, getattr(method, "__self__", None), args, kwargs, method=True)
+        return _checked(name, super().call(__context, __obj, *args, **kwargs))
 
     def unsafe_undefined(self, obj, attribute: str):
         # jinja's sandbox answers an unsafe attribute with an Undefined that prints as "" and fails only when used
@@ -125,6 +219,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
+    env.filters.update({name: _budgeted_filter(name, f) for name, f in env.filters.items()})
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
 from llamaterm.engine.checkpoints.fields import read
 from llamaterm.engine.checkpoints.hf_files import chat_template_source, read_json, read_text
-from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.errors import ModelFormatError, RequestError
 
 # llama.cpp token types (gguf-py TokenType), as stored in tokenizer.ggml.token_type
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -88,6 +88,16 @@ def _piece_bytes(token: str, token_type: int, byte_level: bool) -> bytes:
     if token_type == BYTE and _BYTE_TOKEN.fullmatch(token):
         return bytes([int(token[3:5], 16)])  # <0xNN>
     return token.replace("▁", " ").encode()
+
+
+def check_unicode(text: str) -> None:
+    """Text the tokenizer can take: a lone surrogate (JSON's "\\ud800", or an undecodable byte that Python's
+    surrogateescape kept from argv or stdin) is not Unicode text, and the tokenizers library fails on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"the text is not valid Unicode: {text[e.start]!r} at character {e.start} (a lone "
+                           "surrogate, or a byte that is not UTF-8): give UTF-8 text") from None
 
 
 class Tokenizer:
@@ -292,6 +302,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text -> ids. add_special adds BOS/EOS as the model asks; parse_special turns text such as
         '<|im_start|>' into its control token (off for user text, so it cannot forge turns)."""
+        check_unicode(text)
         with self._encode_lock:
             self._backend.encode_special_tokens = not parse_special
             ids = self._backend.encode(text, add_special_tokens=False).ids

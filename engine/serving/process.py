@@ -243,6 +243,8 @@ def serve(conn, config: EngineConfig) -> None:
                 error = None
             except LlamatermError as e:
                 error = e
+            except Exception as e:  # a request the engine fails on in a way not foreseen: refuse it, keep serving
+                error = LlamatermError(f"the engine could not take the request ({type(e).__name__}: {e})")
             with send_lock:
                 conn.send(Ack(message.request_id, error))
         stopped.set()

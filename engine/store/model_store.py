@@ -59,7 +59,11 @@ class StoredModel:
         return self.folder / firsts[0]
 
     def size_on_disk(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+        return folder_size(self.folder)
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def file_hash(path: Path, new=hashlib.sha256) -> str:
@@ -117,8 +121,18 @@ def describe_checkpoint(checkpoint: Path) -> dict[str, Any]:
     }
 
 
-def _adopt(folder: Path) -> dict[str, Any] | None:
+class DamagedModel(ModelFormatError):
+    """A folder in the store that holds no model llamaterm can read; `rm` still removes it."""
+
+    def __init__(self, name: str, folder: Path, reason: str):
+        super().__init__(f"the stored model {name!r} is damaged ({reason}): `llamaterm rm {name}` removes it, then "
+                         "pull it again")
+        self.name, self.folder, self.reason = name, folder, reason
+
+
+def _adopt(folder: Path) -> dict[str, Any]:
     """A manifest for a folder that `pull` did not write (the default model, a copied-in checkpoint), cached.
+    Raises DamagedModel for a folder without a readable checkpoint.
 
     Only top-level files count: the default model's installer stages its download in a subfolder.
     """
@@ -130,11 +144,12 @@ def _adopt(folder: Path) -> dict[str, Any] | None:
         files = [p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST]
         checkpoint = folder
     else:
-        return None
+        raise DamagedModel(folder.name, folder, f"no usable {MANIFEST}, and no .gguf file or config.json with "
+                                                "*.safetensors beside it")
     try:
         manifest = describe_checkpoint(checkpoint)
-    except (ModelFormatError, OSError):  # a damaged checkpoint is left out of the listing, not fatal to it
-        return None
+    except (ModelFormatError, OSError) as e:  # a damaged checkpoint is left out of the listing, not fatal to it
+        raise DamagedModel(folder.name, folder, str(e)) from None
     manifest["files"] = [{"path": p.name, "size": p.stat().st_size} for p in sorted(files)]
     try:
         write_manifest(folder, manifest)
@@ -144,10 +159,15 @@ def _adopt(folder: Path) -> dict[str, Any] | None:
 
 
 def list_models() -> list[StoredModel]:
+    return scan_store()[0]
+
+
+def scan_store() -> tuple[list[StoredModel], list[DamagedModel]]:
+    """The stored models, and the folders that hold none llamaterm can read (each a model's name all the same)."""
     root = models_dir()
     if not root.is_dir():
-        return []
-    models = []
+        return [], []
+    models, damaged = [], []
     for folder in sorted(root.iterdir()):
         if folder.name.startswith(".") or not folder.is_dir():
             continue
@@ -155,11 +175,14 @@ def list_models() -> list[StoredModel]:
             manifest = json.loads((folder / MANIFEST).read_text())
         except (OSError, ValueError):  # none, unreadable or not JSON: rebuilt from the files
             manifest = None
-        if not _usable(manifest):  # `{}`, `[]`, a file list that leaves the folder: rebuilt from the files too
-            manifest = _adopt(folder)
-        if manifest is not None:
-            models.append(StoredModel(folder.name, folder, manifest))
-    return models
+        try:
+            if not _usable(manifest):  # `{}`, `[]`, a file list that leaves the folder: rebuilt from the files too
+                manifest = _adopt(folder)
+        except DamagedModel as e:
+            damaged.append(e)
+            continue
+        models.append(StoredModel(folder.name, folder, manifest))
+    return models, damaged
 
 
 def _usable(manifest) -> bool:
@@ -178,10 +201,15 @@ def _usable(manifest) -> bool:
 
 
 def find_model(name: str) -> StoredModel:
-    """A stored model by name (case-insensitive), or ModelNotFound that suggests the close names."""
-    models = {m.name.lower(): m for m in list_models()}
+    """A stored model by name (case-insensitive); DamagedModel for a folder of that name that holds none, or
+    ModelNotFound that suggests the close names."""
+    found, damaged = scan_store()
+    models = {m.name.lower(): m for m in found}
     if name.lower() in models:
         return models[name.lower()]
+    for d in damaged:
+        if d.name.lower() == name.lower():
+            raise d
     raise ModelNotFound(f"no model named {name!r} in the store.{_suggestions(name, list(models))}")
 
 
@@ -226,7 +254,7 @@ def install(staged: Path, name: str) -> StoredModel:
     return StoredModel(name, dest, json.loads((dest / MANIFEST).read_text()))
 
 
-def remove_model(model: StoredModel) -> None:
+def remove_model(model: StoredModel | DamagedModel) -> None:
     """Remove a stored model's folder. Hold model_lock(model.name)."""
     _discard(model.folder)
 

@@ -140,14 +140,13 @@ class ChatScreen(Screen):
 
     def load_backends(self) -> None:
         """Load the engine of each backend a pane uses that has none (again, if it failed); shut down the engines
-        no pane uses. Local models split the device's free memory for their KV pools evenly."""
+        no pane uses. Local models loaded together split the device's free memory evenly (ChatApp.load_local)."""
         wanted = self.backends()
-        share = 1 / max(1, sum(b.local for b in wanted))
         for backend in wanted:
             if backend not in self.engines and backend not in self.loading:
                 self.loading.add(backend)
                 self.failed.pop(backend, None)
-                self.app.start_engine(backend, share)
+                self.app.start_engine(backend)
         in_flight = {id(p.session.engine) for p in self.panes if p.session.handle is not None}
         for backend in [b for b in self.engines if b not in wanted and id(self.engines[b]) not in in_flight]:
             self.app.stop_engine(self.engines.pop(backend))
