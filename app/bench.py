@@ -142,7 +142,7 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
                 progress.step(f"closed loop, {n} sessions ({warmup + window:.0f} s)")
                 p = min(prompt_len, ctx - 449)
                 dynamic, max_step = wl.closed_loop_rate(engine, n, (p, p), warmup, window, prompts)
-                row |= {"dynamic_tok_s": dynamic, "dynamic_vs_static": dynamic / static,
+                row |= {"dynamic_tok_s": dynamic, "dynamic_vs_static": dynamic / static if static else None,
                         "dynamic_pct_of_limit": 100 * dynamic / n / out["limit"]["steps_per_s"],
                         "dynamic_max_step_ms": 1e3 * max_step}
             rows.append(row)
@@ -202,7 +202,8 @@ def format_tables(r: dict) -> str:
         line = (f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {vs_one}x "
                 f"{row['static_pct_of_limit']:7.0f}%")
         if dynamic:
-            line += (f" {row['dynamic_tok_s']:14,.1f} {100 * row['dynamic_vs_static']:10.0f}% "
+            ratio = "         -" if row["dynamic_vs_static"] is None else f"{100 * row['dynamic_vs_static']:10.0f}"
+            line += (f" {row['dynamic_tok_s']:14,.1f} {ratio}% "
                      f"{row['dynamic_pct_of_limit']:7.0f}% {row['dynamic_max_step_ms']:12.1f}")
         lines.append(line)
     if dynamic:

@@ -18,7 +18,8 @@ class EngineConfig:
     model: str | None = None  # a store name or a path; None: the default model
     device: str | None = None  # "cpu" or "cuda"; None: cuda when available
     kv_tokens: int | None = None  # KV pool size in tokens; None: from free memory
-    kv_share: float = 1.0  # of that free memory, the part this engine's pool takes (engines on one device split it)
+    kv_share: float = 1.0  # of that free memory, the part this engine takes for its pool and dense copies (engines
+    # on one device split it)
     block_size: int = 16  # tokens per KV block
     max_batch_tokens: int | None = None  # tokens per step; None: 2048 on CUDA, 256 on the CPU
     max_running: int = 64  # sequences decoding at once

@@ -6,8 +6,9 @@ from tests.test_cli import llamaterm
 
 
 def test_bench_scaling_json_on_cpu():
+    # 32 tokens: enough that the 2 ms poll sees the static window's span on a fast machine
     out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1,2", "--scaling",
-                    "--window", "0.3", "--warmup", "0.1", "--tokens", "8", "--prompt", "16", "--json")
+                    "--window", "0.3", "--warmup", "0.1", "--tokens", "32", "--prompt", "16", "--json")
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["model"].startswith("tiny test shapes") and r["device"] == "cpu"

@@ -125,10 +125,11 @@ class Engine:
         self.max_context = model.config.context_length
         c = config
         t = time.perf_counter()
-        # prefill-sized steps on the GPU run cuBLAS on dense copies if they take at most a quarter of the memory left
+        # prefill-sized steps on the GPU run cuBLAS on dense copies if they take at most a quarter of this engine's
+        # share of the memory left (engines on one device split it, as they split the KV pool)
         self.dense_weight_bytes = 0
         if model.device.type == "cuda":
-            self.dense_weight_bytes = model.keep_dense_weights(free_memory(model.device) // 4)
+            self.dense_weight_bytes = model.keep_dense_weights(int(free_memory(model.device) * c.kv_share) // 4)
             torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
         dense_s = time.perf_counter() - t
         kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share)
