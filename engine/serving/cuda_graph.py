@@ -46,9 +46,11 @@ class StepGraphs:
         self.offsets = {"ids": 0, "pos": t, "slots": 2 * t, "ctx": 3 * t, "qsl": 3 * t + b, "rows": 3 * t + 2 * b + 1,
                         "prow": 3 * t + 3 * b + 1, "pfrom": 3 * t + 4 * b + 1}
         size = 3 * t + 5 * b + 1
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
-        self.host_tables = torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True)
-        self.host_np, self.host_tables_np = self.host.numpy(), self.host_tables.numpy()  # same memory
+        # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
+        # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
+        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._turn = 0
         self.flat = torch.zeros(size, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
@@ -99,7 +101,9 @@ class StepGraphs:
         """The logits model.forward would return for this step (`pending`: see ModelRunner.run)."""
         n, s = len(step.input_ids), len(step.context_lens)
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
-        t, b, h = bucket, self._seqs(bucket), self.host_np
+        self._turn ^= 1
+        host, host_tables = self.host[self._turn], self.host_tables[self._turn]
+        t, b, h, h_tables = bucket, self._seqs(bucket), host.numpy(), host_tables.numpy()  # numpy views: same memory
         for name, values, size, fill in (("ids", step.input_ids, t, 0), ("pos", step.positions, t, 0),
                                          ("slots", step.slot_mapping, t, -1), ("ctx", step.context_lens, b, 0),
                                          ("qsl", step.query_start_loc, b + 1, n),
@@ -110,10 +114,10 @@ class StepGraphs:
             h[at + len(values) : at + size] = fill  # (size 0: only the values are read)
         width = 0
         for i, row in enumerate(step.block_tables):
-            self.host_tables_np[i, : len(row)] = row
+            h_tables[i, : len(row)] = row
             width = max(width, len(row))
-        self.flat.copy_(self.host, non_blocking=True)  # the host waits on this step's logits before refilling
-        self.tables[:s, :width].copy_(self.host_tables[:s, :width], non_blocking=True)
+        self.flat.copy_(host, non_blocking=True)
+        self.tables[:s, :width].copy_(host_tables[:s, :width], non_blocking=True)
         n_pending = len(step.pending_rows)
         take_pending(self._view(self.flat, "ids", t), self._view(self.flat, "prow", n_pending), pending,
                      self._view(self.flat, "pfrom", n_pending))
