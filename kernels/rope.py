@@ -9,16 +9,21 @@ import torch
 
 from llamaterm.kernels.attention import write_kv
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.norm import rms_norm
 from llamaterm.kernels.ops_cpu import native_lib, rope_cpu
 
 
-def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, qk_norm=None, eps=0.0
+                  ) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hk, D], positions [T], inv_freq [D/2] or [T, D/2]: returns the rotated q, and writes
-    the rotated k and v to the cache at slot_mapping (kernels/attention.py's write_kv). On CUDA one kernel does both."""
+    the rotated k and v to the cache at slot_mapping (kernels/attention.py's write_kv). qk_norm: the weights
+    (q's, k's) of an RMSNorm per head, applied first (Qwen3, Gemma 3). On CUDA one kernel does all of it."""
     if use_triton(q):
         from llamaterm.kernels.rope_triton import rope_write_kv_triton
 
-        return rope_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
+        return rope_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, qk_norm, eps)
+    if qk_norm is not None:
+        (q, _), (k, _) = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
     q, k = rope_cpu(q, k, positions, inv_freq, lib) if (lib := native_lib(q)) else rope_ref(q, k, positions, inv_freq)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q

@@ -92,22 +92,33 @@ def test_small_ops_llama(dtype):
     weight = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
     for out, ref in zip(rms_norm(x, weight, 1e-5, res), rms_norm_ref(x, weight, 1e-5, res), strict=True):
         assert rel_err(out, ref) < TOL[dtype]
-
-    qkv = torch.randn(t, 6144, device="cuda", dtype=dtype)
-    q, k, v = qkv.split([4096, 1024, 1024], dim=-1)
-    q, k, v = q.view(t, 32, 128), k.view(t, 8, 128), v.reshape(t, 8, 128)
-    positions = torch.randint(0, 131072, (t,), device="cuda")
-    inv_freq = 500_000.0 ** -(torch.arange(0, 128, 2, device="cuda").float() / 128)
-    k_cache, v_cache, _ = paged([200], dtype=dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:t]
-    slots[3] = -1
-    q_out = rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
-    q_rot, k_rot = rope_ref(q, k, positions, inv_freq)
-    write_kv_ref(k_rot, v, k_ref, v_ref, slots)
-    assert rel_err(q_out, q_rot) < TOL[dtype] and rel_err(k_cache, k_ref) < TOL[dtype]
-    assert torch.equal(v_cache, v_ref)
+    for out, ref in zip(rms_norm(x, weight, 1e-5, res, weight.flip(0)), rms_norm_ref(x, weight, 1e-5, res,
+                        weight.flip(0)), strict=True):  # Gemma's post-norm before the add
+        assert rel_err(out, ref) < TOL[dtype]
 
     gate_up = torch.randn(t, 28672, device="cuda", dtype=dtype)
     assert rel_err(act_and_mul(gate_up, "silu"), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
     assert rel_err(act_and_mul(gate_up, "gelu_tanh"), gelu_tanh_and_mul_ref(gate_up.float())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_q, n_kv, head_dim, qk_norm", [(32, 8, 128, False), (8, 4, 256, True)])  # Llama 3, Gemma 3
+def test_rope_write_kv_real_shapes(dtype, n_q, n_kv, head_dim, qk_norm):
+    t = 77
+    qkv = torch.randn(t, (n_q + 2 * n_kv) * head_dim, device="cuda", dtype=dtype)
+    q, k, v = qkv.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q, k, v = q.view(t, n_q, head_dim), k.view(t, n_kv, head_dim), v.reshape(t, n_kv, head_dim)
+    positions = torch.randint(0, 131072, (t,), device="cuda")
+    inv_freq = 500_000.0 ** -(torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
+    norms = tuple(torch.rand(head_dim, device="cuda", dtype=dtype) + 0.5 for _ in range(2)) if qk_norm else None
+    k_cache, v_cache, _ = paged([200], n_kv=n_kv, head_dim=head_dim, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:t]
+    slots[3] = -1
+    q_out = rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slots, norms, 1e-6)
+    if qk_norm:
+        q, k = rms_norm_ref(q, norms[0], 1e-6)[0], rms_norm_ref(k, norms[1], 1e-6)[0]
+    q_rot, k_rot = rope_ref(q, k, positions, inv_freq)
+    write_kv_ref(k_rot, v, k_ref, v_ref, slots)
+    assert rel_err(q_out, q_rot) < TOL[dtype] and rel_err(k_cache, k_ref) < TOL[dtype]
+    assert torch.equal(v_cache, v_ref)

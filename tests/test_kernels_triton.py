@@ -173,20 +173,22 @@ def test_paged_attention_sliding_window(qlens, ctxs, n_q, n_kv, head_dim, page, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm(dtype, residual):
-    x = torch.randn(5, 100, device=DEVICE).to(dtype)
+@pytest.mark.parametrize("residual, x_norm", [(False, False), (True, False), (True, True)])
+def test_rms_norm(dtype, residual, x_norm):
+    x = 3 * torch.randn(5, 100, device=DEVICE).to(dtype)
     res = torch.randn(5, 100, device=DEVICE).to(dtype) if residual else None
-    weight = (1 + 0.1 * torch.randn(100, device=DEVICE)).to(dtype)
-    y, s = rms_norm_triton(x, weight, 1e-5, res)
-    y_ref, s_ref = rms_norm_ref(x, weight, 1e-5, res)
+    weight, x_weight = ((1 + 0.1 * torch.randn(100, device=DEVICE)).to(dtype) for _ in range(2))
+    x_weight = x_weight if x_norm else None
+    y, s = rms_norm_triton(x, weight, 1e-5, res, x_weight)
+    y_ref, s_ref = rms_norm_ref(x, weight, 1e-5, res, x_weight)
     assert rel_err(y, y_ref) < TOL[dtype] and rel_err(s, s_ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_rope_write_kv(dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_kv(dtype, qk_norm):
     """The rotated q comes back; the rotated k and v land at their slots (slot -1: nowhere), and nothing else in
-    the cache is touched (it starts as NaN)."""
+    the cache is touched (it starts as NaN). With q/k norms, each head is normalized before it is rotated."""
     t, n_q, n_kv, head_dim, page = 6, 9, 3, 48, 4  # groups of 3 query heads, as in SmolLM2
     qkv = torch.randn(t, (n_q + 2 * n_kv) * head_dim, device=DEVICE).to(dtype)  # q, k, v as strided views
     q, k, v = (x.view(t, -1, head_dim) for x in qkv.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1))
@@ -195,10 +197,12 @@ def test_rope_write_kv(dtype):
     inv_freq[head_dim // 4:] /= 8  # Llama-3-style scaled low frequencies
     slots = torch.tensor([5, -1, 0, 13, 22, 8], device=DEVICE)
     per_token = inv_freq * torch.rand(t, 1, device=DEVICE)  # a row per token, as LongRoPE's long and short factors
+    norms = tuple((1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype) for _ in range(2)) if qk_norm else None
+    q_in, k_in = (rms_norm_ref(q, norms[0], 1e-6)[0], rms_norm_ref(k, norms[1], 1e-6)[0]) if qk_norm else (q, k)
     for freq in (inv_freq, per_token):
         caches = [torch.full((6, page, n_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-        q_out = rope_write_kv_triton(q, k, v, positions, freq, caches[0], caches[1], slots)
-        q_ref, k_ref = rope_ref(q, k, positions, freq)
+        q_out = rope_write_kv_triton(q, k, v, positions, freq, caches[0], caches[1], slots, norms, 1e-6)
+        q_ref, k_ref = rope_ref(q_in, k_in, positions, freq)
         write_kv_ref(k_ref, v, caches[2], caches[3], slots)
         assert rel_err(q_out, q_ref) < TOL[dtype]
         for out, ref in ((caches[0], caches[2]), (caches[1], caches[3])):

@@ -114,7 +114,7 @@ class Layer:
         if c.rotary_order() is not None:
             self.qkv = take_rows(self.qkv, rotary_rows(c))
             self.qkv_bias = None if self.qkv_bias is None else take_rows([self.qkv_bias], rotary_rows(c))[0]
-        self.q_norm, self.k_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else (None, None)
+        self.qk_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else None
         self.o = get("attn_output")
         self.down = get("ffn_down")
         self.post_attn_norm, self.post_ffn_norm = ((get("post_attention_norm"), get("post_ffw_norm")) if c.post_norms
@@ -177,9 +177,9 @@ class Model:
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None:  # LongRoPE: from the original context on, the long factors
             inv_freq = torch.where((step.positions >= c.rope_long_from)[:, None], self.long_inv_freq, inv_freq)
-        residual = None
+        residual = post_norm = None  # post_norm: Gemma's norm of the last sublayer's output, fused into the next
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
-            x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual)
+            x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual, post_norm)
             qkv = linear_parts(x, layer.qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -187,24 +187,19 @@ class Model:
             q = q.view(n_tokens, c.n_heads, c.head_dim)
             k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
-            if c.qk_norm:
-                q, _ = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-                k, _ = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             freq = self.sliding_inv_freq if layer.sliding_rope else inv_freq
-            q = rope_write_kv(q, k, v, step.positions, freq, k_cache, v_cache, step.slot_mapping)
+            q = rope_write_kv(q, k, v, step.positions, freq, k_cache, v_cache, step.slot_mapping, layer.qk_norm,
+                              c.rms_norm_eps)
             if self.q_scale is not None:
                 q = q * self.q_scale
             o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                 step.query_start_loc, self.scale, layer.window)
             h = linear(o.view(n_tokens, q_size), layer.o)
-            if c.post_norms:
-                h, _ = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
-            x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual)
+            x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual, layer.post_attn_norm)
             h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
-            if c.post_norms:
-                h, _ = rms_norm(h, layer.post_ffn_norm, c.rms_norm_eps)
+            post_norm = layer.post_ffn_norm
         last = step.logits_indices
-        x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last])
+        x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last], post_norm)
         logits = linear(x, self.lm_head).float()
         if c.final_logit_softcap is not None:
             logits = c.final_logit_softcap * torch.tanh(logits / c.final_logit_softcap)
