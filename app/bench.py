@@ -41,8 +41,8 @@ class Progress:
 
 def bench(
     model: Annotated[str | None, typer.Option("--model", "-m", help=(
-        "Model name in the store, a path, or synthetic:llama3-8b / synthetic:llama2-7b / synthetic:smollm2-135m "
-        "(random 4-bit weights in those shapes; add :fp16 for fp16).")
+        "Model name in the store, a path, or synthetic:NAME, random 4-bit weights in a model's shapes (NAME: "
+        "llama3-8b, llama2-7b, smollm2-135m, qwen2.5-7b, gemma3-4b, gemma3-12b, tiny; add :fp16 for fp16).")
     )] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
     sessions: Annotated[str | None, typer.Option(help="Session counts, e.g. 1,8,64 (default: 1,8,64; with "

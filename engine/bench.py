@@ -43,6 +43,15 @@ def _llama(name, layers, hidden, ffn, heads, kv, vocab, ctx, theta, head_dim=Non
                        context_length=ctx, rms_norm_eps=1e-5, rope_theta=theta, tie_word_embeddings=tied)
 
 
+def _gemma3(name, layers, hidden, ffn, heads, kv) -> ModelConfig:
+    """Gemma 3's text model as its GGUF holds it: five 1024-token sliding layers to one global, x8 linear RoPE on
+    the global ones."""
+    return replace(_llama(name, layers, hidden, ffn, heads, kv, 262144, 131072, 1e6, head_dim=256, tied=True),
+                   arch="gemma3", qk_norm=True, post_norms=True, activation="gelu_tanh", embedding_scale=hidden**0.5,
+                   attention_scale=256**-0.5, rope_theta_sliding=1e4, rope_freq_factors=(8.0,) * 128,
+                   sliding_window=1024, sliding_layers=tuple(i % 6 < 5 for i in range(layers)))
+
+
 # Random weights in real models' shapes, so speed figures need no download. 4-bit formats as their usual files.
 SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
     "llama3-8b": (_llama("Llama-3-8B shapes", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
@@ -54,13 +63,8 @@ SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
     "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
     "qwen2.5-7b": (replace(_llama("Qwen2.5-7B shapes", 28, 3584, 18944, 28, 4, 152064, 32768, 1e6), arch="qwen2",
                            qkv_bias=True), QuantFormat(4, 128, False, 4)),
-    # Gemma 3 4B's text model as its GGUF holds it: five 1024-token sliding layers to one global, x8 linear RoPE on
-    # the global ones
-    "gemma3-4b": (replace(_llama("Gemma-3-4B shapes", 34, 2560, 10240, 8, 4, 262144, 131072, 1e6, head_dim=256,
-                                 tied=True), arch="gemma3", qk_norm=True, post_norms=True, activation="gelu_tanh",
-                          embedding_scale=2560**0.5, attention_scale=256**-0.5, rope_theta_sliding=1e4,
-                          rope_freq_factors=(8.0,) * 128, sliding_window=1024,
-                          sliding_layers=tuple(i % 6 < 5 for i in range(34))), QuantFormat(4, 128, False, 4)),
+    "gemma3-4b": (_gemma3("Gemma-3-4B shapes", 34, 2560, 10240, 8, 4), QuantFormat(4, 128, False, 4)),
+    "gemma3-12b": (_gemma3("Gemma-3-12B shapes", 48, 3840, 15360, 16, 8), QuantFormat(4, 128, False, 4)),
 }
 
 

@@ -54,3 +54,11 @@ def test_bench_beside_transformers_on_cpu():
         assert len(figures) == 6 and float(figures[0].replace(",", "")) > 0  # median, TTFT, load, three runs
         assert sorted(map(float, figures[3:]))[1] == float(figures[0].replace(",", ""))
     assert lines[at + 4].startswith("speed-up ")  # random weights on each side: no token comparison
+
+
+def test_bench_help_names_every_synthetic_model():
+    """The CLI cannot import the engine's list (torch) at start-up, so its help names the shapes itself."""
+    from llamaterm.engine.bench import SYNTHETIC
+
+    help_text = " ".join(llamaterm("bench", "--help").stdout.split())
+    assert all(name in help_text for name in SYNTHETIC), help_text
