@@ -144,7 +144,8 @@ def step_input(step: StepLists, device: torch.device, pending: torch.Tensor | No
     tables = [t + [0] * (width - len(t)) for t in step.block_tables]
     as_tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)
     input_ids = as_tensor(step.input_ids)
-    take_pending(input_ids, as_tensor(step.pending_rows), pending, as_tensor(step.pending_from))
+    if step.pending_rows:  # no index tensors to build (and copy to the device) for a step with none
+        take_pending(input_ids, as_tensor(step.pending_rows), pending, as_tensor(step.pending_from))
     return StepInput(
         input_ids=input_ids,
         positions=as_tensor(step.positions),
