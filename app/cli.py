@@ -18,7 +18,7 @@ from llamaterm.app import bench, models_cli
 app = typer.Typer(
     name="llamaterm",
     help="Run local LLMs (Llama, Qwen, Phi, Gemma, Mistral) from the terminal.\n\nExamples:\n\n"
-    "  llamaterm run \"What is the capital of France?\"\n\n"
+    '  llamaterm run "What is the capital of France?"\n\n'
     "  echo 'Summarise: ...' | llamaterm run -\n\n"
     "  llamaterm chat --sessions 4",
     no_args_is_help=True,
@@ -28,9 +28,13 @@ app = typer.Typer(
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model name in the store, or a path.")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
-ServerOpt = Annotated[str | None, typer.Option(
-    help="An OpenAI-compatible server (llamaterm serve, vLLM, SGLang, llama.cpp) to use instead of a local model, "
-    "e.g. http://127.0.0.1:8000/v1; --model then names one of its models.")]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="An OpenAI-compatible server (llamaterm serve, vLLM, SGLang, llama.cpp) to use instead of a local model, "
+        "e.g. http://127.0.0.1:8000/v1; --model then names one of its models."
+    ),
+]
 ApiKeyOpt = Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="The server's API key.")]
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
@@ -71,8 +75,14 @@ def sampling_params(**values):
         fail(str(e), 2)
 
 
-def load_engine(model: str | None, device: str | None, kv_tokens: int | None, server: str | None = None,
-                api_key: str | None = None, sessions: int = 1):
+def load_engine(
+    model: str | None,
+    device: str | None,
+    kv_tokens: int | None,
+    server: str | None = None,
+    api_key: str | None = None,
+    sessions: int = 1,
+):
     """The local engine on `model` for `sessions` requests at a time (so start-up prepares no more), or with
     --server, that server's `model` (None: its first)."""
     if server:
@@ -147,16 +157,27 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
-    think: Annotated[bool | None, typer.Option(
-        "--think/--no-think", help="Turn the chat template's thinking switch on or off (Qwen3's enable_thinking); "
-        "default: the template's own.", show_default=False)] = None,
-    hide_thinking: Annotated[bool, typer.Option(
-        help="Drop the reply's thinking (<think>...</think>), which otherwise goes to stderr (and to --json's "
-        "'thinking').")] = False,
+    think: Annotated[
+        bool | None,
+        typer.Option(
+            "--think/--no-think",
+            help="Turn the chat template's thinking switch on or off (Qwen3's enable_thinking); "
+            "default: the template's own.",
+            show_default=False,
+        ),
+    ] = None,
+    hide_thinking: Annotated[
+        bool,
+        typer.Option(
+            help="Drop the reply's thinking (<think>...</think>), which otherwise goes to stderr (and to --json's "
+            "'thinking')."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object (a line each with --each-line).")] = False,
     each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
-    file: Annotated[Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with "
-                                                    "--each-line).")] = None,
+    file: Annotated[
+        Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with --each-line).")
+    ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
     server: ServerOpt = None,
@@ -167,9 +188,16 @@ def run(
     Examples: llamaterm run "What is the capital of France?"   |   llamaterm run --json --seed 1 --temperature 0.7 "Hi"
     """
     params = sampling_params(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        seed=seed,
+        stop=tuple(stop or ()),
     )
     if file and prompt is not None:
         fail("give a PROMPT or --file, not both", 2)
@@ -255,9 +283,15 @@ def report(handle) -> None:
 
 @app.command()
 def chat(
-    models: Annotated[list[str] | None, typer.Option(
-        "--model", "-m", help="Model name in the store, or a path; on a --server, one of its models. Repeat it to "
-        "put the panes on several models in turn (the TUI).")] = None,
+    models: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model name in the store, or a path; on a --server, one of its models. Repeat it to "
+            "put the panes on several models in turn (the TUI).",
+        ),
+    ] = None,
     sessions: Annotated[int, typer.Option(min=1, max=8, help="Conversation panes side by side.")] = 1,
     system: Annotated[str | None, typer.Option(help="System prompt for every session.")] = None,
     plain: Annotated[bool, typer.Option(help="A line-based chat for pipes and dumb terminals.")] = False,
@@ -281,8 +315,9 @@ def chat(
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
     with load_engine((models or [None])[0], device, kv_tokens, server, api_key) as engine:
-        typer.echo(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.",
-                   err=True)
+        typer.echo(
+            f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True
+        )
         while True:
             try:
                 line = input("> ")
@@ -308,11 +343,17 @@ def chat(
 @app.command()
 def serve(
     model: ModelOpt = None,
-    host: Annotated[str, typer.Option(help="Address to listen on; the default takes connections from this machine "
-                                           "only.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; the default takes connections from this machine only.")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
-    api_key: Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="Refuse /v1 requests without "
-                                                "this key (sent as 'Authorization: Bearer KEY').")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LLAMATERM_API_KEY",
+            help="Refuse /v1 requests without this key (sent as 'Authorization: Bearer KEY').",
+        ),
+    ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
 ):
@@ -331,11 +372,14 @@ def serve(
     if problem:
         fail(f"cannot listen on {host}:{port}: {problem}: choose another --port or --host", 2)
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-        typer.echo(f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key",
-                   err=True)
+        typer.echo(
+            f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
+        )
     with EngineProcess(EngineConfig(model=model, device=device, kv_tokens=kv_tokens)) as engine:
-        typer.echo(f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 "
-                   "(Ctrl-C stops)", err=True)
+        typer.echo(
+            f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 (Ctrl-C stops)",
+            err=True,
+        )
         serve_http(engine, host, port, api_key)
 
 

@@ -124,24 +124,29 @@ class History:
 
     def create_conversation(self, title: str, settings: dict) -> int:
         now = time.time()
-        return self._write(lambda c: c.execute(
-            "INSERT INTO conversations (title, settings, created_at, updated_at) VALUES (?, ?, ?, ?)",
-            (title, json.dumps(settings), now, now),
-        ).lastrowid)
+        return self._write(
+            lambda c: (
+                c.execute(
+                    "INSERT INTO conversations (title, settings, created_at, updated_at) VALUES (?, ?, ?, ?)",
+                    (title, json.dumps(settings), now, now),
+                ).lastrowid
+            )
+        )
 
-    def update_conversation(self, conversation_id: int, *, title: str | None = None,
-                            settings: dict | None = None) -> None:
+    def update_conversation(
+        self, conversation_id: int, *, title: str | None = None, settings: dict | None = None
+    ) -> None:
         def work(c: sqlite3.Connection) -> None:
             if title is not None:
                 c.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
             if settings is not None:
-                c.execute("UPDATE conversations SET settings = ? WHERE id = ?",
-                          (json.dumps(settings), conversation_id))
+                c.execute("UPDATE conversations SET settings = ? WHERE id = ?", (json.dumps(settings), conversation_id))
 
         self._write(work)
 
-    def add_message(self, conversation_id: int, role: str, content: str, finish_reason: str | None = None,
-                    stats: dict | None = None) -> int:
+    def add_message(
+        self, conversation_id: int, role: str, content: str, finish_reason: str | None = None, stats: dict | None = None
+    ) -> int:
         now = time.time()
 
         def work(c: sqlite3.Connection) -> int:
@@ -155,17 +160,23 @@ class History:
 
         return self._write(work)
 
-    def update_message(self, message_id: int, content: str, finish_reason: str | None = None,
-                       stats: dict | None = None) -> None:
-        self._write(lambda c: c.execute(
-            "UPDATE messages SET content = ?, finish_reason = ?, stats = ? WHERE id = ?",
-            (content, finish_reason, _dumps(stats), message_id),
-        ))
+    def update_message(
+        self, message_id: int, content: str, finish_reason: str | None = None, stats: dict | None = None
+    ) -> None:
+        self._write(
+            lambda c: c.execute(
+                "UPDATE messages SET content = ?, finish_reason = ?, stats = ? WHERE id = ?",
+                (content, finish_reason, _dumps(stats), message_id),
+            )
+        )
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
         """Drop a message and everything after it (regenerate, edit and resend)."""
-        self._write(lambda c: c.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?",
-                                        (conversation_id, message_id)))
+        self._write(
+            lambda c: c.execute(
+                "DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id)
+            )
+        )
 
     # ---- reads ----
 
@@ -284,8 +295,10 @@ def _is_corrupt(e: sqlite3.Error) -> bool:
 
 
 def _in_memory_message(path: Path, e: Exception) -> str:
-    return (f"History {path} cannot be opened for writing ({e}); it is left as it was, and this session's "
-            "conversations are kept in memory only, until llamaterm quits.")
+    return (
+        f"History {path} cannot be opened for writing ({e}); it is left as it was, and this session's "
+        "conversations are kept in memory only, until llamaterm quits."
+    )
 
 
 def migrate(conn: sqlite3.Connection, version: int) -> None:
@@ -333,8 +346,13 @@ def to_json(conv: Conversation) -> str:
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
         "messages": [
-            {"role": m.role, "content": m.content, "finish_reason": m.finish_reason, "stats": m.stats,
-             "created_at": m.created_at}
+            {
+                "role": m.role,
+                "content": m.content,
+                "finish_reason": m.finish_reason,
+                "stats": m.stats,
+                "created_at": m.created_at,
+            }
             for m in conv.messages
         ],
     }

@@ -92,8 +92,11 @@ def ls(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        say("The store holds no model llamaterm can read: `llamaterm pull REPO[:QUANT]` downloads one." if damaged
-            else "The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model.")
+        say(
+            "The store holds no model llamaterm can read: `llamaterm pull REPO[:QUANT]` downloads one."
+            if damaged
+            else "The store is empty: `llamaterm pull REPO[:QUANT]` downloads a model."
+        )
         return
     table = [("NAME", "FORMAT", "QUANT", "ARCH", "PARAMS", "CONTEXT", "SIZE")]
     for r in rows:
@@ -210,8 +213,9 @@ def info(
         text = json.dumps(value, default=str) if not isinstance(value, str) else value
         typer.echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
     typer.echo("\nchat template")
-    typer.echo(ci.chat_template.rstrip() if ci.chat_template else f"  (none: chats are formatted as ChatML)\n"
-               f"{CHATML_TEMPLATE}")
+    typer.echo(
+        ci.chat_template.rstrip() if ci.chat_template else f"  (none: chats are formatted as ChatML)\n{CHATML_TEMPLATE}"
+    )
 
 
 def shown_family(family: str | None, architecture: str | None, why: bool = False) -> str:

@@ -80,8 +80,9 @@ class RemoteEngine:
         lacks `model` raises LlamatermError. model None: the server's first model."""
         self.base_url = api_base(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx2.Client(base_url=self.base_url, headers=headers,
-                                  timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=None))
+        self.http = httpx2.Client(
+            base_url=self.base_url, headers=headers, timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=None)
+        )
         cards = self._models()
         card = cards[0] if model is None else next((c for c in cards if c.get("id") == model), None)
         if card is None:
@@ -94,8 +95,14 @@ class RemoteEngine:
         self._live: dict[int, RemoteStream] = {}
         self._closed = False
 
-    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
-               enable_thinking: bool | None = None) -> RemoteStream:
+    def submit(
+        self,
+        prompt: list[dict] | str,
+        params: SamplingParams | None = None,
+        *,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> RemoteStream:
         """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
@@ -103,12 +110,12 @@ class RemoteEngine:
         try:
             content = json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError:  # a lone surrogate: an undecodable byte from argv or stdin
-            raise RequestError("the text is not valid Unicode (a lone surrogate, or a byte that is not UTF-8): give "
-                               "UTF-8 text") from None
+            raise RequestError(
+                "the text is not valid Unicode (a lone surrogate, or a byte that is not UTF-8): give UTF-8 text"
+            ) from None
         stream = RemoteStream(next(self._ids), self.max_context)
         self._live[stream.id] = stream
-        threading.Thread(target=self._read, args=(stream, path, content), name="llamaterm-remote",
-                         daemon=True).start()
+        threading.Thread(target=self._read, args=(stream, path, content), name="llamaterm-remote", daemon=True).start()
         return stream
 
     def cancel(self, handle: RequestStream | int) -> None:
@@ -123,8 +130,13 @@ class RemoteEngine:
         now = time.perf_counter()
         recent = sorted(t for s in live for t in s.token_times if now - t <= RATE_WINDOW_S)
         span = now - recent[0] if recent else 0.0
-        return EngineStats(model=self.model_name, device=self.device, running=len(live), batch_size=len(live),
-                           tokens_per_s=len(recent) / span if span > 0.05 else 0.0)
+        return EngineStats(
+            model=self.model_name,
+            device=self.device,
+            running=len(live),
+            batch_size=len(live),
+            tokens_per_s=len(recent) / span if span > 0.05 else 0.0,
+        )
 
     def shutdown(self) -> None:
         self._closed = True
@@ -143,8 +155,9 @@ class RemoteEngine:
         try:
             reply = self.http.get("/models", timeout=CONNECT_TIMEOUT_S)  # one that never answers is not a server
         except httpx2.HTTPError as e:
-            raise LlamatermError(f"cannot reach {where} ({type(e).__name__}: {e}): is it running, and is the "
-                                 "URL right?") from None
+            raise LlamatermError(
+                f"cannot reach {where} ({type(e).__name__}: {e}): is it running, and is the URL right?"
+            ) from None
         if reply.status_code == 401:
             raise LlamatermError(f"{where} refused the API key: give the right one with --api-key")
         try:
@@ -152,8 +165,10 @@ class RemoteEngine:
             assert reply.status_code == 200 and isinstance(cards, list) and cards
             assert all(isinstance(c, dict) and "id" in c for c in cards)
         except (ValueError, KeyError, TypeError, AssertionError):
-            raise LlamatermError(f"{where} is not an OpenAI-compatible server (GET /models answered "
-                                 f"{reply.status_code} without a list of models): check the URL") from None
+            raise LlamatermError(
+                f"{where} is not an OpenAI-compatible server (GET /models answered "
+                f"{reply.status_code} without a list of models): check the URL"
+            ) from None
         return cards
 
     def _read(self, stream: RemoteStream, path: str, body: bytes) -> None:
@@ -166,8 +181,9 @@ class RemoteEngine:
                     return
                 if reply.status_code != 200:
                     reply.read()
-                    stream.finish("error", f"the server refused the request ({reply.status_code}): "
-                                           f"{error_message(reply.text)}")
+                    stream.finish(
+                        "error", f"the server refused the request ({reply.status_code}): {error_message(reply.text)}"
+                    )
                     return
                 for line in reply.iter_lines():
                     if stream.end is not None:  # cancelled: leaving closes the connection
@@ -232,19 +248,30 @@ def api_base(url: str) -> str:
     return base
 
 
-def request_body(model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool,
-                 enable_thinking: bool | None = None) -> tuple[str, dict]:
+def request_body(
+    model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool, enable_thinking: bool | None = None
+) -> tuple[str, dict]:
     """The path and JSON body of a streamed request. Sampling values beyond OpenAI's own (top_k, min_p,
     repetition_penalty, ignore_eos: vLLM's and SGLang's names) go only when set, so strict servers still accept;
     so does the template's thinking switch (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it)."""
-    body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                  "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
-    optional = {"seed": params.seed, "stop": list(params.stop) or None,
-                "presence_penalty": params.presence_penalty or None,
-                "frequency_penalty": params.frequency_penalty or None,
-                "top_k": params.top_k or None, "min_p": params.min_p or None,
-                "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
-                "ignore_eos": params.ignore_eos or None}
+    body: dict = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    optional = {
+        "seed": params.seed,
+        "stop": list(params.stop) or None,
+        "presence_penalty": params.presence_penalty or None,
+        "frequency_penalty": params.frequency_penalty or None,
+        "top_k": params.top_k or None,
+        "min_p": params.min_p or None,
+        "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
+        "ignore_eos": params.ignore_eos or None,
+    }
     body |= {k: v for k, v in optional.items() if v is not None}
     if raw:
         return "/completions", body | {"prompt": prompt}

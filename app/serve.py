@@ -36,11 +36,28 @@ DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Request fields beyond the sampling ones. OpenAI's own that change nothing here are ignored; those asking for
 # what the engine lacks are accepted only at their default; any other name is refused, as the OpenAI API does.
-IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "user", "metadata", "store", "service_tier",
-           "chat_template_kwargs"}
+IGNORED = {
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "chat_template_kwargs",
+}
 ONLY_DEFAULT = {
-    "n": (1,), "best_of": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "n": (1,),
+    "best_of": (1,),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
 FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
@@ -50,8 +67,14 @@ INTS = ["top_k", "seed"]
 class APIError(Exception):
     """An OpenAI-style error object and its HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.body = status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -73,6 +96,7 @@ class Completion:
 
 # ---- request parsing: pure functions of the JSON body ----
 
+
 def parse_request(body: object, model_name: str, max_context: int, chat: bool) -> Completion:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -80,25 +104,39 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
     if not isinstance(model, str):
         raise APIError(400, "you must give a model: see /v1/models", "model")
     if model != model_name:
-        raise APIError(404, f"the model '{model}' does not exist: this server has '{model_name}'", "model",
-                       "model_not_found")
+        raise APIError(
+            404, f"the model '{model}' does not exist: this server has '{model_name}'", "model", "model_not_found"
+        )
     prompt = parse_messages(body.get("messages")) if chat else parse_prompt(body.get("prompt"))
     stream = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise APIError(400, "stream must be true or false and stream_options an object", "stream")
-    return Completion(prompt, not chat, parse_params(body, max_context), stream, bool(options.get("include_usage")),
-                      parse_thinking(body.get("chat_template_kwargs"), chat))
+    return Completion(
+        prompt,
+        not chat,
+        parse_params(body, max_context),
+        stream,
+        bool(options.get("include_usage")),
+        parse_thinking(body.get("chat_template_kwargs"), chat),
+    )
 
 
 def parse_thinking(kwargs: object, chat: bool) -> bool | None:
     """vLLM's and SGLang's chat_template_kwargs, of which the engine takes the thinking switch."""
     if kwargs is None:
         return None
-    if not chat or not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} or not isinstance(
-            kwargs.get("enable_thinking", False), bool):
-        raise APIError(400, "chat_template_kwargs takes {\"enable_thinking\": true or false} on chat completions "
-                       "only", "chat_template_kwargs")
+    if (
+        not chat
+        or not isinstance(kwargs, dict)
+        or set(kwargs) - {"enable_thinking"}
+        or not isinstance(kwargs.get("enable_thinking", False), bool)
+    ):
+        raise APIError(
+            400,
+            'chat_template_kwargs takes {"enable_thinking": true or false} on chat completions only',
+            "chat_template_kwargs",
+        )
     return kwargs.get("enable_thinking")
 
 
@@ -109,8 +147,9 @@ def parse_messages(messages: object) -> list[dict]:
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
-                           f"messages[{i}].role")
+            raise APIError(
+                400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}", f"messages[{i}].role"
+            )
         out.append({"role": ROLES[role], "content": message_text(m.get("content"), i)})
     return out
 
@@ -119,11 +158,11 @@ def message_text(content: object, i: int) -> str:
     """A string, or an array of text parts (images and audio are refused: the engine reads text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"messages[{i}].content must be a string or an array of text parts",
-                   f"messages[{i}].content")
+    raise APIError(400, f"messages[{i}].content must be a string or an array of text parts", f"messages[{i}].content")
 
 
 def parse_prompt(prompt: object) -> str:
@@ -135,8 +174,13 @@ def parse_prompt(prompt: object) -> str:
 
 
 def parse_params(body: dict, max_context: int) -> SamplingParams:
-    known = IGNORED | ONLY_DEFAULT.keys() | set(FLOATS) | set(INTS) | {"max_tokens", "max_completion_tokens",
-                                                                      "stop", "ignore_eos"}
+    known = (
+        IGNORED
+        | ONLY_DEFAULT.keys()
+        | set(FLOATS)
+        | set(INTS)
+        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos"}
+    )
     for name in body:
         if name not in known:
             raise APIError(400, f"Unrecognized request argument supplied: {name}", name)
@@ -155,8 +199,11 @@ def parse_params(body: dict, max_context: int) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
-            raise APIError(400, f"max_tokens must be a whole number from 1 to {max_context} (the model's "
-                                f"context), not {max_tokens!r}", "max_tokens")
+            raise APIError(
+                400,
+                f"max_tokens must be a whole number from 1 to {max_context} (the model's context), not {max_tokens!r}",
+                "max_tokens",
+            )
         values["max_tokens"] = max_tokens
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
@@ -171,6 +218,7 @@ def parse_params(body: dict, max_context: int) -> SamplingParams:
 
 
 # ---- engine events to asyncio ----
+
 
 class EventPump:
     """Moves every live request's events from its thread-safe queue to an asyncio queue, a batch per poll."""
@@ -200,11 +248,15 @@ class EventPump:
 
 # ---- responses ----
 
+
 def usage(stream: RequestStream) -> dict:
     st = stream.stats()
-    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.generated_tokens,
-            "total_tokens": st.prompt_tokens + st.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+    return {
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": st.generated_tokens,
+        "total_tokens": st.prompt_tokens + st.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
+    }
 
 
 def failure(event: Event) -> APIError | None:
@@ -230,10 +282,16 @@ class Responder:
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
     def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-                  if self.chat else {"index": 0, "text": text, "logprobs": None})
-        return self.envelope("chat.completion" if self.chat else "text_completion",
-                             [{**choice, "finish_reason": finish_reason}], usage=usage)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            if self.chat
+            else {"index": 0, "text": text, "logprobs": None}
+        )
+        return self.envelope(
+            "chat.completion" if self.chat else "text_completion",
+            [{**choice, "finish_reason": finish_reason}],
+            usage=usage,
+        )
 
     def chunk(self, text: str, finish_reason: str | None = None, role: bool = False, **extra) -> dict:
         if self.chat:
@@ -244,8 +302,14 @@ class Responder:
         return self.envelope(self.chunk_kind, [choice], **extra)
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
 
 class EngineStreamResponse(StreamingResponse):
@@ -279,13 +343,19 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided: give the server's key as a bearer token",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "Incorrect API key provided: give the server's key as a bearer token", code="invalid_api_key"
+            )
 
     async def models(request: Request) -> Response:
         check_key(request)
-        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "llamaterm",
-                "max_model_len": engine.max_context}
+        card = {
+            "id": engine.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "llamaterm",
+            "max_model_len": engine.max_context,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def complete(request: Request, chat: bool) -> Response:
@@ -296,8 +366,9 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             raise APIError(400, "We could not parse the JSON body of your request: send valid JSON") from None
         req = parse_request(body, engine.model_name, engine.max_context, chat)
         try:
-            stream = await run_in_threadpool(engine.submit, req.prompt, req.params, raw=req.raw,
-                                             enable_thinking=req.enable_thinking)
+            stream = await run_in_threadpool(
+                engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
+            )
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
             raise APIError(400, str(e), "messages" if chat else "prompt", code) from None
@@ -355,8 +426,9 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             raise
         except Exception as e:  # not foreseen: still an error object, on a connection that stays open
             logging.getLogger("uvicorn.error").exception("a request failed")
-            raise APIError(500, f"the server failed on this request ({type(e).__name__}: {e})",
-                           kind="server_error") from e
+            raise APIError(
+                500, f"the server failed on this request ({type(e).__name__}: {e})", kind="server_error"
+            ) from e
 
     async def chat_completions(request: Request) -> Response:
         return await answer(request, chat=True)
@@ -385,8 +457,9 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={APIError: api_error, HTTPException: http_error})
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={APIError: api_error, HTTPException: http_error}
+    )
 
 
 METRICS = [  # (name, help, EngineStats field)
@@ -403,8 +476,11 @@ def metrics_text(stats: EngineStats) -> str:
     """The engine's stats in Prometheus' text exposition format, a gauge each, labelled with the model."""
     lines = []
     for name, help, field in METRICS:
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge",
-                  f'{name}{{model="{stats.model}"}} {getattr(stats, field)}']
+        lines += [
+            f"# HELP {name} {help}",
+            f"# TYPE {name} gauge",
+            f'{name}{{model="{stats.model}"}} {getattr(stats, field)}',
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -116,8 +116,14 @@ class EngineClient(Protocol):
     device: str
     max_context: int
 
-    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
-               enable_thinking: bool | None = None) -> RequestStream: ...
+    def submit(
+        self,
+        prompt: list[dict] | str,
+        params: SamplingParams | None = None,
+        *,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> RequestStream: ...
 
     def cancel(self, handle: RequestStream | int) -> None: ...
 

@@ -38,31 +38,60 @@ class QuantFormat:
 
 
 def _llama(name, layers, hidden, ffn, heads, kv, vocab, ctx, theta, head_dim=None, tied=False) -> ModelConfig:
-    return ModelConfig(arch="llama", name=name, n_layers=layers, hidden_size=hidden, intermediate_size=ffn,
-                       n_heads=heads, n_kv_heads=kv, head_dim=head_dim or hidden // heads, vocab_size=vocab,
-                       context_length=ctx, rms_norm_eps=1e-5, rope_theta=theta, tie_word_embeddings=tied)
+    return ModelConfig(
+        arch="llama",
+        name=name,
+        n_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        n_heads=heads,
+        n_kv_heads=kv,
+        head_dim=head_dim or hidden // heads,
+        vocab_size=vocab,
+        context_length=ctx,
+        rms_norm_eps=1e-5,
+        rope_theta=theta,
+        tie_word_embeddings=tied,
+    )
 
 
 def _gemma3(name, layers, hidden, ffn, heads, kv) -> ModelConfig:
     """Gemma 3's text model as its GGUF holds it: five 1024-token sliding layers to one global, x8 linear RoPE on
     the global ones."""
-    return replace(_llama(name, layers, hidden, ffn, heads, kv, 262144, 131072, 1e6, head_dim=256, tied=True),
-                   arch="gemma3", qk_norm=True, post_norms=True, activation="gelu_tanh", embedding_scale=hidden**0.5,
-                   attention_scale=256**-0.5, rope_theta_sliding=1e4, rope_freq_factors=(8.0,) * 128,
-                   sliding_window=1024, sliding_layers=tuple(i % 6 < 5 for i in range(layers)))
+    return replace(
+        _llama(name, layers, hidden, ffn, heads, kv, 262144, 131072, 1e6, head_dim=256, tied=True),
+        arch="gemma3",
+        qk_norm=True,
+        post_norms=True,
+        activation="gelu_tanh",
+        embedding_scale=hidden**0.5,
+        attention_scale=256**-0.5,
+        rope_theta_sliding=1e4,
+        rope_freq_factors=(8.0,) * 128,
+        sliding_window=1024,
+        sliding_layers=tuple(i % 6 < 5 for i in range(layers)),
+    )
 
 
 # Random weights in real models' shapes, so speed figures need no download. 4-bit formats as their usual files.
 SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
-    "llama3-8b": (_llama("Llama-3-8B shapes", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
-                  QuantFormat(4, 128, False, 4)),
-    "llama2-7b": (_llama("Llama-2-7B shapes", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
-                  QuantFormat(4, 128, False, 4)),
-    "smollm2-135m": (_llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
-                     QuantFormat(4, 32, True, 8)),  # the default model's Q4_1 with a Q8_0 embedding
+    "llama3-8b": (
+        _llama("Llama-3-8B shapes", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+        QuantFormat(4, 128, False, 4),
+    ),
+    "llama2-7b": (
+        _llama("Llama-2-7B shapes", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+        QuantFormat(4, 128, False, 4),
+    ),
+    "smollm2-135m": (
+        _llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
+        QuantFormat(4, 32, True, 8),
+    ),  # the default model's Q4_1 with a Q8_0 embedding
     "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
-    "qwen2.5-7b": (replace(_llama("Qwen2.5-7B shapes", 28, 3584, 18944, 28, 4, 152064, 32768, 1e6), arch="qwen2",
-                           qkv_bias=True), QuantFormat(4, 128, False, 4)),
+    "qwen2.5-7b": (
+        replace(_llama("Qwen2.5-7B shapes", 28, 3584, 18944, 28, 4, 152064, 32768, 1e6), arch="qwen2", qkv_bias=True),
+        QuantFormat(4, 128, False, 4),
+    ),
     "gemma3-4b": (_gemma3("Gemma-3-4B shapes", 34, 2560, 10240, 8, 4), QuantFormat(4, 128, False, 4)),
     "gemma3-12b": (_gemma3("Gemma-3-12B shapes", 48, 3840, 15360, 16, 8), QuantFormat(4, 128, False, 4)),
 }
@@ -72,8 +101,10 @@ def parse_synthetic(spec: str) -> tuple[str, bool]:
     """'synthetic:NAME' (4-bit) or 'synthetic:NAME:fp16' -> (NAME, quantized)."""
     name, _, fmt = spec.removeprefix(SYNTHETIC_PREFIX).partition(":")
     if name not in SYNTHETIC or fmt not in ("", "q4", "4bit", "fp16"):
-        raise LlamatermError(f"unknown model {spec!r}: synthetic models are "
-                             f"{', '.join(SYNTHETIC_PREFIX + n for n in SYNTHETIC)}, with :fp16 or :q4 (the default)")
+        raise LlamatermError(
+            f"unknown model {spec!r}: synthetic models are "
+            f"{', '.join(SYNTHETIC_PREFIX + n for n in SYNTHETIC)}, with :fp16 or :q4 (the default)"
+        )
     return name, fmt != "fp16"
 
 
@@ -160,8 +191,9 @@ def weight_bytes(model: Model) -> int:
         parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
     size = lambda t: 0 if t is None else t.numel() * t.element_size()
     cpu = model.device.type == "cpu"
-    quant = lambda w: sum(map(size, w._dense.values())) if cpu and w._dense else size(w.packed) + size(
-        w.scales) + size(w.offsets)
+    quant = lambda w: (
+        sum(map(size, w._dense.values())) if cpu and w._dense else size(w.packed) + size(w.scales) + size(w.offsets)
+    )
     return sum(quant(w) if isinstance(w, QuantWeight) else size(w) for w in parts)
 
 
@@ -199,8 +231,9 @@ class SessionLog:
     finished: list[float]  # when each finished session's last token arrived
 
 
-def drive(engine: Engine, n: int, start: Callable[[], RequestHandle], replace: bool, seconds: float | None
-          ) -> SessionLog:
+def drive(
+    engine: Engine, n: int, start: Callable[[], RequestHandle], replace: bool, seconds: float | None
+) -> SessionLog:
     """Keep n sessions open; each finished one is replaced at once when `replace` (a closed loop), else the run
     ends when all have finished. After `seconds`, open sessions are cancelled. Polls every 2 ms from this thread:
     one reader for any n, so the reader's cost does not grow with the sessions."""
@@ -244,8 +277,9 @@ def static_rate(engine: Engine, n: int, prompt_len: int, tokens: int, prompts: P
     return rate(log.token_times, max(log.first_token), min(log.finished))
 
 
-def closed_loop_rate(engine: Engine, n: int, prompt_lens: tuple[int, int], warmup_s: float, window_s: float,
-                     prompts: Prompts) -> tuple[float, float]:
+def closed_loop_rate(
+    engine: Engine, n: int, prompt_lens: tuple[int, int], warmup_s: float, window_s: float, prompts: Prompts
+) -> tuple[float, float]:
     """anchors.md's dynamic sessions: n always open, each ending after a random 64-448 tokens and replaced at once
     by a new session with a new prompt (of prompt_lens[0] to prompt_lens[1] tokens). Returns decode tok/s over
     `window_s` after `warmup_s`, and the longest engine step in that time."""
@@ -291,8 +325,9 @@ def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Pro
     steps = max(1, engine.num_steps - steps)
     events = prof.events()
     launches = sum(e.name in LAUNCH_CALLS for e in events)
-    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-                  for e in events)
+    kernels = sum(
+        e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")) for e in events
+    )
     return {"steps": steps, "launches_per_step": launches / steps, "kernels_per_step": kernels / steps}
 
 
@@ -340,11 +375,20 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
         hf = transformers.AutoModelForCausalLM.from_pretrained(bench.path, dtype=dtype)
     else:
         c = engine.model.config
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-            head_dim=c.head_dim, max_position_embeddings=c.context_length, rope_theta=c.rope_theta,
-            tie_word_embeddings=c.tie_word_embeddings)).to(dtype)
+        hf = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size,
+                intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.n_layers,
+                num_attention_heads=c.n_heads,
+                num_key_value_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                max_position_embeddings=c.context_length,
+                rope_theta=c.rope_theta,
+                tie_word_embeddings=c.tie_word_embeddings,
+            )
+        ).to(dtype)
     hf = hf.to(dev).eval()
     sync(dev)
     runs = GreedyRuns(time.perf_counter() - t, [], [], [])
@@ -384,11 +428,22 @@ def grid_cell(engine: Engine, batch: int, prompt_len: int, out_len: int, prompts
     c = engine.model.config
     blocks, head = linear_params(engine.model)
     total = prompt_len + out_len  # token p attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add
-    flops = batch * (2 * blocks * total + 2 * head * out_len
-                     + 4 * c.n_layers * c.n_heads * c.head_dim * total * (total + 1) // 2)
-    peak = (torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)) if dev.type == "cuda" \
+    flops = batch * (
+        2 * blocks * total + 2 * head * out_len + 4 * c.n_layers * c.n_heads * c.head_dim * total * (total + 1) // 2
+    )
+    peak = (
+        (torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev))
+        if dev.type == "cuda"
         else (None, None)
-    return {"batch": batch, "input": prompt_len, "output": out_len, "seconds": elapsed,
-            "ms_per_token": elapsed / out_len * 1e3, "tok_s": batch * out_len / elapsed,
-            "tflop_s": flops / elapsed / 1e12, "peak_allocated_gb": peak[0] and peak[0] / 1e9,
-            "peak_reserved_gb": peak[1] and peak[1] / 1e9}
+    )
+    return {
+        "batch": batch,
+        "input": prompt_len,
+        "output": out_len,
+        "seconds": elapsed,
+        "ms_per_token": elapsed / out_len * 1e3,
+        "tok_s": batch * out_len / elapsed,
+        "tflop_s": flops / elapsed / 1e12,
+        "peak_allocated_gb": peak[0] and peak[0] / 1e9,
+        "peak_reserved_gb": peak[1] and peak[1] / 1e9,
+    }

@@ -44,7 +44,7 @@ class ThinkingSplitter:
         if self.state == "start":
             body = self.held.lstrip()
             if body.startswith(OPEN):
-                self.state, self.thinks, self.held = "thinking", True, body[len(OPEN):]
+                self.state, self.thinks, self.held = "thinking", True, body[len(OPEN) :]
             elif not body or OPEN.startswith(body):
                 return "", ""  # whitespace, or the tag's first characters: not known yet
             else:
@@ -52,7 +52,7 @@ class ThinkingSplitter:
         if self.state == "thinking":
             end = self.held.find(CLOSE)
             if end >= 0:
-                thinking, self.held = self._give(self.held[:end]), self.held[end + len(CLOSE):]
+                thinking, self.held = self._give(self.held[:end]), self.held[end + len(CLOSE) :]
                 self.state, self.started = "answer", False
             else:
                 cut = len(self.held) - _partial_tag(self.held, CLOSE)

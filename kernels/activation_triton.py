@@ -32,5 +32,6 @@ def act_and_mul_triton(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     y = torch.empty(x.shape[0], n_cols, dtype=gate_up.dtype, device=gate_up.device)
     if x.shape[0] > 0:
         _act_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, BLOCK))](
-            x, y, n_cols, x.stride(0), y.stride(0), GELU=activation == "gelu_tanh", BLOCK=BLOCK, num_warps=4)
+            x, y, n_cols, x.stride(0), y.stride(0), GELU=activation == "gelu_tanh", BLOCK=BLOCK, num_warps=4
+        )
     return y.view(*gate_up.shape[:-1], n_cols)

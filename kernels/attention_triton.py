@@ -29,11 +29,36 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr,
-    part_o_ptr, part_lse_ptr, qk_scale, window, num_seqs, num_tokens,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale,
+    window,
+    num_seqs,
+    num_tokens,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
     DT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -68,8 +93,11 @@ def _paged_attention_kernel(
         pos = ctx - n_q + qi  # query qi sits at position pos and sees keys 0..pos (SLIDING: pos - window + 1..pos)
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
 
         kv_end = ctx - n_q + tl.minimum(i0 + BLOCK_Q, n_q)  # one past the last key any row of the block sees
         kv_start = 0  # the first key any row sees: its first row's window start
@@ -88,8 +116,7 @@ def _paged_attention_kernel(
             t_mask = t < kv_hi
             page = tl.load(table + t // PAGE, mask=t_mask, other=0).to(tl.int64)
             kv_off = page * stride_cb + (t % PAGE) * stride_cs + kv_head * stride_ch
-            k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None],
-                        other=0.0)
+            k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None], other=0.0)
             s = tl.dot(q.to(DT), k.to(DT)) * qk_scale  # log2 domain
             visible = t_mask[None, :] & (t[None, :] <= pos[:, None])
             if SLIDING:
@@ -100,8 +127,7 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :],
-                        other=0.0)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DT), v.to(DT))
             m_i = m_new
 
@@ -112,18 +138,34 @@ def _paged_attention_kernel(
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             row = (split * num_tokens + tok).to(tl.int64) * (tl.num_programs(1) * GROUP) + head
             tl.store(part_lse_ptr + row, lse, mask=row_mask)
-            tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-                     mask=row_mask[:, None] & d_mask[None, :])
+            tl.store(
+                part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                acc / l_safe[:, None],
+                mask=row_mask[:, None] & d_mask[None, :],
+            )
         else:
             o = acc / l_i[:, None]
-            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+            tl.store(
+                out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & d_mask[None, :],
+            )
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, n_heads, num_splits,
-                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+def _merge_splits_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_tokens,
+    n_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -131,8 +173,11 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, n_heads,
     row = (s * num_tokens + t).to(tl.int64) * n_heads + h
     lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # some split holds the query's own key, so the max is finite
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.load(
+        part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     o = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -146,8 +191,9 @@ class AttentionConfig:
     splits: int  # programs sharing one query block's KV range (flash-decoding)
 
 
-def pick_config(num_tokens: int, num_seqs: int, n_kv: int, group: int, head_dim: int, max_context: int,
-                sms: int) -> AttentionConfig:
+def pick_config(
+    num_tokens: int, num_seqs: int, n_kv: int, group: int, head_dim: int, max_context: int, sms: int
+) -> AttentionConfig:
     """Tiles from sweeps on an H200 (BENCHMARKS.md). Decode: with fewer programs than SMs, split the KV range so
     that about two programs run per SM, each over at least 256 keys (more splits add merge work; fewer leave
     bandwidth unused); below two programs per SM, 128-key steps (above, 64: more programs fit in shared memory)."""
@@ -160,8 +206,17 @@ def pick_config(num_tokens: int, num_seqs: int, n_kv: int, group: int, head_dim:
     return AttentionConfig(max(1, 64 // group), 64, 4, 3, 1)
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                           window: int | None = None, config: AttentionConfig | None = None):
+def paged_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    scale,
+    window: int | None = None,
+    config: AttentionConfig | None = None,
+):
     num_tokens, n_heads, head_dim = q.shape
     num_seqs = context_lens.numel()
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -183,19 +238,53 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         part_o = part_lse = out
 
     _paged_attention_kernel[(n_blocks, n_kv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_o, part_lse,
-        scale * _LOG2E, window or 0, num_seqs, num_tokens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
-        BLOCK_Q=cfg.block_q, BLOCK_M=max(16, triton.next_power_of_2(cfg.block_q * group)), BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1, SLIDING=window is not None, DT=arith_dtype(q.dtype), num_warps=cfg.num_warps,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        out,
+        part_o,
+        part_lse,
+        scale * _LOG2E,
+        window or 0,
+        num_seqs,
+        num_tokens,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=page,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(cfg.block_q * group)),
+        BLOCK_N=cfg.block_n,
+        SPLIT=splits > 1,
+        SLIDING=window is not None,
+        DT=arith_dtype(q.dtype),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, n_heads)](
-            part_o, part_lse, out, num_tokens, n_heads, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
+            part_o,
+            part_lse,
+            out,
+            num_tokens,
+            n_heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_S=triton.next_power_of_2(splits),
             num_warps=4,
         )
     return out

@@ -56,8 +56,7 @@ def cpu_flags() -> set[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")),
-                set())
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 @cache
@@ -66,8 +65,10 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         print(f"llamaterm: {why}: using the slower torch kernels on the CPU", file=sys.stderr)
     elif threads() == 1:
-        print("llamaterm: this process may use only 1 CPU core: the CPU kernels run on one thread (slower)",
-              file=sys.stderr)
+        print(
+            "llamaterm: this process may use only 1 CPU core: the CPU kernels run on one thread (slower)",
+            file=sys.stderr,
+        )
     return lib
 
 
@@ -96,7 +97,7 @@ def build() -> tuple[ctypes.CDLL | None, str]:
                     return None, f"building the CPU kernels failed ({first})"
                 os.replace(out, target)
             for old in target.parent.glob("cpu_native-*.so"):  # builds of other versions (a process using one
-                if old != target:                                # keeps its mapping)
+                if old != target:  # keeps its mapping)
                     old.unlink(missing_ok=True)
         except OSError as e:
             return None, f"building the CPU kernels failed ({e})"
@@ -112,6 +113,9 @@ def build() -> tuple[ctypes.CDLL | None, str]:
 
 def platform_key() -> bytes:
     """-march=native code is only valid on this CPU model: a copied cache folder must not load elsewhere."""
-    model = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-                 "") if Path("/proc/cpuinfo").exists() else ""
+    model = (
+        next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
+        if Path("/proc/cpuinfo").exists()
+        else ""
+    )
     return (model + " ".join(sorted(cpu_flags()))).encode()

@@ -50,11 +50,33 @@ class Config:
 
 
 @triton.jit
-def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
-                    M, N, K, stride_xm, stride_ym, steps_per_split, split_k,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+def _qmatmul_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    steps_per_split,
+    split_k,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DT: tl.constexpr,
+    ASM: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -89,20 +111,51 @@ def _qmatmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, part_ptr, count_ptr,
             if EVEN_K:
                 x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
             else:
-                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
-                            other=0.0)
+                x = tl.load(
+                    x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0
+                )
             p = tl.dot(values[h], tl.trans(x.to(DT)))
             acc += p * scales[h][:, None]
             if HAS_OFFSET:
                 acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 
-    _store(tl.trans(acc), y_ptr, part_ptr, count_ptr, m, m_mask, rows, row_mask, M, N, stride_ym,
-           pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+    _store(
+        tl.trans(acc),
+        y_ptr,
+        part_ptr,
+        count_ptr,
+        m,
+        m_mask,
+        rows,
+        row_mask,
+        M,
+        N,
+        stride_ym,
+        pid_m * tl.num_programs(0) + pid_n,
+        pid_k,
+        split_k,
+        SPLIT,
+    )
 
 
 @triton.jit
-def _store(acc, y_ptr, part_ptr, count_ptr, m, m_mask, rows, row_mask, M, N, stride_ym, tile, pid_k, split_k,
-           SPLIT: tl.constexpr):
+def _store(
+    acc,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    m,
+    m_mask,
+    rows,
+    row_mask,
+    M,
+    N,
+    stride_ym,
+    tile,
+    pid_k,
+    split_k,
+    SPLIT: tl.constexpr,
+):
     """Writes acc [len(m), len(rows)] to y; with a split K, through the fp32 partials (see the docstring)."""
     y_ptrs = y_ptr + m[:, None] * stride_ym + rows[None, :]
     out_mask = m_mask[:, None] & row_mask[None, :]
@@ -178,11 +231,32 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     _qmatmul_kernel[grid](
-        x2, layout.values, layout.scales, layout.scales if layout.offsets is None else layout.offsets, y, part,
-        _tile_counters(x.device, grid[0] * grid[1]), m, n, k, x2.stride(0), y.stride(0), steps_per_split, split,
-        BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, SPLIT=split > 1, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
-        DT=arith_dtype(x.dtype), ASM=use_asm(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x2,
+        layout.values,
+        layout.scales,
+        layout.scales if layout.offsets is None else layout.offsets,
+        y,
+        part,
+        _tile_counters(x.device, grid[0] * grid[1]),
+        m,
+        n,
+        k,
+        x2.stride(0),
+        y.stride(0),
+        steps_per_split,
+        split,
+        BITS=w.bits,
+        GROUP=w.group_size,
+        HAS_OFFSET=w.offsets is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SPLIT=split > 1,
+        EVEN_N=n % cfg.block_n == 0,
+        EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
+        DT=arith_dtype(x.dtype),
+        ASM=use_asm(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
     )
     return y.view(*x.shape[:-1], n)

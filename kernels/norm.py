@@ -8,7 +8,10 @@ from llamaterm.kernels.ops_cpu import native_lib, rms_norm_cpu
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
     x_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (norm(x + residual) * weight, x + residual); with no residual, the second is x. With x_weight

@@ -17,9 +17,23 @@ def _normalize(x, w_ptr, c, mask, n_cols, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, y_ptr, sum_ptr, n_cols, eps,
-                     stride_x, stride_res, stride_y, stride_sum, HAS_RESIDUAL: tl.constexpr, X_NORM: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    xw_ptr,
+    y_ptr,
+    sum_ptr,
+    n_cols,
+    eps,
+    stride_x,
+    stride_res,
+    stride_y,
+    stride_sum,
+    HAS_RESIDUAL: tl.constexpr,
+    X_NORM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < n_cols
@@ -27,15 +41,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, y_ptr, sum_ptr, n_cols, eps,
     if X_NORM:
         x = _normalize(x, xw_ptr, c, mask, n_cols, eps).to(x.dtype)
     if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + c, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * stride_res + c, mask=mask, other=0.0).to(tl.float32)
         x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + c, x, mask=mask)
     y = _normalize(x, w_ptr, c, mask, n_cols, eps)
     tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                    x_weight: torch.Tensor | None = None):
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    x_weight: torch.Tensor | None = None,
+):
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
     if x2.stride(-1) != 1:
@@ -51,9 +70,21 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, weight if x_weight is None else x_weight, y, total if residual is not None else y,
-            n_cols, eps, x2.stride(0), res2.stride(0), y.stride(0), total.stride(0) if residual is not None else 0,
-            HAS_RESIDUAL=residual is not None, X_NORM=x_weight is not None, BLOCK=block,
+            x2,
+            res2,
+            weight,
+            weight if x_weight is None else x_weight,
+            y,
+            total if residual is not None else y,
+            n_cols,
+            eps,
+            x2.stride(0),
+            res2.stride(0),
+            y.stride(0),
+            total.stride(0) if residual is not None else 0,
+            HAS_RESIDUAL=residual is not None,
+            X_NORM=x_weight is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )
     return y.view(*x.shape[:-1], n_cols), total.view(x.shape)

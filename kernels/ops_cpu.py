@@ -55,8 +55,16 @@ def rms_norm_cpu(x, weight, eps, residual, lib):
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else x
     residual = None if residual is None else residual.contiguous()
-    lib.rms_norm(ptr(x), ptr(residual), ptr(weight.contiguous()), eps, x.numel() // x.shape[-1], x.shape[-1],
-                 ptr(out), ptr(total))
+    lib.rms_norm(
+        ptr(x),
+        ptr(residual),
+        ptr(weight.contiguous()),
+        eps,
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        ptr(out),
+        ptr(total),
+    )
     return out, total
 
 
@@ -65,8 +73,19 @@ def rope_cpu(q, k, positions, inv_freq, lib):
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     positions, inv_freq = positions.to(torch.int64).contiguous(), inv_freq.float().contiguous()
     inv_stride = inv_freq.shape[-1] if inv_freq.dim() == 2 else 0  # a row per token, or one for all
-    lib.rope(ptr(q), ptr(k), ptr(q_out), ptr(k_out), ptr(positions), ptr(inv_freq), inv_stride, q.shape[0],
-             q.shape[1], k.shape[1], q.shape[2])
+    lib.rope(
+        ptr(q),
+        ptr(k),
+        ptr(q_out),
+        ptr(k_out),
+        ptr(positions),
+        ptr(inv_freq),
+        inv_stride,
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+    )
     return q_out, k_out
 
 
@@ -83,15 +102,29 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib):
     """Into the caches in place, as kernels/attention.py's write_kv_ref (the caches must be contiguous)."""
     k, v = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous()
     row = k_cache.shape[2] * k_cache.shape[3]
-    lib.write_kv(ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), ptr(slot_mapping.to(torch.int64).contiguous()),
-                 k.shape[0], row)
+    lib.write_kv(
+        ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), ptr(slot_mapping.to(torch.int64).contiguous()), k.shape[0], row
+    )
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, lib):
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    lib.paged_attention(ptr(q), ptr(k_cache.contiguous()), ptr(v_cache.contiguous()), ptr(tables), tables.shape[1],
-                        ptr(context_lens.to(torch.int64).contiguous()),
-                        ptr(query_start_loc.to(torch.int64).contiguous()), context_lens.shape[0], q.shape[1],
-                        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, window or 0, ptr(out))
+    lib.paged_attention(
+        ptr(q),
+        ptr(k_cache.contiguous()),
+        ptr(v_cache.contiguous()),
+        ptr(tables),
+        tables.shape[1],
+        ptr(context_lens.to(torch.int64).contiguous()),
+        ptr(query_start_loc.to(torch.int64).contiguous()),
+        context_lens.shape[0],
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        scale,
+        window or 0,
+        ptr(out),
+    )
     return out

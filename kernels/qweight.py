@@ -87,20 +87,29 @@ class QuantWeight:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (embedding lookup) without dequantizing the whole matrix."""
         offsets = None if self.offsets is None else self.offsets[ids]
-        q = QuantWeight(self.packed[ids], self.scales[ids], offsets, self.bits, self.group_size,
-                        (ids.numel(), self.shape[1])).values()
+        q = QuantWeight(
+            self.packed[ids], self.scales[ids], offsets, self.bits, self.group_size, (ids.numel(), self.shape[1])
+        ).values()
         return dequantize_rows(q, self.scales[ids], offsets, self.bits, self.group_size).to(dtype)
 
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows `index`, in that order, still quantized (exact: each row is stored whole)."""
         offsets = None if self.offsets is None else self.offsets[index]
-        return QuantWeight(self.packed[index], self.scales[index], offsets, self.bits, self.group_size,
-                           (index.numel(), self.shape[1]), self.perm)
+        return QuantWeight(
+            self.packed[index],
+            self.scales[index],
+            offsets,
+            self.bits,
+            self.group_size,
+            (index.numel(), self.shape[1]),
+            self.perm,
+        )
 
     def to(self, device: torch.device | str) -> QuantWeight:
         mv = lambda t: None if t is None else t.to(device)
-        return QuantWeight(mv(self.packed), mv(self.scales), mv(self.offsets), self.bits, self.group_size,
-                           self.shape, mv(self.perm))
+        return QuantWeight(
+            mv(self.packed), mv(self.scales), mv(self.offsets), self.bits, self.group_size, self.shape, mv(self.perm)
+        )
 
     @staticmethod
     def cat(weights: list[QuantWeight]) -> QuantWeight:
@@ -115,8 +124,12 @@ class QuantWeight:
             raise ValueError("cannot concatenate quantized weights of different formats")
         offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
         return QuantWeight(
-            torch.cat([w.packed for w in weights]), torch.cat([w.scales for w in weights]), offsets,
-            first.bits, first.group_size, (sum(w.shape[0] for w in weights), first.shape[1]),
+            torch.cat([w.packed for w in weights]),
+            torch.cat([w.scales for w in weights]),
+            offsets,
+            first.bits,
+            first.group_size,
+            (sum(w.shape[0] for w in weights), first.shape[1]),
         )
 
 

@@ -55,8 +55,9 @@ def unpack_constraints(bits: int, pack: int) -> str:
 
 
 @triton.jit
-def centred_values(b, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr,
-                   PACK: tl.constexpr):
+def centred_values(
+    b, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr
+):
     """Bytes b (uint8) -> (q - centre) in DT, exact, as a pair: 4-bit, the values of the low and of the high
     nibbles; 8-bit, the values twice. The centre is 2**(BITS-1) for symmetric weights, 0 with offsets.
     ASM: the PTX path, PACK bytes per call. Inline asm is elementwise, so any PACK is correct in any register
@@ -67,22 +68,31 @@ def centred_values(b, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, DT: tl.const
     BF16: tl.constexpr = DT == tl.bfloat16
     if BITS == 4:
         if ASM:
-            lo, hi = tl.inline_asm_elementwise(unpack_asm(BITS, BF16, PACK), unpack_constraints(BITS, PACK), [b],
-                                               dtype=(tl.int16, tl.int16), is_pure=True, pack=PACK)
+            lo, hi = tl.inline_asm_elementwise(
+                unpack_asm(BITS, BF16, PACK),
+                unpack_constraints(BITS, PACK),
+                [b],
+                dtype=(tl.int16, tl.int16),
+                is_pure=True,
+                pack=PACK,
+            )
         elif BF16:
             lo, hi = (b & 0xF).to(tl.int16) | 0x4300, (b >> 4).to(tl.int16) | 0x4300
         else:
             lo, hi = (b & 0xF).to(tl.int16) | 0x6400, (b & 0xF0).to(tl.int16) | 0x6400
         if BF16:  # 128 + q: exact in bf16 for q < 128
-            return (lo.to(tl.bfloat16, bitcast=True) - (128.0 + CENTER),
-                    hi.to(tl.bfloat16, bitcast=True) - (128.0 + CENTER))
+            return (
+                lo.to(tl.bfloat16, bitcast=True) - (128.0 + CENTER),
+                hi.to(tl.bfloat16, bitcast=True) - (128.0 + CENTER),
+            )
         # 1024 + q (low nibble) and 1024 + 16 q (high nibble): exact in fp16
         lo = lo.to(tl.float16, bitcast=True) - (1024.0 + CENTER)
         hi = hi.to(tl.float16, bitcast=True) * 0.0625 - (64.0 + CENTER)  # one FMA
         return lo.to(DT), hi.to(DT)
     if ASM:  # 1024 + q: exact in fp16 for q < 1024; then to DT, exact for |q - centre| < 256
-        v = tl.inline_asm_elementwise(unpack_asm(BITS, BF16, PACK), unpack_constraints(BITS, PACK), [b],
-                                      dtype=tl.int16, is_pure=True, pack=PACK)
+        v = tl.inline_asm_elementwise(
+            unpack_asm(BITS, BF16, PACK), unpack_constraints(BITS, PACK), [b], dtype=tl.int16, is_pure=True, pack=PACK
+        )
     else:
         v = b.to(tl.int16) | 0x6400
     v = (v.to(tl.float16, bitcast=True) - (1024.0 + CENTER)).to(DT)
@@ -106,8 +116,12 @@ def _make_layout(w: QuantWeight) -> GpuLayout:
     n_pad = -(-n // ROW_PAD.value) * ROW_PAD.value
     q = torch.nn.functional.pad(w.values(), (0, steps * g * per_step - k, 0, n_pad - n)).view(n_pad, steps, per_step, g)
     b = q[:, :, 0] | (q[:, :, 1] << 4) if w.bits == 4 else q[:, :, 0]
-    pad = lambda t: (torch.nn.functional.pad(t, (0, steps * per_step - t.shape[1], 0, n_pad - n))
-                     .view(n_pad, steps, per_step).transpose(0, 1).contiguous())
+    pad = lambda t: (
+        torch.nn.functional.pad(t, (0, steps * per_step - t.shape[1], 0, n_pad - n))
+        .view(n_pad, steps, per_step)
+        .transpose(0, 1)
+        .contiguous()
+    )
     return GpuLayout(b.transpose(0, 1).contiguous(), pad(w.scales), None if w.offsets is None else pad(w.offsets))
 
 
@@ -139,9 +153,23 @@ def use_asm() -> bool:
 
 
 @triton.jit
-def _dequant_rows_kernel(w_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, n_rows, N, K,
-                         BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_IDS: tl.constexpr,
-                         BLOCK_R: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+def _dequant_rows_kernel(
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    ids_ptr,
+    out_ptr,
+    n_rows,
+    N,
+    K,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DT: tl.constexpr,
+    ASM: tl.constexpr,
+):
     GPS: tl.constexpr = 8 // BITS
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     s = tl.program_id(1)
@@ -161,8 +189,11 @@ def _dequant_rows_kernel(w_ptr, s_ptr, o_ptr, ids_ptr, out_ptr, n_rows, N, K,
         if HAS_OFFSET:
             w += offsets[h][:, None]
         k = (s * GPS + h) * GROUP + j
-        tl.store(out_ptr + r[:, None].to(tl.int64) * K + k[None, :], w.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (k < K)[None, :])
+        tl.store(
+            out_ptr + r[:, None].to(tl.int64) * K + k[None, :],
+            w.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & (k < K)[None, :],
+        )
 
 
 def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -176,9 +207,21 @@ def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torc
     block_r = max(1, 4096 // w.group_size)  # ~4k bytes per program
     grid = (triton.cdiv(n_rows, block_r), layout.values.shape[0])
     _dequant_rows_kernel[grid](
-        layout.values, layout.scales, layout.scales if layout.offsets is None else layout.offsets,
-        out if ids is None else ids.reshape(-1), out, n_rows, n, k,
-        BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, HAS_IDS=ids is not None,
-        BLOCK_R=block_r, DT=arith_dtype(dtype), ASM=use_asm(), num_warps=4,
+        layout.values,
+        layout.scales,
+        layout.scales if layout.offsets is None else layout.offsets,
+        out if ids is None else ids.reshape(-1),
+        out,
+        n_rows,
+        n,
+        k,
+        BITS=w.bits,
+        GROUP=w.group_size,
+        HAS_OFFSET=w.offsets is not None,
+        HAS_IDS=ids is not None,
+        BLOCK_R=block_r,
+        DT=arith_dtype(dtype),
+        ASM=use_asm(),
+        num_warps=4,
     )
     return out

@@ -13,8 +13,7 @@ from llamaterm.kernels.norm import rms_norm
 from llamaterm.kernels.ops_cpu import native_lib, rope_cpu
 
 
-def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, qk_norm=None, eps=0.0
-                  ) -> torch.Tensor:
+def rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, qk_norm=None, eps=0.0) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hk, D], positions [T], inv_freq [D/2] or [T, D/2]: returns the rotated q, and writes
     the rotated k and v to the cache at slot_mapping (kernels/attention.py's write_kv). qk_norm: the weights
     (q's, k's) of an RMSNorm per head, applied first (Qwen3, Gemma 3). On CUDA one kernel does all of it."""

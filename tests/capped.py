@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 MEMORY_BUDGET = 2 << 30  # torch's tensors, the loaders and a tiny model need well under a gigabyte of it
-PRELUDE = (f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-           "from capped import cap_memory\ncap_memory()\n")
+PRELUDE = (
+    f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nfrom capped import cap_memory\ncap_memory()\n"
+)
 
 
 def cap_memory() -> None:
@@ -24,17 +25,25 @@ def cap_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mapped + MEMORY_BUDGET, resource.RLIM_INFINITY))
 
 
-def run_capped(code: str, *args: str, timeout: float = 120, stdin: str | bytes | None = None,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+def run_capped(
+    code: str, *args: str, timeout: float = 120, stdin: str | bytes | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -c code args...` under the cap; output captured as text, or as bytes when stdin is bytes."""
-    return subprocess.run([sys.executable, "-c", PRELUDE + code, *args], input=stdin, capture_output=True,
-                          text=not isinstance(stdin, bytes), timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", PRELUDE + code, *args],
+        input=stdin,
+        capture_output=True,
+        text=not isinstance(stdin, bytes),
+        timeout=timeout,
+        env=env,
+    )
 
 
 def llamaterm_capped(*args: str, **kwargs) -> subprocess.CompletedProcess:
     """The `llamaterm` command line (its console script's entry point), under the cap."""
-    return run_capped("import sys; from llamaterm.app.__main__ import main; sys.argv[0] = 'llamaterm'; main()",
-                      *args, **kwargs)
+    return run_capped(
+        "import sys; from llamaterm.app.__main__ import main; sys.argv[0] = 'llamaterm'; main()", *args, **kwargs
+    )
 
 
 def one_line_error(stderr: str) -> bool:

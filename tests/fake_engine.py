@@ -61,8 +61,16 @@ class FakeHandle(EventStream):
 
 
 class FakeEngine:
-    def __init__(self, reply: str | Callable[[list[dict]], str] = REPLY, *, tokens_per_s: float = 200.0,
-                 hold: bool = False, model_name: str = "fake-llama", device: str = "cpu", max_context: int = 2048):
+    def __init__(
+        self,
+        reply: str | Callable[[list[dict]], str] = REPLY,
+        *,
+        tokens_per_s: float = 200.0,
+        hold: bool = False,
+        model_name: str = "fake-llama",
+        device: str = "cpu",
+        max_context: int = 2048,
+    ):
         """reply: the text of every reply, or a function of the request's messages that gives it.
         hold: after the reply, keep the request running (as if still generating) until it is cancelled."""
         self.reply = reply if callable(reply) else lambda messages: reply
@@ -79,8 +87,14 @@ class FakeEngine:
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, messages: list[dict] | str, params: SamplingParams | None = None, *,
-               raw: bool = False, enable_thinking: bool | None = None) -> FakeHandle:
+    def submit(
+        self,
+        messages: list[dict] | str,
+        params: SamplingParams | None = None,
+        *,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> FakeHandle:
         params = params or SamplingParams()
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]

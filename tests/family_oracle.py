@@ -21,13 +21,21 @@ import torch
 CONVERTER = Path(__file__).resolve().parent.parent / ".venv" / "oracle" / "llama.cpp"
 
 # Text for a small byte-level BPE vocabulary: enough to merge common pieces, any text still encodes (bytes).
-CORPUS = ["The capital of France is Paris. What is the capital of Italy? Rome!",
-          "def main():\n    print('hello, world')  # 12345 67890",
-          "Sliding windows, rotary embeddings and a paged KV cache: 我想在 apple 工作 😁"] * 4
+CORPUS = [
+    "The capital of France is Paris. What is the capital of Italy? Rome!",
+    "def main():\n    print('hello, world')  # 12345 67890",
+    "Sliding windows, rotary embeddings and a paged KV cache: 我想在 apple 工作 😁",
+] * 4
 
 
-def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_split: str | None = None,
-                   tokenizer_class: str = "PreTrainedTokenizerFast", fill: bool = False) -> None:
+def byte_level_bpe(
+    model_dir: Path,
+    vocab_size: int,
+    specials: list[str],
+    pre_split: str | None = None,
+    tokenizer_class: str = "PreTrainedTokenizerFast",
+    fill: bool = False,
+) -> None:
     """A byte-level BPE tokenizer of `vocab_size` tokens (the special ones last) trained on CORPUS, written as
     tokenizer.json + tokenizer_config.json, the way Qwen2 / Llama-3 / Phi-4 ship theirs. `pre_split`: the family's
     pre-tokenizer regex (else GPT-2's). `fill`: <unusedN> tokens fill the vocabulary, as in Gemma's (llama.cpp's
@@ -36,20 +44,32 @@ def byte_level_bpe(model_dir: Path, vocab_size: int, specials: list[str], pre_sp
 
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre_split is None)
-    tok.pre_tokenizer = (byte_level if pre_split is None else
-                         pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pre_split), "isolated"), byte_level]))
+    tok.pre_tokenizer = (
+        byte_level
+        if pre_split is None
+        else pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pre_split), "isolated"), byte_level])
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials), show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     # CORPUS has fewer merges than asked for
     unused = [f"<unused{i}>" for i in range(vocab_size - len(specials) - tok.get_vocab_size())] if fill else []
     tok.add_special_tokens(unused + specials)
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": tokenizer_class, "eos_token": specials[-1], "bos_token": None,
-        "add_bos_token": False, "model_max_length": 4096}))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": tokenizer_class,
+                "eos_token": specials[-1],
+                "bos_token": None,
+                "add_bos_token": False,
+                "model_max_length": 4096,
+            }
+        )
+    )
 
 
 def sentencepiece_bpe(model_dir: Path, vocab_size: int) -> None:
@@ -64,16 +84,43 @@ def sentencepiece_bpe(model_dir: Path, vocab_size: int) -> None:
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, split_digits=True, add_dummy_prefix=False, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", allow_whitespace_only_pieces=True, character_coverage=1.0,
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
-        unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        allow_whitespace_only_pieces=True,
+        character_coverage=1.0,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        minloglevel=2,
+    )
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "tokenizer.model").write_bytes(model.getvalue())
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GemmaTokenizer",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+            }
+        )
+    )
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(model_dir)
     # Gemma's own files mark the turn markers special (GemmaConverter.special_tokens): so do these
     markers = ("<start_of_turn>", "<end_of_turn>")
@@ -117,8 +164,14 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
     return out
 
 
-def convert_to_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None,
-                    sliding_window: bool = False, vocab_only: bool = False) -> Path:
+def convert_to_gguf(
+    model_dir: Path,
+    out: Path,
+    outtype: str = "f32",
+    pre: str | None = None,
+    sliding_window: bool = False,
+    vocab_only: bool = False,
+) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on model_dir (in a subprocess: the converter brings its own gguf-py)."""
     if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
         raise FileNotFoundError(f"{CONVERTER} is missing: `make test` fetches llama.cpp's converter (see Makefile)")
@@ -160,7 +213,7 @@ def _run_converter(argv: list[str]) -> None:
     pre = None
     if "--pre" in argv:
         at = argv.index("--pre")
-        pre, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+        pre, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     sliding_window = "--sliding-window" in argv
     argv = [a for a in argv if a != "--sliding-window"]
     sys.path[:0] = [str(CONVERTER), str(CONVERTER / "gguf-py")]

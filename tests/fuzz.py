@@ -38,12 +38,47 @@ CASE_TIMEOUT_S = 30
 WORKER = Path(__file__).with_name("fuzz_worker.py")
 
 # GGUF value types by size, for swaps that keep the layout: the value is read, and then checked by meaning
-SCALAR_SIZES = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4, V.FLOAT32: 4,
-                V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}
+SCALAR_SIZES = {
+    V.UINT8: 1,
+    V.INT8: 1,
+    V.BOOL: 1,
+    V.UINT16: 2,
+    V.INT16: 2,
+    V.UINT32: 4,
+    V.INT32: 4,
+    V.FLOAT32: 4,
+    V.UINT64: 8,
+    V.INT64: 8,
+    V.FLOAT64: 8,
+}
 SAME_SIZE = {t: [u for u, n in SCALAR_SIZES.items() if n == size and u != t] for t, size in SCALAR_SIZES.items()}
 EXTREME_INTS = [0, 1, 2, 3, 255, 2**15, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53, 2**63 - 1, 2**63, 2**64 - 1]
-HOSTILE_JSON = [None, True, False, 0, -1, 1.5, 1e8, 1e308, -1e308, 10**12, 2**63, 2**64 + 1, "", "abc", "../x",
-                "/etc/passwd", "\u0000", [], [1, 2], ["a"], {}, {"a": 1}, [[[[]]]], "x" * 10_000]
+HOSTILE_JSON = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    1e8,
+    1e308,
+    -1e308,
+    10**12,
+    2**63,
+    2**64 + 1,
+    "",
+    "abc",
+    "../x",
+    "/etc/passwd",
+    "\u0000",
+    [],
+    [1, 2],
+    ["a"],
+    {},
+    {"a": 1},
+    [[[[]]]],
+    "x" * 10_000,
+]
 
 
 # --- seeds ---------------------------------------------------------------------------------------------------
@@ -76,8 +111,11 @@ def small_vocab_metadata() -> dict:
         "tokenizer.ggml.merges": (["Ġ t"], V.ARRAY),
         "tokenizer.ggml.bos_token_id": (n - 2, V.UINT32),
         "tokenizer.ggml.eos_token_id": (n - 1, V.UINT32),
-        "tokenizer.chat_template": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                                    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n", V.STRING),
+        "tokenizer.chat_template": (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+            "<|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+            V.STRING,
+        ),
         "llama.vocab_size": (n, V.UINT32),
     }
 
@@ -91,9 +129,14 @@ class Seeds:
 
 def make_seeds(directory: Path) -> Seeds:
     default = write_tiny_llama(directory / "default-vocab.gguf", n_layers=1, qtype="Q8_0")
-    small = write_tiny_llama(directory / "small-vocab.gguf", n_layers=1, qtype="Q8_0", vocab_from=None,
-                             vocab_size=len(small_vocab_metadata()["tokenizer.ggml.tokens"][0]),
-                             metadata=small_vocab_metadata())
+    small = write_tiny_llama(
+        directory / "small-vocab.gguf",
+        n_layers=1,
+        qtype="Q8_0",
+        vocab_from=None,
+        vocab_size=len(small_vocab_metadata()["tokenizer.ggml.tokens"][0]),
+        metadata=small_vocab_metadata(),
+    )
     folder = directory / "hf"
     folder.mkdir()
     write_dense(folder)
@@ -144,7 +187,7 @@ def gguf_fields(data: bytes) -> tuple[list[Field], list[TensorInfo], int]:
 
     def string(at: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", data, at)
-        return data[at + 8:at + 8 + n].decode(), at + 8 + n
+        return data[at + 8 : at + 8 + n].decode(), at + 8 + n
 
     def skip(vtype: int, at: int) -> int:
         if vtype in SCALAR_SIZES:
@@ -184,17 +227,30 @@ def mutate_gguf(data: bytes, rng: random.Random) -> bytes:
     u64 = lambda at, v: struct.pack_into("<Q", out, at, v % 2**64)
     f = rng.choice(fields)
     t = rng.choice(tensors)
-    kind = rng.choice(["swap type", "extreme value", "count", "item type", "any type", "tensor dim", "tensor type",
-                       "tensor offset", "header counts", "flip bytes", "cut short"])
+    kind = rng.choice(
+        [
+            "swap type",
+            "extreme value",
+            "count",
+            "item type",
+            "any type",
+            "tensor dim",
+            "tensor type",
+            "tensor offset",
+            "header counts",
+            "flip bytes",
+            "cut short",
+        ]
+    )
     if kind == "swap type" and f.type in SAME_SIZE:
         u32(f.type_at, rng.choice(SAME_SIZE[f.type]))
     elif kind == "extreme value" and f.type in SCALAR_SIZES:
         size = SCALAR_SIZES[f.type]
         value = rng.choice(EXTREME_INTS) % 2 ** (8 * size)
-        out[f.value_at:f.value_at + size] = value.to_bytes(size, "little")
+        out[f.value_at : f.value_at + size] = value.to_bytes(size, "little")
         if f.type in (V.FLOAT32, V.FLOAT64) and rng.random() < 0.5:
             special = rng.choice([math.nan, math.inf, -math.inf, 0.0, -1.0, 1e-45, 3e38])
-            out[f.value_at:f.value_at + size] = struct.pack("<f" if size == 4 else "<d", special)
+            out[f.value_at : f.value_at + size] = struct.pack("<f" if size == 4 else "<d", special)
     elif kind == "count" and f.count_at is not None:
         (n,) = struct.unpack_from("<Q", data, f.count_at)
         u64(f.count_at, rng.choice([0, 1, n - 1, n + 1, 2 * n, *EXTREME_INTS]))
@@ -215,23 +271,48 @@ def mutate_gguf(data: bytes, rng: random.Random) -> bytes:
         for _ in range(rng.randint(1, 8)):
             out[rng.randrange(end)] ^= 1 << rng.randrange(8)
     else:  # cut short
-        del out[rng.randrange(len(out)):]
+        del out[rng.randrange(len(out)) :]
     return bytes(out)
 
 
 def rewrite_gguf_key(path: Path, rng: random.Random) -> Path | None:
     """A small-vocabulary GGUF written afresh with one key holding a value of another type (GGUFWriter)."""
     metadata = small_vocab_metadata()
-    key = rng.choice([*metadata, "general.architecture", "llama.block_count", "llama.embedding_length",
-                      "llama.attention.head_count", "llama.attention.head_count_kv", "llama.context_length",
-                      "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon", "llama.rope.scaling.type",
-                      "llama.rope.scaling.factor", "split.count", "general.alignment"])
-    metadata[key] = rng.choice([
-        ("abc", V.STRING), (-1, V.INT32), (0, V.UINT32), (2**40, V.UINT64), (1e30, V.FLOAT32), (True, V.BOOL),
-        ([1, 2, 3], V.ARRAY), (["a", "b"], V.ARRAY), ([1.5], V.ARRAY), (3, V.UINT32), (7, V.UINT8),
-        ("{{ 7**(7**9) }}", V.STRING), ("{% for i in range(99999) %}{{ i }}{% endfor %}", V.STRING),
-        None,
-    ])
+    key = rng.choice(
+        [
+            *metadata,
+            "general.architecture",
+            "llama.block_count",
+            "llama.embedding_length",
+            "llama.attention.head_count",
+            "llama.attention.head_count_kv",
+            "llama.context_length",
+            "llama.rope.freq_base",
+            "llama.attention.layer_norm_rms_epsilon",
+            "llama.rope.scaling.type",
+            "llama.rope.scaling.factor",
+            "split.count",
+            "general.alignment",
+        ]
+    )
+    metadata[key] = rng.choice(
+        [
+            ("abc", V.STRING),
+            (-1, V.INT32),
+            (0, V.UINT32),
+            (2**40, V.UINT64),
+            (1e30, V.FLOAT32),
+            (True, V.BOOL),
+            ([1, 2, 3], V.ARRAY),
+            (["a", "b"], V.ARRAY),
+            ([1.5], V.ARRAY),
+            (3, V.UINT32),
+            (7, V.UINT8),
+            ("{{ 7**(7**9) }}", V.STRING),
+            ("{% for i in range(99999) %}{{ i }}{% endfor %}", V.STRING),
+            None,
+        ]
+    )
     try:
         return write_tiny_llama(path, n_layers=1, qtype="Q8_0", vocab_from=None, vocab_size=259, metadata=metadata)
     except Exception:  # GGUFWriter refused the value itself: not a case
@@ -249,12 +330,24 @@ def mutate_json(value, rng: random.Random):
         if action < 0.15:
             return {k: v for k, v in value.items() if k != key}
         if action < 0.25:
-            return {**value, rng.choice(["head_dim", "rope_scaling", "num_key_value_heads", "quantization_config",
-                                         "sliding_window", "added_tokens", "__metadata__"]): rng.choice(HOSTILE_JSON)}
+            return {
+                **value,
+                rng.choice(
+                    [
+                        "head_dim",
+                        "rope_scaling",
+                        "num_key_value_heads",
+                        "quantization_config",
+                        "sliding_window",
+                        "added_tokens",
+                        "__metadata__",
+                    ]
+                ): rng.choice(HOSTILE_JSON),
+            }
         return {**value, key: mutate_json(value[key], rng)}
     if isinstance(value, list) and value and rng.random() < 0.75:
         i = rng.randrange(len(value))
-        return [*value[:i], mutate_json(value[i], rng), *value[i + 1:]]
+        return [*value[:i], mutate_json(value[i], rng), *value[i + 1 :]]
     return rng.choice(HOSTILE_JSON + ([value * 2, -value, value + 1] if isinstance(value, int | float) else []))
 
 
@@ -268,21 +361,21 @@ def mutate_folder(seed: Path, folder: Path, rng: random.Random) -> None:
         path = folder / "model.safetensors"
         data = path.read_bytes()
         (n,) = struct.unpack_from("<Q", data)
-        header = json.dumps(mutate_json(json.loads(data[8:8 + n]), rng)).encode()
+        header = json.dumps(mutate_json(json.loads(data[8 : 8 + n]), rng)).encode()
         if rng.random() < 0.2:
             path.write_bytes(struct.pack("<Q", rng.choice(EXTREME_INTS)) + data[8:])
         else:
-            path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n:])
+            path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n :])
     elif target == "index":
         data = (folder / "model.safetensors").read_bytes()
-        names = [k for k in json.loads(data[8:8 + struct.unpack_from("<Q", data)[0]]) if k != "__metadata__"]
+        names = [k for k in json.loads(data[8 : 8 + struct.unpack_from("<Q", data)[0]]) if k != "__metadata__"]
         index = {"weight_map": dict.fromkeys(names, "model.safetensors")}
         (folder / "model.safetensors.index.json").write_text(json.dumps(mutate_json(index, rng)))
     else:
         path = folder / rng.choice(["config.json", "tokenizer.json", "model.safetensors"])
         data = bytearray(path.read_bytes())
         if rng.random() < 0.5:
-            del data[rng.randrange(len(data)):]
+            del data[rng.randrange(len(data)) :]
         else:
             for _ in range(rng.randint(1, 8)):
                 data[rng.randrange(len(data))] = rng.randrange(256)
@@ -300,8 +393,9 @@ def make_case(seeds: Seeds, directory: Path, number: int, seed: int) -> Path | N
     path = directory / f"case-{number}.gguf"
     if kind == "gguf rewritten key":
         return rewrite_gguf_key(path, rng)
-    path.write_bytes(mutate_gguf(seeds.gguf_small_vocab if kind == "gguf small vocab" else seeds.gguf_default_vocab,
-                                 rng))
+    path.write_bytes(
+        mutate_gguf(seeds.gguf_small_vocab if kind == "gguf small vocab" else seeds.gguf_default_vocab, rng)
+    )
     return path
 
 
@@ -315,8 +409,14 @@ class Worker:
         self.process = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).parents[1])
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=Path(__file__).parents[1],
+        )
         assert self.read(120) == {"outcome": "ready"}
 
     def read(self, timeout: float) -> dict | None:

@@ -25,11 +25,24 @@ def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16, 
 
 
 # (bits, k, group, offsets, perm) whose last group is short: SmolLM2's 576 in groups of 128 (4.5), and smaller
-SHORT_GROUPS = [(4, 576, 128, True, False), (4, 576, 128, False, True), (8, 80, 32, True, True),
-                (8, 576, 128, False, False), (4, 48, 32, False, False)]
+SHORT_GROUPS = [
+    (4, 576, 128, True, False),
+    (4, 576, 128, False, True),
+    (8, 80, 32, True, True),
+    (8, 576, 128, False, False),
+    (4, 48, 32, False, False),
+]
 # (bits, group, offsets, perm): every group size, both widths, offsets and act-order each on and off
-FORMATS = [(4, 32, False, False), (4, 64, True, True), (4, 128, False, True), (4, 128, True, False),
-           (8, 16, False, False), (8, 32, True, True), (4, 16, True, False), (8, 128, False, True)]
+FORMATS = [
+    (4, 32, False, False),
+    (4, 64, True, True),
+    (4, 128, False, True),
+    (4, 128, True, False),
+    (8, 16, False, False),
+    (8, 32, True, True),
+    (4, 16, True, False),
+    (8, 128, False, True),
+]
 
 
 def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3, device=DEVICE):
@@ -42,7 +55,7 @@ def random_paged_cache(ctxs, n_kv, head_dim, page, dtype, extra_blocks=3, device
     tables = torch.full((len(ctxs), max(blocks) + 2), 10**6, dtype=torch.int32, device=device)
     used = 0
     for b, (c, nb) in enumerate(zip(ctxs, blocks, strict=True)):
-        tables[b, :nb] = ids[used:used + nb]
+        tables[b, :nb] = ids[used : used + nb]
         used += nb
         slots = (tables[b, :nb, None].long() * page + torch.arange(page, device=device)).flatten()[:c]
         k_cache.view(-1, n_kv, head_dim)[slots] = torch.randn(c, n_kv, head_dim, device=device).to(dtype)

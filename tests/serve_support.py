@@ -29,8 +29,12 @@ def free_port() -> int:
 def llamaterm_serve(*args: str, timeout: float = 300) -> Iterator[str]:
     """`llamaterm serve ARGS` on a free loopback port until the block ends; yields its base URL (.../v1)."""
     port = free_port()
-    process = subprocess.Popen([LLAMATERM, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [LLAMATERM, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + timeout
         while not healthy(port):
@@ -49,8 +53,9 @@ def llamaterm_serve(*args: str, timeout: float = 300) -> Iterator[str]:
 def app_server(engine, api_key: str | None = None) -> Iterator[str]:
     """The server's ASGI app on `engine` (the test's), in a thread of this process; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, api_key), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -17,8 +17,19 @@ def test_every_engine_meets_the_engine_client_protocol(tmp_path):
         (package / room).symlink_to(ROOT / room)
     env = {**os.environ, "MYPYPATH": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--follow-imports=silent", "--explicit-package-bases", "--no-incremental",
-         "tests/typing/engine_clients.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--follow-imports=silent",
+            "--explicit-package-bases",
+            "--no-incremental",
+            "tests/typing/engine_clients.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr

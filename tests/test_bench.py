@@ -7,8 +7,25 @@ from tests.test_cli import llamaterm
 
 def test_bench_scaling_json_on_cpu():
     # 32 tokens: enough that the 2 ms poll sees the static window's span on a fast machine
-    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1,2", "--scaling",
-                    "--window", "0.3", "--warmup", "0.1", "--tokens", "32", "--prompt", "16", "--json")
+    out = llamaterm(
+        "bench",
+        "--model",
+        "synthetic:tiny",
+        "--device",
+        "cpu",
+        "--sessions",
+        "1,2",
+        "--scaling",
+        "--window",
+        "0.3",
+        "--warmup",
+        "0.1",
+        "--tokens",
+        "32",
+        "--prompt",
+        "16",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["model"].startswith("tiny test shapes") and r["device"] == "cpu"
@@ -30,8 +47,9 @@ def test_bench_scaling_json_on_cpu():
 
 
 def test_bench_table_and_bad_input():
-    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "32",
-                    "--prompt", "8")  # enough tokens that the 2 ms poll sees the decode span
+    out = llamaterm(
+        "bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "32", "--prompt", "8"
+    )  # enough tokens that the 2 ms poll sees the decode span
     assert out.returncode == 0, out.stderr
     assert "static tok/s" in out.stdout and "TTFT, 512-token prompt" in out.stdout
     bad = llamaterm("bench", "--model", "synthetic:nope", "--device", "cpu")
@@ -42,15 +60,28 @@ def test_bench_table_and_bad_input():
 
 def test_bench_beside_transformers_on_cpu():
     """make bench-cpu's table: three runs of each engine on the same prompts, medians, TTFT and load time."""
-    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "8",
-                    "--prompt", "8", "--peer", "hf")
+    out = llamaterm(
+        "bench",
+        "--model",
+        "synthetic:tiny",
+        "--device",
+        "cpu",
+        "--sessions",
+        "1",
+        "--tokens",
+        "8",
+        "--prompt",
+        "8",
+        "--peer",
+        "hf",
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     at = lines.index("one session, 8-token prompts, 8 new tokens, medians of 3 runs:")
     assert lines[at + 1].split() == ["tok/s", "TTFT", "ms", "load", "s", "runs", "(tok/s)"]
     for line, name in zip(lines[at + 2 : at + 4], ("llamaterm", "Hugging Face transformers"), strict=True):
         assert line.startswith(name)
-        figures = line[len(name):].split()
+        figures = line[len(name) :].split()
         assert len(figures) == 6 and float(figures[0].replace(",", "")) > 0  # median, TTFT, load, three runs
         assert sorted(map(float, figures[3:]))[1] == float(figures[0].replace(",", ""))
     assert lines[at + 4].startswith("speed-up ")  # random weights on each side: no token comparison

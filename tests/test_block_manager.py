@@ -76,7 +76,7 @@ def assert_window_is_held(bm: BlockManager, table: BlockTableEntry, token_ids: l
         block = bm.blocks[block_id]
         assert block.ref_count >= 1 and block_id not in bm.free
         if block.hash is not None:  # a published block holds exactly the sequence's tokens
-            assert block.token_ids == tuple(token_ids[p // bs * bs:(p // bs + 1) * bs])
+            assert block.token_ids == tuple(token_ids[p // bs * bs : (p // bs + 1) * bs])
 
 
 def run_sequence(bm: BlockManager, token_ids: list[int], table: BlockTableEntry, start: int, chunk: int):
@@ -130,7 +130,7 @@ def test_window_prefix_match_takes_only_the_blocks_its_window_reaches():
     cached = bm.match_prefix(second_turn, b)
     assert cached == 60  # every full block up to the new tokens, though most were freed during the first turn
     assert_window_is_held(bm, b, second_turn, cached)
-    assert len(held(b)) <= -(-window // bs) + 1 and b.block_ids[:b.num_freed] == [FREED] * b.num_freed
+    assert len(held(b)) <= -(-window // bs) + 1 and b.block_ids[: b.num_freed] == [FREED] * b.num_freed
     run_sequence(bm, second_turn, b, cached, chunk=16)  # continues from there
 
 
@@ -159,5 +159,5 @@ def hash_of(token_ids: list[int], n_blocks: int, bs: int) -> int:
     """The chain hash of the first n_blocks blocks, as the block manager keys them."""
     h = None
     for i in range(n_blocks):
-        h = chain_hash(h, tuple(token_ids[i * bs:(i + 1) * bs]))
+        h = chain_hash(h, tuple(token_ids[i * bs : (i + 1) * bs]))
     return h

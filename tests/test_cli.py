@@ -29,8 +29,11 @@ def test_help_is_instant_and_torch_free():
     out = llamaterm("--help")
     assert out.returncode == 0 and "run" in out.stdout
     assert time.perf_counter() - t < 5
-    probe = subprocess.run([sys.executable, "-c", "import sys, llamaterm.app.cli; print('torch' in sys.modules)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, llamaterm.app.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "False"
 
 
@@ -45,19 +48,29 @@ def test_run_json_from_stdin():
 
 def test_each_line_keeps_input_order(tiny):
     prompts = ["first prompt", "a second, longer prompt than the first", "third"]
-    out = llamaterm("run", "--model", str(tiny), "--raw", "--each-line", "--json", "--max-tokens", "3",
-                    stdin="\n".join(prompts) + "\n")
+    out = llamaterm(
+        "run",
+        "--model",
+        str(tiny),
+        "--raw",
+        "--each-line",
+        "--json",
+        "--max-tokens",
+        "3",
+        stdin="\n".join(prompts) + "\n",
+    )
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(rows) == 3
-    alone = [json.loads(llamaterm("run", "--model", str(tiny), "--raw", "--json", "--max-tokens", "3", p).stdout)
-             for p in prompts]
+    alone = [
+        json.loads(llamaterm("run", "--model", str(tiny), "--raw", "--json", "--max-tokens", "3", p).stdout)
+        for p in prompts
+    ]
     assert [r["token_ids"] for r in rows] == [a["token_ids"] for a in alone]
 
 
 def test_plain_chat_keeps_the_conversation():
-    out = llamaterm("chat", "--plain", "--max-tokens", "16",
-                    stdin="My name is Ada.\nWhat is my name?\n/exit\n")
+    out = llamaterm("chat", "--plain", "--max-tokens", "16", stdin="My name is Ada.\nWhat is my name?\n/exit\n")
     assert out.returncode == 0, out.stderr
     assert "Ada" in out.stdout
     assert out.stderr.count("tok/s") == 2  # a rate after each turn
@@ -87,24 +100,27 @@ def test_bad_input_gets_a_clear_error(args, code, words):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("args, stdin, words", [
-    (["run", "-"], b"caf\xe9 au lait", "stdin is not UTF-8 text (byte 0xe9 at offset 3)"),
-    (["run", "-"], bytes(range(256)), "stdin is not UTF-8 text (byte 0x80 at offset 128)"),
-    (["tokenize", "-"], b"\xff\xfe", "stdin is not UTF-8 text"),
-    (["run", "caf\udce9"], b"", "the prompt is not UTF-8 text (byte 0xe9 at offset 3)"),  # argv b"caf\xe9"
-    (["tokenize", "\udcff"], b"", "the prompt is not UTF-8 text (byte 0xff at offset 0)"),
-    (["run", "--system", "\udcff", "hi"], b"", "the text is not valid Unicode"),
-    (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
-    (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
-    (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
-    (["run", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),  # without --each-line: stdin was read
-    (["run", "--file", "{tmp}"], b"", "cannot read --file"),
-    (["run", "--file", "{tmp}/latin1.txt", "hi"], b"", "give a PROMPT or --file, not both"),
-    (["run", "--seed", str(2**70), "hi"], b"", "seed must be in [0, 2**64)"),
-    (["run", "--device", "bogus", "hi"], b"", "unknown device 'bogus'"),
-    (["run", "--device", "cuda", "hi"], b"", "no CUDA GPU"),  # run with no GPU visible, below
-    (["run", "--kv-tokens", str(10**12), "hi"], b"", "give a smaller --kv-tokens"),  # a 10 GB block list, before
-])
+@pytest.mark.parametrize(
+    "args, stdin, words",
+    [
+        (["run", "-"], b"caf\xe9 au lait", "stdin is not UTF-8 text (byte 0xe9 at offset 3)"),
+        (["run", "-"], bytes(range(256)), "stdin is not UTF-8 text (byte 0x80 at offset 128)"),
+        (["tokenize", "-"], b"\xff\xfe", "stdin is not UTF-8 text"),
+        (["run", "caf\udce9"], b"", "the prompt is not UTF-8 text (byte 0xe9 at offset 3)"),  # argv b"caf\xe9"
+        (["tokenize", "\udcff"], b"", "the prompt is not UTF-8 text (byte 0xff at offset 0)"),
+        (["run", "--system", "\udcff", "hi"], b"", "the text is not valid Unicode"),
+        (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
+        (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
+        (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
+        (["run", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),  # without --each-line: stdin was read
+        (["run", "--file", "{tmp}"], b"", "cannot read --file"),
+        (["run", "--file", "{tmp}/latin1.txt", "hi"], b"", "give a PROMPT or --file, not both"),
+        (["run", "--seed", str(2**70), "hi"], b"", "seed must be in [0, 2**64)"),
+        (["run", "--device", "bogus", "hi"], b"", "unknown device 'bogus'"),
+        (["run", "--device", "cuda", "hi"], b"", "no CUDA GPU"),  # run with no GPU visible, below
+        (["run", "--kv-tokens", str(10**12), "hi"], b"", "give a smaller --kv-tokens"),  # a 10 GB block list, before
+    ],
+)
 def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
     (tmp_path / "latin1.txt").write_bytes("d\xe9j\xe0 vu\n".encode("latin-1"))
     args = [a.format(tmp=tmp_path) for a in args]
@@ -116,8 +132,12 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
 
 def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
     """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat."""
-    out = subprocess.run([LLAMATERM, "chat", "--plain", "--max-tokens", "8"], capture_output=True, timeout=300,
-                         input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n")
+    out = subprocess.run(
+        [LLAMATERM, "chat", "--plain", "--max-tokens", "8"],
+        capture_output=True,
+        timeout=300,
+        input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n",
+    )
     stderr = out.stderr.decode()
     assert out.returncode == 0 and "Traceback" not in stderr, stderr
     assert "llamaterm: the text is not valid Unicode" in stderr
@@ -149,14 +169,17 @@ def test_file_alone_is_the_prompt(tmp_path):
     assert "Paris" in json.loads(out.stdout)["text"]
 
 
-@pytest.mark.parametrize("module, args", [
-    ("typer", ["run", "hi"]),  # the first tenth of a second: a KeyboardInterrupt traceback
-    # inside numpy's extension module, which turned it into an ImportError traceback (or, a moment later,
-    # swallowed it: the command ran on and exited 0)
-    ("numpy.dtypes", ["run", "--max-tokens", "1", "hi"]),
-    ("numpy.dtypes", ["tokenize", "hi"]),
-    ("numpy.dtypes", ["info", "default"]),
-])
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("typer", ["run", "hi"]),  # the first tenth of a second: a KeyboardInterrupt traceback
+        # inside numpy's extension module, which turned it into an ImportError traceback (or, a moment later,
+        # swallowed it: the command ran on and exited 0)
+        ("numpy.dtypes", ["run", "--max-tokens", "1", "hi"]),
+        ("numpy.dtypes", ["tokenize", "hi"]),
+        ("numpy.dtypes", ["info", "default"]),
+    ],
+)
 def test_ctrl_c_while_the_command_line_loads_exits_quietly(module, args):
     """SIGINT while `module` is being imported, in the first instant of a command: now exit 130 and nothing on
     stderr, as for a Ctrl-C at any later point."""
@@ -177,8 +200,10 @@ def test_ctrl_c_while_the_command_line_loads_exits_quietly(module, args):
 
 def test_a_vanishing_temperature_answers_like_greedy():
     """--temperature 1e-45 printed an empty reply (token 0) with exit 0; its limit is the greedy reply."""
-    runs = [llamaterm("run", "--json", "--max-tokens", "8", "--temperature", t, "--seed", "1", "What is 2+2?")
-            for t in ("1e-45", "0")]
+    runs = [
+        llamaterm("run", "--json", "--max-tokens", "8", "--temperature", t, "--seed", "1", "What is 2+2?")
+        for t in ("1e-45", "0")
+    ]
     tiny, greedy = (json.loads(r.stdout) for r in runs)
     assert tiny["token_ids"] == greedy["token_ids"] and tiny["text"].strip()
 

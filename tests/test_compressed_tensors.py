@@ -29,9 +29,18 @@ from tests.test_families import greedy
 from tests.test_fidelity import our_last_logits
 from tests.test_safetensors_loader import gguf_name, write_dense
 
-CONFIG = transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+CONFIG = transformers.LlamaConfig(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 PROMPT = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12, 45, 2, 9]
 
 
@@ -127,30 +136,60 @@ def test_info_counts_the_packed_weights(tmp_path):
 def ct_config(weights=None, **extra) -> dict:
     weights = weights or {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": group},
-            "ignore": ["lm_head"], **extra}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        **extra,
+    }
 
 
-W8A8 = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                              "dynamic": True}}
+W8A8 = {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+}
 
 
-@pytest.mark.parametrize("qc, words", [
-    (ct_config(format="float-quantized"), "format 'float-quantized'"),
-    (ct_config(format="naive-quantized"), "format 'naive-quantized'"),
-    (ct_config({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, format="pack-quantized"),
-     "float weights (e.g. FP8)"),
-    (ct_config(config_groups={"group_0": W8A8}), "activation quantization"),
-    (ct_config(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}), "sparsity (e.g. 2:4)"),
-    (ct_config(transform_config={"config_groups": {"r1": {}}}), "a weight transform"),
-    (ct_config({"num_bits": 2, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}),
-     "2-bit weights"),
-    (ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "tensor"}), "the 'tensor' strategy"),
-    (ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
-                "actorder": "group"}), "actorder: group"),
-    (ct_config(config_groups={}), "a config without config_groups"),
-])
+@pytest.mark.parametrize(
+    "qc, words",
+    [
+        (ct_config(format="float-quantized"), "format 'float-quantized'"),
+        (ct_config(format="naive-quantized"), "format 'naive-quantized'"),
+        (
+            ct_config(
+                {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, format="pack-quantized"
+            ),
+            "float weights (e.g. FP8)",
+        ),
+        (ct_config(config_groups={"group_0": W8A8}), "activation quantization"),
+        (
+            ct_config(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+            "sparsity (e.g. 2:4)",
+        ),
+        (ct_config(transform_config={"config_groups": {"r1": {}}}), "a weight transform"),
+        (
+            ct_config({"num_bits": 2, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}),
+            "2-bit weights",
+        ),
+        (ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "tensor"}), "the 'tensor' strategy"),
+        (
+            ct_config(
+                {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "actorder": "group",
+                }
+            ),
+            "actorder: group",
+        ),
+        (ct_config(config_groups={}), "a config without config_groups"),
+    ],
+)
 def test_unsupported_compressed_tensors_configs_are_refused_by_name(tmp_path, qc, words):
     write_dense(tmp_path, quantization_config=qc)
     with pytest.raises(ModelFormatError) as err:

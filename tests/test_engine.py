@@ -46,9 +46,14 @@ def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
     for i in range(n):
         prompt = [rng.randrange(3, 49000) for _ in range(rng.randint(1, max_prompt))]
         if i % 2:
-            params = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.7, 1.0, 1.3]),
-                                    top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 50]), seed=1000 + i,
-                                    ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randint(1, max_new),
+                temperature=rng.choice([0.7, 1.0, 1.3]),
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([0, 50]),
+                seed=1000 + i,
+                ignore_eos=True,
+            )
         else:
             params = SamplingParams(max_tokens=rng.randint(1, max_new), ignore_eos=True)
         out.append((prompt, params))
@@ -78,8 +83,9 @@ def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_small_pool_preempts_and_recomputes(tiny, overlap):
     prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
-    requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=i % 2, seed=i))
-                for i, p in enumerate(prompts)]
+    requests = [
+        (p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=i % 2, seed=i)) for i, p in enumerate(prompts)
+    ]
     expected = solo_outputs(tiny, requests)
     # 16 blocks: ~3 requests at a time
     with make_engine(tiny, overlap=overlap, kv_tokens=16 * 16, block_size=16) as engine:
@@ -180,8 +186,9 @@ def test_stop_strings_cut_the_text(tiny, overlap):
         full, _ = engine.generate("Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True), raw=True)
         stop = full[len(full) // 2 : len(full) // 2 + 2]
         assert stop and stop in full
-        cut, h = engine.generate("Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)),
-                                 raw=True)
+        cut, h = engine.generate(
+            "Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)), raw=True
+        )
         assert cut == full[: full.index(stop)]
         assert list(h.poll()) == []
 

@@ -55,12 +55,12 @@ def test_a_request_the_engine_fails_on_is_refused_and_the_process_serves_on(tiny
     with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         with pytest.raises(LlamatermError, match="could not take the request"):
             remote.submit(42, raw=True)  # type: ignore[arg-type]
-        events = list(remote.submit("Once upon a time", SamplingParams(max_tokens=3, ignore_eos=True),
-                                    raw=True).events())
+        events = list(
+            remote.submit("Once upon a time", SamplingParams(max_tokens=3, ignore_eos=True), raw=True).events()
+        )
         assert events[-1].finish_reason == "length"
 
 
 def test_a_missing_model_fails_at_start():
     with pytest.raises(ModelNotFound):
         EngineProcess(EngineConfig(model="no-such-model", device="cpu"))
-

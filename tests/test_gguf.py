@@ -20,8 +20,13 @@ from llamaterm.engine.store.model_store import resolve_model
 from llamaterm.kernels.qweight import QuantWeight
 from tests.tiny_models import FP16_FIELDS, random_blocks, write_tiny_llama
 
-EXACT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (8, 32, False), "Q5_1": (8, 32, True),
-         "Q8_0": (8, 32, False)}  # qtype -> QuantWeight bits, group size, has offsets (block layouts in ggml-common.h)
+EXACT = {
+    "Q4_0": (4, 32, False),
+    "Q4_1": (4, 32, True),
+    "Q5_0": (8, 32, False),
+    "Q5_1": (8, 32, True),
+    "Q8_0": (8, 32, False),
+}  # qtype -> QuantWeight bits, group size, has offsets (block layouts in ggml-common.h)
 K_QUANTS = {"Q4_K": (4, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
 K_QUANT_BYTES = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}  # qh and qs: zeroed, w = the group offset
 
@@ -61,7 +66,7 @@ def test_k_quants_are_exact_when_scale_products_fit_fp16(qtype):
     data = random_blocks(qtype, rows, cols, rng).reshape(rows, cols // 256, -1)
     for at in FP16_FIELDS[qtype]:
         d = 2.0 ** rng.integers(-8, 1, data.shape[:2]) * rng.choice([-1.0, 1.0], data.shape[:2])
-        data[..., at:at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+        data[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
     data = data.reshape(rows, -1)
     w = convert(qtype, data, rows, cols)
     assert (w.bits, w.group_size, w.offsets is not None) == K_QUANTS[qtype]
@@ -85,8 +90,7 @@ def test_k_quants_within_fp16_rounding_of_scale_products(qtype, scale):
     assert ((convert(qtype, data, rows, cols).dequantize() - expected).abs() <= tol).all()
 
 
-@pytest.mark.parametrize("qtype, dtype", [("F32", torch.float32), ("F16", torch.float16),
-                                          ("BF16", torch.bfloat16)])
+@pytest.mark.parametrize("qtype, dtype", [("F32", torch.float32), ("F16", torch.float16), ("BF16", torch.bfloat16)])
 def test_float_tensors_stay_in_their_dtype(qtype, dtype):
     values = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
     data = values.view(torch.uint8).numpy()
@@ -147,20 +151,48 @@ def test_info_counts_tensor_types(default_path, reader):
 
 def test_default_model_config_matches_transformers(checkpoint, hf_config):
     c = checkpoint.config
-    assert (c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size,
-            c.context_length, c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings) == (
-        hf_config["num_hidden_layers"], hf_config["hidden_size"], hf_config["intermediate_size"],
-        hf_config["num_attention_heads"], hf_config["num_key_value_heads"], hf_config["head_dim"],
-        hf_config["vocab_size"], hf_config["max_position_embeddings"], hf_config["rope_theta"],
-        hf_config["rms_norm_eps"], hf_config["tie_word_embeddings"])
+    assert (
+        c.n_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        c.context_length,
+        c.rope_theta,
+        c.rms_norm_eps,
+        c.tie_word_embeddings,
+    ) == (
+        hf_config["num_hidden_layers"],
+        hf_config["hidden_size"],
+        hf_config["intermediate_size"],
+        hf_config["num_attention_heads"],
+        hf_config["num_key_value_heads"],
+        hf_config["head_dim"],
+        hf_config["vocab_size"],
+        hf_config["max_position_embeddings"],
+        hf_config["rope_theta"],
+        hf_config["rms_norm_eps"],
+        hf_config["tie_word_embeddings"],
+    )
     assert (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size, c.rope_theta) == (
-        30, 576, 9, 3, 64, 49152, 100000.0)
+        30,
+        576,
+        9,
+        3,
+        64,
+        49152,
+        100000.0,
+    )
     assert c.tie_word_embeddings and "output.weight" not in checkpoint.tensors
     assert c.rope_freq_factors is None
 
 
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight",
-                                  "blk.29.attn_k.weight", "token_embd.weight"])
+@pytest.mark.parametrize(
+    "name",
+    ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.29.attn_k.weight", "token_embd.weight"],
+)
 def test_weights_match_transformers_gguf_conversion(checkpoint, reader, hf_config, name):
     # transformers un-permutes q/k rows (ReversePermute) after gguf's dequantizer; v and the rest stay as stored
     (t,) = [t for t in reader.tensors if t.name == name]
@@ -176,22 +208,43 @@ def test_weights_match_transformers_gguf_conversion(checkpoint, reader, hf_confi
 def expected_tensors(path: Path, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
     """The oracle: gguf's reader and dequantizer, with transformers' q/k reverse permutation."""
     processor = LlamaTensorProcessor(config={"num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads})
-    return {t.name: torch.from_numpy(np.array(
-                processor.process(gguf.quants.dequantize(t.data, t.tensor_type), t.name).weights))
-            for t in gguf.GGUFReader(path).tensors}
+    return {
+        t.name: torch.from_numpy(
+            np.array(processor.process(gguf.quants.dequantize(t.data, t.tensor_type), t.name).weights)
+        )
+        for t in gguf.GGUFReader(path).tensors
+    }
 
 
 @pytest.mark.parametrize("qtype", [*EXACT, "F32", "F16", "BF16"])
 def test_tiny_model_round_trips(tmp_path, qtype):
     rope_freqs = np.linspace(1.0, 8.0, 8, dtype=np.float32)
-    path = write_tiny_llama(tmp_path / "tiny.gguf", qtype=qtype, vocab_from=None, vocab_size=320,
-                            tie_embeddings=False, attention_bias=True, rope_freqs=rope_freqs,
-                            rope_theta=500000.0, context_length=512)
+    path = write_tiny_llama(
+        tmp_path / "tiny.gguf",
+        qtype=qtype,
+        vocab_from=None,
+        vocab_size=320,
+        tie_embeddings=False,
+        attention_bias=True,
+        rope_freqs=rope_freqs,
+        rope_theta=500000.0,
+        context_length=512,
+    )
     ckpt = load_gguf(path)
     c = ckpt.config
-    assert (c.arch, c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim,
-            c.vocab_size, c.context_length, c.rope_theta, c.tie_word_embeddings) == (
-        "llama", 2, 64, 128, 4, 2, 16, 320, 512, 500000.0, False)
+    assert (
+        c.arch,
+        c.n_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        c.context_length,
+        c.rope_theta,
+        c.tie_word_embeddings,
+    ) == ("llama", 2, 64, 128, 4, 2, 16, 320, 512, 500000.0, False)
     assert c.rope_freq_factors == tuple(rope_freqs.tolist())
     expected = expected_tensors(path, 4, 2)
     assert set(ckpt.tensors) == set(expected) - {"rope_freqs.weight"}
@@ -217,9 +270,16 @@ def test_tiny_model_with_small_rows_falls_back_like_llama_cpp(tmp_path):
 def test_tiny_model_carries_the_default_tokenizer(tmp_path, reader):
     ckpt = load_gguf(write_tiny_llama(tmp_path / "tiny.gguf"))
     assert ckpt.config.vocab_size == 49152 and ckpt.config.tie_word_embeddings
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                "tokenizer.chat_template"):
+    for key in (
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.chat_template",
+    ):
         value = ckpt.metadata[key]
         assert (value.tolist() if isinstance(value, np.ndarray) else value) == reader.fields[key].contents(), key
 
@@ -235,8 +295,7 @@ U32, ARRAY = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.ARRAY  # as llama.cpp
 
 def window_gguf(tmp_path, **typed) -> Path:
     """A tiny model with the sliding-window keys given as (value, GGUF type)."""
-    return write_tiny_llama(tmp_path / "swa.gguf", vocab_from=None,
-                            metadata={SWA_KEYS[k]: v for k, v in typed.items()})
+    return write_tiny_llama(tmp_path / "swa.gguf", vocab_from=None, metadata={SWA_KEYS[k]: v for k, v in typed.items()})
 
 
 def test_sliding_window_keys(tmp_path):
@@ -248,12 +307,15 @@ def test_sliding_window_keys(tmp_path):
     assert load_gguf(window_gguf(tmp_path)).config.sliding_window is None
 
 
-@pytest.mark.parametrize("typed, problem", [
-    ({"window": ("8", gguf.GGUFValueType.STRING)}, "sliding_window = '8' is not an integer"),
-    ({"window": (-8, gguf.GGUFValueType.INT32)}, "sliding_window = -8 is negative"),
-    ({"window": (8, U32), "pattern": ([True] * 3, ARRAY)}, "sliding_window_pattern has 3 entries for 2 layers"),
-    ({"window": (8, U32), "pattern": ([1, 0], ARRAY)}, "sliding_window_pattern = .* is not an array of true/false"),
-])
+@pytest.mark.parametrize(
+    "typed, problem",
+    [
+        ({"window": ("8", gguf.GGUFValueType.STRING)}, "sliding_window = '8' is not an integer"),
+        ({"window": (-8, gguf.GGUFValueType.INT32)}, "sliding_window = -8 is negative"),
+        ({"window": (8, U32), "pattern": ([True] * 3, ARRAY)}, "sliding_window_pattern has 3 entries for 2 layers"),
+        ({"window": (8, U32), "pattern": ([1, 0], ARRAY)}, "sliding_window_pattern = .* is not an array of true/false"),
+    ],
+)
 def test_bad_sliding_window_keys(tmp_path, typed, problem):
     assert re.search(problem, load_error(window_gguf(tmp_path, **typed)))
 
@@ -324,8 +386,9 @@ def test_not_a_gguf_file(tmp_path):
     assert "empty" in load_error(tmp_path / "empty.gguf")
 
 
-@pytest.mark.parametrize("keep, problem", [(3, "not a GGUF file"), (100, "the file is truncated"),
-                                           (-1000, "beyond the end of the file")])  # magic, metadata, data
+@pytest.mark.parametrize(
+    "keep, problem", [(3, "not a GGUF file"), (100, "the file is truncated"), (-1000, "beyond the end of the file")]
+)  # magic, metadata, data
 def test_truncated_file(tmp_path, tiny_bytes, keep, problem):
     message = load_error(corrupt(tmp_path / "t.gguf", tiny_bytes[:keep]))
     assert problem in message and "re-download" in message.lower()
@@ -351,8 +414,10 @@ def test_absurd_shapes(tmp_path, tiny_bytes):
     assert "shape" in message and "token_embd.weight" in message
 
 
-@pytest.mark.parametrize("arch, named", [("mamba", "the architecture 'mamba'"),
-                                         ("qwen2moe", "Qwen2 MoE (a mixture of experts), 'qwen2moe',")])
+@pytest.mark.parametrize(
+    "arch, named",
+    [("mamba", "the architecture 'mamba'"), ("qwen2moe", "Qwen2 MoE (a mixture of experts), 'qwen2moe',")],
+)
 def test_unknown_architecture(tmp_path, arch, named):
     message = load_error(write_metadata_only(tmp_path / "m.gguf", arch, lambda w: w.add_block_count(2)))
     assert f"{named} is not supported" in message
@@ -365,4 +430,3 @@ def test_unsupported_tensor_type(tmp_path, qtype):
     message = load_error(path)
     assert f"'token_embd.weight' has type {qtype}" in message
     assert "supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K" in message
-

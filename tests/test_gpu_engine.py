@@ -23,13 +23,26 @@ pytestmark = pytest.mark.cuda
 
 
 def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
-    path = write_tiny_llama(tmp_path / "tiny.gguf", vocab_from=None, vocab_size=512, n_layers=2, hidden=256,
-                            n_heads=8, n_kv_heads=2, intermediate=512, context_length=1024, seed=5)
+    path = write_tiny_llama(
+        tmp_path / "tiny.gguf",
+        vocab_from=None,
+        vocab_size=512,
+        n_layers=2,
+        hidden=256,
+        n_heads=8,
+        n_kv_heads=2,
+        intermediate=512,
+        context_length=1024,
+        seed=5,
+    )
     ckpt = load_gguf(path)
     cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), NoText())
     # 4 sequences at most and 64 tokens a step: 12 requests queue, and the long prompts run in chunks
-    gpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), NoText(),
-                 EngineConfig(max_running=4, max_batch_tokens=64))
+    gpu = Engine(
+        Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
+        NoText(),
+        EngineConfig(max_running=4, max_batch_tokens=64),
+    )
     captured_at_start = set(gpu.runner.graphs.graphs)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (1, 5, 17, 40, 64, 65, 100, 300, 700, 3, 9, 129)]

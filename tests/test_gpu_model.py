@@ -30,9 +30,12 @@ def logits_at(engine: Engine, ids: list[int], first: int) -> torch.Tensor:
     cache = model.allocate_kv_cache(nb, bs)
     dev = model.device
     step = StepInput(
-        input_ids=torch.tensor(ids, device=dev), positions=torch.arange(n, device=dev),
-        slot_mapping=torch.arange(n, device=dev), block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
-        context_lens=torch.tensor([n], device=dev), query_start_loc=torch.tensor([0, n], device=dev),
+        input_ids=torch.tensor(ids, device=dev),
+        positions=torch.arange(n, device=dev),
+        slot_mapping=torch.arange(n, device=dev),
+        block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+        context_lens=torch.tensor([n], device=dev),
+        query_start_loc=torch.tensor([0, n], device=dev),
         logits_indices=torch.arange(first, n, device=dev),
     )
     return model.forward(step, cache).float().cpu()
@@ -68,8 +71,18 @@ def assert_same_until_near_tie(cpu: Engine, prompt: list[int], generated: list[i
 @pytest.fixture(scope="module", params=["tiny", "default"])
 def engines(request, tmp_path_factory):
     if request.param == "tiny":
-        path = str(write_tiny_llama(tmp_path_factory.mktemp("gpu") / "tiny.gguf", n_layers=4, hidden=256,
-                                    n_heads=8, n_kv_heads=2, intermediate=512, context_length=512, seed=3))
+        path = str(
+            write_tiny_llama(
+                tmp_path_factory.mktemp("gpu") / "tiny.gguf",
+                n_layers=4,
+                hidden=256,
+                n_heads=8,
+                n_kv_heads=2,
+                intermediate=512,
+                context_length=512,
+                seed=3,
+            )
+        )
     else:
         path = str(resolve_model(None))
     cpu, gpu = (Engine.from_model(EngineConfig(model=path, device=d)) for d in ("cpu", "cuda"))
@@ -133,9 +146,11 @@ def test_step_graphs_match_eager():
             s.logits_indices.append(s.query_start_loc[-1] - 1)
         return s
 
-    steps = [step([37, 5, 100, 64, 17], [1, 1, 30, 1, 1]),  # 34 tokens: the 64 bucket
-             step([38, 6, 101], [1, 1, 1]),  # decodes: the 4 bucket, over the 64 bucket's leftovers
-             step([20, 102], [20, 1])]  # a new prompt beside a decode: the 32 bucket
+    steps = [
+        step([37, 5, 100, 64, 17], [1, 1, 30, 1, 1]),  # 34 tokens: the 64 bucket
+        step([38, 6, 101], [1, 1, 1]),  # decodes: the 4 bucket, over the 64 bucket's leftovers
+        step([20, 102], [20, 1]),
+    ]  # a new prompt beside a decode: the 32 bucket
     # the decodes' tokens 0 and 2 were sampled by a step still in flight: they come from its tokens on the device
     # (the reference gets those tokens as plain inputs)
     pending = torch.tensor([11, 222, 33], device=model.device)

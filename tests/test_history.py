@@ -189,10 +189,13 @@ def read_only_file(path):
 @contextlib.contextmanager
 def held_by_another_process(path, statements: str):
     """Another process keeps `path` open in the state `statements` leave it in, until the block ends."""
-    code = ("import sqlite3, sys\nc = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-            f"c.executescript({statements!r})\nprint('ready', flush=True)\nsys.stdin.read()")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    code = (
+        "import sqlite3, sys\nc = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        f"c.executescript({statements!r})\nprint('ready', flush=True)\nsys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "ready\n"
         yield

@@ -79,14 +79,17 @@ def test_a_large_numeric_metadata_array_is_not_copied(tmp_path):
 # --- config.json, the safetensors index and tokenizer.json ----------------------------------------------
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("hidden_size", "abc", "hidden_size = 'abc' is not a positive integer"),
-    ("num_attention_heads", 0, "num_attention_heads = 0 is not a positive integer"),
-    ("num_hidden_layers", 1e8, "num_hidden_layers = 100000000.0 is not a positive integer"),
-    ("num_hidden_layers", 100_000_000, "num_hidden_layers = 100000000, but the checkpoint holds only"),
-    ("rms_norm_eps", [1e-6], "rms_norm_eps = an array of 1 (float) is not a positive number"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": "8"}, "factor = '8' is not a positive number"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("hidden_size", "abc", "hidden_size = 'abc' is not a positive integer"),
+        ("num_attention_heads", 0, "num_attention_heads = 0 is not a positive integer"),
+        ("num_hidden_layers", 1e8, "num_hidden_layers = 100000000.0 is not a positive integer"),
+        ("num_hidden_layers", 100_000_000, "num_hidden_layers = 100000000, but the checkpoint holds only"),
+        ("rms_norm_eps", [1e-6], "rms_norm_eps = an array of 1 (float) is not a positive number"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": "8"}, "factor = '8' is not a positive number"),
+    ],
+)
 def test_config_json_fields_of_the_wrong_type(tmp_path, field, value, words):
     write_dense(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text()) | {field: value}
@@ -101,19 +104,26 @@ def test_an_index_pointing_outside_the_folder_is_refused(tmp_path):
     model.mkdir()
     write_dense(model)
     (model / "model.safetensors").rename(tmp_path / "outside.safetensors")
-    names = json.loads(run_capped("from safetensors import safe_open; import sys\n"
-                                  "print(__import__('json').dumps(list(safe_open(sys.argv[1], 'pt').keys())))",
-                                  str(tmp_path / "outside.safetensors")).stdout)
+    names = json.loads(
+        run_capped(
+            "from safetensors import safe_open; import sys\n"
+            "print(__import__('json').dumps(list(safe_open(sys.argv[1], 'pt').keys())))",
+            str(tmp_path / "outside.safetensors"),
+        ).stdout
+    )
     index = {"metadata": {}, "weight_map": dict.fromkeys(names, "../outside.safetensors")}
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelFormatError, match="points outside the model folder"):
         load_checkpoint(str(model))
 
 
-@pytest.mark.parametrize("where, words", [
-    ("vocab", "has id 2147483648, far beyond the 259 tokens"),  # the table of ids had 2**31 entries
-    ("added_tokens", "is not in the vocabulary"),  # an IndexError
-])
+@pytest.mark.parametrize(
+    "where, words",
+    [
+        ("vocab", "has id 2147483648, far beyond the 259 tokens"),  # the table of ids had 2**31 entries
+        ("added_tokens", "is not in the vocabulary"),  # an IndexError
+    ],
+)
 def test_tokenizer_json_ids_out_of_range(tmp_path, where, words):
     spec = byte_level_tokenizer_json()
     if where == "vocab":
@@ -121,15 +131,19 @@ def test_tokenizer_json_ids_out_of_range(tmp_path, where, words):
     else:
         spec["added_tokens"][0]["id"] = 100_000
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    out = run_capped("import sys\nfrom llamaterm.engine.checkpoints.tokenizer import Tokenizer\n"
-                     "from llamaterm.engine.errors import ModelFormatError\n"
-                     "try:\n    Tokenizer.from_hf_dir(sys.argv[1])\n"
-                     "except ModelFormatError as e:\n    print(e)", str(tmp_path))
+    out = run_capped(
+        "import sys\nfrom llamaterm.engine.checkpoints.tokenizer import Tokenizer\n"
+        "from llamaterm.engine.errors import ModelFormatError\n"
+        "try:\n    Tokenizer.from_hf_dir(sys.argv[1])\n"
+        "except ModelFormatError as e:\n    print(e)",
+        str(tmp_path),
+    )
     assert out.returncode == 0 and words in out.stdout, out.stderr
 
 
-@pytest.mark.parametrize("header", [[], {"model.norm.weight": {"shape": [4], "data_offsets": [0, 16]}}],
-                         ids=["list", "no-dtype"])
+@pytest.mark.parametrize(
+    "header", [[], {"model.norm.weight": {"shape": [4], "data_offsets": [0, 16]}}], ids=["list", "no-dtype"]
+)
 def test_info_on_a_damaged_safetensors_header(tmp_path, header):
     write_dense(tmp_path)
     raw = json.dumps(header).encode()
@@ -142,34 +156,41 @@ def test_info_on_a_damaged_safetensors_header(tmp_path, header):
 # --- chat templates ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("template, words", [
-    ("{{ 7**(7**9) }}", "'**' would make"),  # hung while jinja folded the constant
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
-    ("{{ 'x'*300000000 }}", "'*' would make"),  # aborted the process
-    ("{{ 9**99999 }}", "'**' would make"),  # a ValueError traceback from the compiler
-    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-     "'~' made a string"),
-    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-     "'+' would make"),
-    # one C call each, past any time limit: gigabytes (or the memory cap's MemoryError) before
-    ("{{ 'x' | center(2000000000) }}", "center() would make"),
-    ("{{ 'x'.ljust(2000000000) }}", "ljust() would make"),
-    ("{{ '%2000000000s' % 'x' }}", "'%' would make"),
-    ("{{ '%*s' % (2000000000, 'x') }}", "'%' would make"),
-    ("{{ '%2000000000s' | format('x') }}", "format() would make"),
-    ("{{ '{:>2000000000}'.format('x') }}", "format() would make"),
-    ("{{ ('x' * 1000000) | replace('x', 'y' * 1000) }}", "replace() would make"),
-    ("{{ ('x' * 1000000).replace('x', 'y' * 1000) }}", "replace() would make"),
-    ("{{ range(100000) | join('x' * 100000) }}", "join() would make"),
-    ("{{ ('x' * 100000).join(['a'] * 100000) }}", "join() would make"),
-    ("{{ ('x' * 10000000) | join('y' * 10) }}", "join() would make"),
-    ("{{ ('x\n' * 100000) | indent(100000) }}", "indent() would make"),
-    ("{{ ('\t' * 1000000).expandtabs(100000) }}", "expandtabs() would make"),
-    ("{{ ('x' * 1000000) | wordwrap(1, true, 'y' * 1000) }}", "wordwrap() would make"),
-    ("{{ [1] | batch(2000000000, 'x') | list }}", "batch() would make"),
-    ("{{ range(100000) | list | tojson(indent=1000) }}", "tojson()'s indent would make"),
-    ("{{ ('&' * 10000000) | e | string | e }}", "e() would make"),  # 5x each time
-])
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        ("{{ 7**(7**9) }}", "'**' would make"),  # hung while jinja folded the constant
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
+        ("{{ 'x'*300000000 }}", "'*' would make"),  # aborted the process
+        ("{{ 9**99999 }}", "'**' would make"),  # a ValueError traceback from the compiler
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "'~' made a string",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            "'+' would make",
+        ),
+        # one C call each, past any time limit: gigabytes (or the memory cap's MemoryError) before
+        ("{{ 'x' | center(2000000000) }}", "center() would make"),
+        ("{{ 'x'.ljust(2000000000) }}", "ljust() would make"),
+        ("{{ '%2000000000s' % 'x' }}", "'%' would make"),
+        ("{{ '%*s' % (2000000000, 'x') }}", "'%' would make"),
+        ("{{ '%2000000000s' | format('x') }}", "format() would make"),
+        ("{{ '{:>2000000000}'.format('x') }}", "format() would make"),
+        ("{{ ('x' * 1000000) | replace('x', 'y' * 1000) }}", "replace() would make"),
+        ("{{ ('x' * 1000000).replace('x', 'y' * 1000) }}", "replace() would make"),
+        ("{{ range(100000) | join('x' * 100000) }}", "join() would make"),
+        ("{{ ('x' * 100000).join(['a'] * 100000) }}", "join() would make"),
+        ("{{ ('x' * 10000000) | join('y' * 10) }}", "join() would make"),
+        ("{{ ('x\n' * 100000) | indent(100000) }}", "indent() would make"),
+        ("{{ ('\t' * 1000000).expandtabs(100000) }}", "expandtabs() would make"),
+        ("{{ ('x' * 1000000) | wordwrap(1, true, 'y' * 1000) }}", "wordwrap() would make"),
+        ("{{ [1] | batch(2000000000, 'x') | list }}", "batch() would make"),
+        ("{{ range(100000) | list | tojson(indent=1000) }}", "tojson()'s indent would make"),
+        ("{{ ('&' * 10000000) | e | string | e }}", "e() would make"),  # 5x each time
+    ],
+)
 def test_chat_templates_render_within_a_budget(template, words):
     out = run_capped(
         "import sys\nfrom llamaterm.engine.checkpoints.chat_template import ChatTemplate\n"
@@ -177,14 +198,19 @@ def test_chat_templates_render_within_a_budget(template, words):
         "try:\n"
         "    ChatTemplate(sys.argv[1]).render([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True,"
         " bos_token='', eos_token='')\n"
-        "except ModelFormatError as e:\n    print(e)", template, timeout=30)
+        "except ModelFormatError as e:\n    print(e)",
+        template,
+        timeout=30,
+    )
     assert out.returncode == 0 and words in out.stdout, out.stdout + out.stderr
 
 
 def test_a_template_within_budget_still_renders():
-    text = ("{{ 2**10 }} {{ 'ab'*3 }} {{ [1]*2 }} {{ 'a' ~ 'b' }} {{ 1 + 2 }} {{ 'ab'|center(6) }}|"
-            "{{ 'a\nb'|indent(2) }}|{{ '%5.2f' % 3.14159 }}|{{ '%d' % 12345678901 }}|{{ '{} {}'.format(1, 'x') }}|"
-            "{{ [1, 2]|join(', ') }}|{{ ', '.join(['a', 'b']) }}|{{ 'aXb'.replace('X', '--') }}|"
-            "{{ 'a b c'|wordwrap(3) }}")
+    text = (
+        "{{ 2**10 }} {{ 'ab'*3 }} {{ [1]*2 }} {{ 'a' ~ 'b' }} {{ 1 + 2 }} {{ 'ab'|center(6) }}|"
+        "{{ 'a\nb'|indent(2) }}|{{ '%5.2f' % 3.14159 }}|{{ '%d' % 12345678901 }}|{{ '{} {}'.format(1, 'x') }}|"
+        "{{ [1, 2]|join(', ') }}|{{ ', '.join(['a', 'b']) }}|{{ 'aXb'.replace('X', '--') }}|"
+        "{{ 'a b c'|wordwrap(3) }}"
+    )
     rendered = ChatTemplate(text).render([], add_generation_prompt=False, bos_token="", eos_token="")
     assert rendered == ImmutableSandboxedEnvironment().from_string(text).render()  # as jinja's own sandbox does

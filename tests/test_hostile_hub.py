@@ -30,13 +30,16 @@ def files_outside_the_store(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and store not in p.parents]
 
 
-@pytest.mark.parametrize("name", [
-    "{outside}/evil.gguf",  # an absolute name: was written there, exit 0
-    "../../../outside/evil.gguf",  # left a folder and a .part outside the store
-    "Q4_0/../../../outside/evil.gguf",
-    "..\\..\\outside\\evil.gguf",  # a separator on Windows
-    "C:evil.gguf",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "{outside}/evil.gguf",  # an absolute name: was written there, exit 0
+        "../../../outside/evil.gguf",  # left a folder and a .part outside the store
+        "Q4_0/../../../outside/evil.gguf",
+        "..\\..\\outside\\evil.gguf",  # a separator on Windows
+        "C:evil.gguf",
+    ],
+)
 def test_file_names_that_leave_the_store_are_refused(hub_server, models, tmp_path, name):
     name = name.format(outside=tmp_path / "outside")
     hub_server.add_repo(REPO, {name: models["Q4_0"], "README.md": b"# Tiny\n"})
@@ -123,8 +126,11 @@ def test_the_path_check_is_the_pull_s_own(hub_server, models, tmp_path):
 def test_damaged_folders_do_not_break_ls_rm_or_info(hub_server, models):
     hub_server.add_repo(REPO, {"Tiny-Llama-Q4_0.gguf": models["Q4_0"]})
     assert llamaterm("pull", REPO).returncode == 0
-    for name, manifest in (("empty-object", "{}"), ("a-list", "[]"), ("escapes", '{"format": "gguf", "files": '
-                                                                               '[{"path": "/etc/passwd.gguf"}]}')):
+    for name, manifest in (
+        ("empty-object", "{}"),
+        ("a-list", "[]"),
+        ("escapes", '{"format": "gguf", "files": [{"path": "/etc/passwd.gguf"}]}'),
+    ):
         (home() / name).mkdir()
         (home() / name / MANIFEST).write_text(manifest)
     damaged = home() / "bad-header"
@@ -140,8 +146,9 @@ def test_damaged_folders_do_not_break_ls_rm_or_info(hub_server, models):
     # each damaged folder is named, not hidden: ls says so, using one says so, and rm removes it
     told = llamaterm("ls").stderr.splitlines()
     for name in ("a-list", "bad-header", "empty-object", "escapes"):
-        assert any(line.startswith(f"llamaterm: {name} is not a model") and f"llamaterm rm {name}" in line
-                   for line in told), told
+        assert any(
+            line.startswith(f"llamaterm: {name} is not a model") and f"llamaterm rm {name}" in line for line in told
+        ), told
         assert_user_error(llamaterm("run", "--model", name, "hi"), f"the stored model {name!r} is damaged")
     assert "bad-header/model.safetensors" in "".join(told)  # with the reason
     assert llamaterm("rm", "-y", "a-list").returncode == 0

@@ -42,8 +42,18 @@ def test_dequantize_is_exact(lib, bits, group, offsets, perm, scale_dtype):
     w = random_qweight(37, 3 * group, bits, group, offsets, perm, scale_dtype, device="cpu")
     scales, offs = ops_cpu.cpu_params(w)
     out = torch.full(w.shape, float("nan"))
-    lib.dequantize(w.packed.data_ptr(), scales.data_ptr(), ops_cpu.ptr(offs), int(scales.dtype == torch.float16),
-                   bits, group, w.shape[1], w.shape[0], out.data_ptr(), 2)
+    lib.dequantize(
+        w.packed.data_ptr(),
+        scales.data_ptr(),
+        ops_cpu.ptr(offs),
+        int(scales.dtype == torch.float16),
+        bits,
+        group,
+        w.shape[1],
+        w.shape[0],
+        out.data_ptr(),
+        2,
+    )
     assert torch.equal(out, w.dequantize())
 
 
@@ -64,7 +74,7 @@ def test_reference_dequantize_with_a_short_last_group(bits, k, group, offsets, p
     want = torch.empty(7, k)
     for c in range(k):
         g = c // group
-        want[:, c] = s[:, g] * q[:, c] + w.offsets[:, g].float() if offsets else s[:, g] * (q[:, c] - 2**(bits - 1))
+        want[:, c] = s[:, g] * q[:, c] + w.offsets[:, g].float() if offsets else s[:, g] * (q[:, c] - 2 ** (bits - 1))
     assert w.scales.shape == (7, -(-k // group)) and torch.equal(w.dequantize(), want)
 
 
@@ -88,12 +98,14 @@ def test_rms_norm(lib, residual):
 def test_rope(lib):
     q, k = torch.randn(7, 6, 24), torch.randn(7, 2, 24)
     positions, inv_freq = torch.tensor([0, 1, 2, 30, 31, 500, 4095]), 10000.0 ** -(torch.arange(12) / 12)
-    for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, inv_freq, lib), rope_ref(q, k, positions, inv_freq),
-                        strict=True):
+    for out, ref in zip(
+        ops_cpu.rope_cpu(q, k, positions, inv_freq, lib), rope_ref(q, k, positions, inv_freq), strict=True
+    ):
         assert rel_err(out, ref) < FP32_TOL
     per_token = inv_freq * torch.rand(7, 1)  # a row per token (LongRoPE)
-    for out, ref in zip(ops_cpu.rope_cpu(q, k, positions, per_token, lib), rope_ref(q, k, positions, per_token),
-                        strict=True):
+    for out, ref in zip(
+        ops_cpu.rope_cpu(q, k, positions, per_token, lib), rope_ref(q, k, positions, per_token), strict=True
+    ):
         assert rel_err(out, ref) < FP32_TOL
 
 
@@ -103,12 +115,15 @@ def test_act_and_mul(lib, activation, ref):
     assert rel_err(ops_cpu.act_and_mul_cpu(gate_up, activation, lib), ref(gate_up)) < FP32_TOL
 
 
-@pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page", [
-    ([1, 1, 1, 1], [5, 17, 1, 40], 8, 2, 32, 4),  # decode, GQA 4
-    ([1, 0, 1], [70, 3, 2], 6, 2, 24, 4),  # an idle sequence, head dim 24
-    ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4),  # chunked prefill: whole prompts, prefix + chunk, decode
-    ([40], [75], 3, 1, 16, 16),  # a long chunk over a prefix, MQA
-])
+@pytest.mark.parametrize(
+    "qlens,ctxs,n_q,n_kv,head_dim,page",
+    [
+        ([1, 1, 1, 1], [5, 17, 1, 40], 8, 2, 32, 4),  # decode, GQA 4
+        ([1, 0, 1], [70, 3, 2], 6, 2, 24, 4),  # an idle sequence, head dim 24
+        ([9, 1, 13, 3], [9, 20, 40, 7], 8, 2, 32, 4),  # chunked prefill: whole prompts, prefix + chunk, decode
+        ([40], [75], 3, 1, 16, 16),  # a long chunk over a prefix, MQA
+    ],
+)
 @pytest.mark.parametrize("window", [None, 1, 6, 21])  # sliding windows: itself only, under a page, across pages
 def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page, window):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, torch.float32, device="cpu")
@@ -131,8 +146,9 @@ def test_reference_window_is_transformers_sliding_window_mask(n, ctx, window):
     n_q, n_kv, head_dim, page = 4, 2, 16, 4
     k_cache, v_cache, tables = random_paged_cache([ctx], n_kv, head_dim, page, torch.float32, device="cpu")
     q = torch.randn(n, n_q, head_dim)
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, torch.tensor([ctx]), torch.tensor([0, n]),
-                              head_dim**-0.5, window)
+    ref = paged_attention_ref(
+        q, k_cache, v_cache, tables, torch.tensor([ctx]), torch.tensor([0, n]), head_dim**-0.5, window
+    )
     slots = (tables[0, : -(-ctx // page), None].long() * page + torch.arange(page)).flatten()[:ctx]
     k = k_cache.view(-1, n_kv, head_dim)[slots].repeat_interleave(n_q // n_kv, 1)  # [ctx, Hq, D]
     v = v_cache.view(-1, n_kv, head_dim)[slots].repeat_interleave(n_q // n_kv, 1)
@@ -164,10 +180,13 @@ linear(x, w)
 """
 
 
-@pytest.mark.parametrize("env,why", [
-    ({"CC": "/nonexistent/cc"}, "no C compiler found (/nonexistent/cc)"),
-    ({"LLAMATERM_KERNELS": "torch"}, "LLAMATERM_KERNELS=torch"),
-])
+@pytest.mark.parametrize(
+    "env,why",
+    [
+        ({"CC": "/nonexistent/cc"}, "no C compiler found (/nonexistent/cc)"),
+        ({"LLAMATERM_KERNELS": "torch"}, "LLAMATERM_KERNELS=torch"),
+    ],
+)
 def test_fallback_says_why_once(env, why):
     """Without the native kernels the references answer, and one line says why, once per process."""
     assert run_python(FALLBACK, env) == [f"llamaterm: {why}: using the slower torch kernels on the CPU"]
@@ -194,8 +213,14 @@ def test_one_core_says_so_once():
 
 def run_python(code: str, env: dict, cores: set[int] | None = None) -> list[str]:
     """Runs `code` in a fresh interpreter (on `cores` only, if given); returns its stderr lines."""
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
-                       preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+    )
     assert r.returncode == 0, r.stderr
     return r.stderr.splitlines()

@@ -62,18 +62,21 @@ def paged(ctxs, page=16, n_kv=8, head_dim=128, dtype=torch.float16):
     tables = torch.zeros(len(ctxs), max(blocks), dtype=torch.int32, device="cuda")
     start = 0
     for b, nb in enumerate(blocks):
-        tables[b, :nb] = ids[start:start + nb]
+        tables[b, :nb] = ids[start : start + nb]
         start += nb
     return k_cache, v_cache, tables
 
 
-@pytest.mark.parametrize("qlens,ctxs", [
-    ([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]),  # decode batch: KV split, 128-key steps
-    ([1] * 20, [1000 + 97 * i for i in range(20)]),  # 160 programs: no split, 128-key steps (H200)
-    ([1], [32768]),  # one long decode: flash-decoding splits
-    ([2048], [2048]),  # a whole 2k prompt
-    ([512, 1, 300, 1], [2048, 900, 300, 5000]),  # chunked prefill beside decodes
-])
+@pytest.mark.parametrize(
+    "qlens,ctxs",
+    [
+        ([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]),  # decode batch: KV split, 128-key steps
+        ([1] * 20, [1000 + 97 * i for i in range(20)]),  # 160 programs: no split, 128-key steps (H200)
+        ([1], [32768]),  # one long decode: flash-decoding splits
+        ([2048], [2048]),  # a whole 2k prompt
+        ([512, 1, 300, 1], [2048, 900, 300, 5000]),  # chunked prefill beside decodes
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_llama(qlens, ctxs, dtype):
     k_cache, v_cache, tables = paged(ctxs, dtype=dtype)
@@ -92,8 +95,9 @@ def test_small_ops_llama(dtype):
     weight = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
     for out, ref in zip(rms_norm(x, weight, 1e-5, res), rms_norm_ref(x, weight, 1e-5, res), strict=True):
         assert rel_err(out, ref) < TOL[dtype]
-    for out, ref in zip(rms_norm(x, weight, 1e-5, res, weight.flip(0)), rms_norm_ref(x, weight, 1e-5, res,
-                        weight.flip(0)), strict=True):  # Gemma's post-norm before the add
+    for out, ref in zip(
+        rms_norm(x, weight, 1e-5, res, weight.flip(0)), rms_norm_ref(x, weight, 1e-5, res, weight.flip(0)), strict=True
+    ):  # Gemma's post-norm before the add
         assert rel_err(out, ref) < TOL[dtype]
 
     gate_up = torch.randn(t, 28672, device="cuda", dtype=dtype)

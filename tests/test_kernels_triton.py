@@ -48,8 +48,6 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
 
 
-
-
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dequantize_rows(bits, group, offsets, perm, dtype):
@@ -61,14 +59,20 @@ def test_dequantize_rows(bits, group, offsets, perm, dtype):
 
 # Tile configs that exercise a split K with a partial last split, uneven N, full tiles, the 8-token tile and two
 # M tiles
-CONFIGS = [Config(16, 16, 3, 4, 2), Config(16, 32, 1, 4, 2), Config(64, 16, 2, 4, 1),
-           Config(8, 16, 3, 4, 2), Config(8, 32, 1, 4, 2)]
+CONFIGS = [
+    Config(16, 16, 3, 4, 2),
+    Config(16, 32, 1, 4, 2),
+    Config(64, 16, 2, 4, 1),
+    Config(8, 16, 3, 4, 2),
+    Config(8, 32, 1, 4, 2),
+]
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (70, CONFIGS[2]), (1, CONFIGS[3]),
-                                      (3, CONFIGS[4])])
+@pytest.mark.parametrize(
+    "m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (70, CONFIGS[2]), (1, CONFIGS[3]), (3, CONFIGS[4])]
+)
 def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
     k = 3 * group if group < 128 else 2 * group  # 4-bit: 1.5 steps of two groups, or one
     w = random_qweight(40, k, bits, group, offsets, perm, torch.float32 if bits == 8 else torch.float16)
@@ -86,8 +90,15 @@ def nan_guarded(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,offsets", [(4, True), (8, False)])
-@pytest.mark.parametrize("m,config", [(1, Config(8, 64, 2, 4, 3)), (1, Config(8, 64, 1, 4, 3)),
-                                      (8, Config(16, 64, 3, 4, 2)), (37, Config(64, 128, 2, 8, 3))])
+@pytest.mark.parametrize(
+    "m,config",
+    [
+        (1, Config(8, 64, 2, 4, 3)),
+        (1, Config(8, 64, 1, 4, 3)),
+        (8, Config(16, 64, 3, 4, 2)),
+        (37, Config(64, 128, 2, 8, 3)),
+    ],
+)
 def test_qmatmul_reads_nothing_past_k(bits, offsets, m, config):
     """K = 576 (SmolLM2's hidden size) is no multiple of the steps, as on the GPU for the default model: the
     partial last step must not read scales or offsets past the end."""
@@ -121,8 +132,6 @@ def test_qmatmul_dense_path(dtype):
     w = random_qweight(24, 64, 4, 32, True, True)
     x = torch.randn(3, (DENSE_M + 3) // 3 + 1, 64, device=DEVICE).to(dtype)
     assert rel_err(qmatmul_triton(x, w), linear_ref(x.float(), w)) < TOL[dtype]
-
-
 
 
 ATTENTION_CASES = [
@@ -194,7 +203,7 @@ def test_rope_write_kv(dtype, qk_norm):
     q, k, v = (x.view(t, -1, head_dim) for x in qkv.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1))
     positions = torch.tensor([0, 1, 7, 300, 8191, 100_000], device=DEVICE)
     inv_freq = 500_000.0 ** -(torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    inv_freq[head_dim // 4:] /= 8  # Llama-3-style scaled low frequencies
+    inv_freq[head_dim // 4 :] /= 8  # Llama-3-style scaled low frequencies
     slots = torch.tensor([5, -1, 0, 13, 22, 8], device=DEVICE)
     per_token = inv_freq * torch.rand(t, 1, device=DEVICE)  # a row per token, as LongRoPE's long and short factors
     norms = tuple((1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype) for _ in range(2)) if qk_norm else None
@@ -215,7 +224,7 @@ def test_rope_ref_rows_are_per_token():
     """The reference's [T, D/2] form is, for each token, the shared form with that token's row."""
     q, k, positions = torch.randn(4, 3, 16), torch.randn(4, 1, 16), torch.tensor([0, 5, 4096, 9000])
     inv_freq = 10000.0 ** -(torch.arange(8) / 8) * torch.rand(4, 1)
-    rows = [rope_ref(q[i:i + 1], k[i:i + 1], positions[i:i + 1], inv_freq[i]) for i in range(4)]
+    rows = [rope_ref(q[i : i + 1], k[i : i + 1], positions[i : i + 1], inv_freq[i]) for i in range(4)]
     for got, want in zip(rope_ref(q, k, positions, inv_freq), map(torch.cat, zip(*rows, strict=True)), strict=True):
         assert torch.equal(got, want)
 

@@ -10,12 +10,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_wheel_installs_one_top_level_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
-                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(ROOT),
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("llamaterm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"llamaterm"}  # no app, engine, kernels, assets
-    assert {"llamaterm/assets/chat.tcss", "llamaterm/assets/dialogs.tcss", "llamaterm/app/cli.py",
-            "llamaterm/engine/serving/engine.py", "llamaterm/kernels/linear_triton.py"} <= set(names)
+    assert {
+        "llamaterm/assets/chat.tcss",
+        "llamaterm/assets/dialogs.tcss",
+        "llamaterm/app/cli.py",
+        "llamaterm/engine/serving/engine.py",
+        "llamaterm/kernels/linear_triton.py",
+    } <= set(names)
     assert not [n for n in names if "benchmarks" in n or n.startswith("llamaterm/tests")]

@@ -28,12 +28,16 @@ def dropping_server() -> tuple[int, threading.Thread]:
                     conn.recv(65536)
                     if stream:
                         chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
-                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                     b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(chunk), chunk)
+                        )
                         time.sleep(0.2)
                     else:
-                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
-                                     b"\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                            b"\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+                        )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -97,8 +101,10 @@ def scripted_server(models: bytes, chunks: list[bytes] = (), answer: bool = True
                         conn.sendall(b"HTTP/1.1 200 OK\r\n%s\r\nconnection: close\r\n\r\n%s" % (head, models))
                     else:
                         body = b"".join(b"data: %s\n\n" % c for c in chunks) + b"data: [DONE]\n\n"
-                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+                        )
 
     threading.Thread(target=serve, daemon=True).start()
     return listener.getsockname()[1]
@@ -126,15 +132,18 @@ def test_a_server_that_never_answers_is_refused_in_time(monkeypatch):
     within(10, connect)
 
 
-@pytest.mark.parametrize("chunk", [
-    b"[1, 2]",  # not an object
-    b'{"choices": "abc"}',
-    b'{"choices": [{"index": 0, "delta": "abc"}]}',
-    b'{"choices": [{"index": 0, "delta": {"content": 5}}]}',
-    b'{"choices": [{"index": 0, "text": "a", "finish_reason": 7}]}',
-    b'{"choices": [], "usage": {"prompt_tokens": "many", "completion_tokens": [1]}}',
-    b'{"choices": [], "usage": 12}',
-])
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b"[1, 2]",  # not an object
+        b'{"choices": "abc"}',
+        b'{"choices": [{"index": 0, "delta": "abc"}]}',
+        b'{"choices": [{"index": 0, "delta": {"content": 5}}]}',
+        b'{"choices": [{"index": 0, "text": "a", "finish_reason": 7}]}',
+        b'{"choices": [], "usage": {"prompt_tokens": "many", "completion_tokens": [1]}}',
+        b'{"choices": [], "usage": 12}',
+    ],
+)
 def test_a_reply_not_in_openai_s_shape_fails_that_request_only(chunk):
     """Each of these ended the reader thread with an exception (AttributeError, TypeError): the request never
     finished, so `llamaterm run` and the pane waited for ever, or stats() failed on a count that was text."""
@@ -158,8 +167,10 @@ def test_text_that_is_not_unicode_is_refused_before_it_is_sent():
             engine.submit([{"role": "user", "content": "caf\udce9"}])
 
 
-@pytest.mark.parametrize("url", ["ftp://host/v1", "http://", "not a url at all", "http://[::1", "http://256.1.1.1/v1",
-                                 "http://127.0.0.1:99999/v1"])
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://host/v1", "http://", "not a url at all", "http://[::1", "http://256.1.1.1/v1", "http://127.0.0.1:99999/v1"],
+)
 def test_urls_that_are_not_servers(url):
     with pytest.raises(LlamatermError, match="not a server URL"):
         api_base(url)

@@ -24,9 +24,14 @@ from tests.test_fidelity import our_last_logits
 # Hugging Face names -> GGUF names, spelled out as the oracle for the loader's renaming.
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -49,8 +54,14 @@ def gguf_name(hf_name: str) -> str:
 def test_dense_matches_transformers_state_dict(tmp_path, dtype, tied, max_shard_size):
     torch.manual_seed(0)
     hf_config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=100, max_position_embeddings=512, rms_norm_eps=1e-5,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(hf_config).to(dtype)
@@ -70,7 +81,14 @@ def test_dense_matches_transformers_state_dict(tmp_path, dtype, tied, max_shard_
         assert torch.equal(got, want), name
     c = ckpt.config
     assert (c.arch, c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim) == (
-        "llama", 2, 64, 128, 4, 2, 16)
+        "llama",
+        2,
+        64,
+        128,
+        4,
+        2,
+        16,
+    )
     assert (c.vocab_size, c.context_length, c.rms_norm_eps, c.tie_word_embeddings) == (100, 512, 1e-5, tied)
     assert c.rope_theta == hf_config.rope_parameters["rope_theta"] and c.rope_freq_factors is None
     assert ckpt.path == tmp_path
@@ -81,19 +99,32 @@ def test_dense_matches_transformers_state_dict(tmp_path, dtype, tied, max_shard_
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 128, 256, 4, 2, 2, 64
 HEAD_DIM = HIDDEN // HEADS
 LINEARS = {  # module -> (out, in)
-    "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-    "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-    "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN), "mlp.down_proj": (HIDDEN, FFN),
+    "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "mlp.gate_proj": (FFN, HIDDEN),
+    "mlp.up_proj": (FFN, HIDDEN),
+    "mlp.down_proj": (HIDDEN, FFN),
 }
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds output column 8c + AWQ_ORDER[i]
 
 
 def config_json(**extra) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": FFN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": LAYERS,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
         "torch_dtype": "float16",
         **extra,
     }
@@ -130,16 +161,23 @@ def make_gptq(n, k, bits, group_size, sym, desc_act, fmt, gen):
     groups = -(-k // gs)  # the last one short where gs does not divide k (GPTQModel's 576 in groups of 128)
     q = torch.randint(0, 2**bits, (k, n), generator=gen)
     shift = 1 if fmt == "gptq" else 0  # v1 stores zero - 1
-    stored = (torch.full((groups, n), 2 ** (bits - 1) - shift) if sym
-              else torch.randint(0, 2**bits, (groups, n), generator=gen))
+    stored = (
+        torch.full((groups, n), 2 ** (bits - 1) - shift)
+        if sym
+        else torch.randint(0, 2**bits, (groups, n), generator=gen)
+    )
     scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).half()
     g_idx = torch.arange(k) // gs
     if desc_act:  # channel c is the rank(c)-th processed; groups follow processing order
         order = torch.randperm(k, generator=gen)
         g_idx = torch.empty(k, dtype=torch.long)
         g_idx[order] = torch.arange(k) // gs
-    parts = {"qweight": pack_gptq_rows(q, bits), "qzeros": pack_gptq_cols(stored, bits), "scales": scales,
-             "g_idx": g_idx.int()}
+    parts = {
+        "qweight": pack_gptq_rows(q, bits),
+        "qzeros": pack_gptq_cols(stored, bits),
+        "scales": scales,
+        "g_idx": g_idx.int(),
+    }
     w = torch.empty(n, k)
     zero = stored + shift
     for c in range(k):  # w[n, c] = scale[g_idx[c], n] * (q[c, n] - zero[g_idx[c], n])
@@ -166,9 +204,11 @@ def make_awq(n, k, group_size, sym, gen):
 def write_quantized(path, quantization_config, make_linear, bias=False):
     """A 2-layer checkpoint with quantized linears and fp16 embedding / norms / lm_head, plus the oracle."""
     gen = torch.Generator().manual_seed(0)
-    dense = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen).half(),
-             "model.norm.weight": torch.randn(HIDDEN, generator=gen).half(),
-             "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=gen).half()}
+    dense = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen).half(),
+        "model.norm.weight": torch.randn(HIDDEN, generator=gen).half(),
+        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=gen).half(),
+    }
     tensors, oracle = dict(dense), {}
     for i in range(LAYERS):
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -197,7 +237,11 @@ def check_quantized(ckpt, dense, oracle, bits, group_size, symmetric, act_order=
         n, k = w.shape
         assert isinstance(qw, QuantWeight), name
         assert (qw.bits, qw.group_size, qw.shape, qw.scales.dtype) == (
-            bits, k if group_size == -1 else group_size, (n, k), torch.float16)
+            bits,
+            k if group_size == -1 else group_size,
+            (n, k),
+            torch.float16,
+        )
         assert (qw.offsets is None) == symmetric and (qw.perm is not None) == act_order, name
         perm = torch.arange(k) if qw.perm is None else qw.perm
         assert torch.equal(perm.sort().values, torch.arange(k)), name
@@ -225,8 +269,14 @@ GPTQ_CASES = [  # bits, group_size, sym, desc_act, checkpoint_format
 
 @pytest.mark.parametrize("bits, group_size, sym, desc_act, fmt", GPTQ_CASES)
 def test_gptq_matches_per_element_dequantization(tmp_path, bits, group_size, sym, desc_act, fmt):
-    qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
-          "checkpoint_format": fmt}
+    qc = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "sym": sym,
+        "desc_act": desc_act,
+        "checkpoint_format": fmt,
+    }
     make = lambda n, k, gen: make_gptq(n, k, bits, group_size, sym, desc_act, fmt, gen)
     dense, oracle = write_quantized(tmp_path, qc, make, bias=not sym)
     ckpt = load_safetensors(tmp_path)
@@ -253,9 +303,18 @@ def test_gptq_with_short_last_groups_runs_like_transformers(tmp_path):
     """SmolLM2-135M's widths (576 = 4.5 groups of 128, as GPTQModel writes it) in one layer, symmetric (exact:
     asymmetric offsets are rounded to fp16, see quant_weight) with act-order: transformers on the per-element
     dequantized weights gives the same logits (fp32, 1e-4 of their range) and greedy tokens."""
-    hf_config = LlamaConfig(vocab_size=384, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                            num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=256,
-                            rms_norm_eps=1e-5, tie_word_embeddings=False)
+    hf_config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=1,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config).eval()
     gen = torch.Generator().manual_seed(0)
@@ -269,8 +328,9 @@ def test_gptq_with_short_last_groups_runs_like_transformers(tmp_path):
     model.load_state_dict(state)
     save_file(tensors, tmp_path / "model.safetensors")
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True}
-    (tmp_path / "config.json").write_text(json.dumps(hf_config.to_dict() | {
-        "architectures": ["LlamaForCausalLM"], "quantization_config": qc}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(hf_config.to_dict() | {"architectures": ["LlamaForCausalLM"], "quantization_config": qc})
+    )
     byte_level_bpe(tmp_path, 384, ["<|im_start|>", "<|im_end|>"])
     prompt = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12]
     engine = Engine.from_model(EngineConfig(model=str(tmp_path), device="cpu", kv_tokens=512))
@@ -285,16 +345,24 @@ def test_gptq_with_short_last_groups_runs_like_transformers(tmp_path):
 
 # --- RoPE scaling ----------------------------------------------------------------------------------------
 
-LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @pytest.mark.parametrize("head_dim, factor", [(128, 8.0), (64, 32.0)], ids=["llama-3.1", "llama-3.2-1b"])
 @pytest.mark.parametrize("style", ["rope_scaling", "rope_parameters"])
 def test_llama3_rope_factors_match_transformers(head_dim, factor, style):
     scaling = {**LLAMA3_SCALING, "factor": factor}
-    hf_config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=131072,
-                            rope_parameters={**scaling, "rope_theta": 500000.0})
+    hf_config = LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        max_position_embeddings=131072,
+        rope_parameters={**scaling, "rope_theta": 500000.0},
+    )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
     if style == "rope_scaling":  # the config.json of the Llama 3.x repos (transformers 4)
         hf = hf_config.to_dict() | {"rope_parameters": None, "rope_theta": 500000.0, "rope_scaling": scaling}
@@ -310,9 +378,11 @@ def test_llama3_rope_factors_match_transformers(head_dim, factor, style):
 
 def write_dense(path, **config_extra):
     gen = torch.Generator().manual_seed(0)
-    tensors = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen),
-               "model.norm.weight": torch.ones(HIDDEN),
-               "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen),
+        "model.norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=gen),
+    }
     for i in range(LAYERS):
         tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(HIDDEN)
         tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(HIDDEN)
@@ -335,15 +405,30 @@ def test_missing_config_json(tmp_path):
         load_safetensors(tmp_path)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}, r"Qwen2 MoE .*'Qwen2MoeForCausalLM'.* is "
-     r"not supported \(llamaterm runs: .*\(qwen2\)"),
-    ({"architectures": ["MambaForCausalLM"]}, "the architecture 'MambaForCausalLM' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes"),
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                              "checkpoint_format": "marlin"}}, "marlin"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
+            r"Qwen2 MoE .*'Qwen2MoeForCausalLM'.* is "
+            r"not supported \(llamaterm runs: .*\(qwen2\)",
+        ),
+        ({"architectures": ["MambaForCausalLM"]}, "the architecture 'MambaForCausalLM' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes"),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "gptq",
+                    "bits": 4,
+                    "group_size": 128,
+                    "checkpoint_format": "marlin",
+                }
+            },
+            "marlin",
+        ),
+    ],
+)
 def test_unsupported_config(tmp_path, extra, message):
     write_dense(tmp_path, **extra)
     with pytest.raises(ModelFormatError, match=message):
@@ -363,19 +448,26 @@ def test_sliding_window_is_read_as_transformers_reads_it(tmp_path):
     assert model_config(mistral, "m").sliding_window == transformers.MistralConfig().sliding_window == 4096
     assert model_config(mistral | {"sliding_window": 64}, "m").kv_window() == 64
     assert model_config(base | {"sliding_window": 64}, "llama").kv_window() is None
-    ministral = base | {"architectures": ["MinistralForCausalLM"], "model_type": "ministral", "sliding_window": 64,
-                        "layer_types": ["full_attention", "sliding_attention"]}
+    ministral = base | {
+        "architectures": ["MinistralForCausalLM"],
+        "model_type": "ministral",
+        "sliding_window": 64,
+        "layer_types": ["full_attention", "sliding_attention"],
+    }
     config = model_config(ministral, "m")
     assert [config.layer_window(i) for i in range(LAYERS)] == [None, 64] and config.kv_window() is None
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"sliding_window": 0}, "sliding_window = 0 is not a positive integer"),
-    ({"sliding_window": -4096}, "sliding_window = -4096 is not a positive integer"),
-    ({"sliding_window": "4096"}, "sliding_window = '4096' is not a positive integer"),
-    ({"layer_types": ["sliding_attention"]}, "layer_types must give one of"),
-    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must give one of"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"sliding_window": 0}, "sliding_window = 0 is not a positive integer"),
+        ({"sliding_window": -4096}, "sliding_window = -4096 is not a positive integer"),
+        ({"sliding_window": "4096"}, "sliding_window = '4096' is not a positive integer"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types must give one of"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must give one of"),
+    ],
+)
 def test_bad_sliding_window_config(tmp_path, extra, message):
     write_dense(tmp_path, architectures=["MinistralForCausalLM"], model_type="ministral", **extra)
     with pytest.raises(ModelFormatError, match=message):
@@ -383,8 +475,13 @@ def test_bad_sliding_window_config(tmp_path, extra, message):
 
 
 def test_mistral_config_missing_a_field_it_needs(tmp_path):
-    write_dense(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=None,
-                num_hidden_layers=None)
+    write_dense(
+        tmp_path,
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        num_key_value_heads=None,
+        num_hidden_layers=None,
+    )
     with pytest.raises(ModelFormatError, match="config.json: num_hidden_layers is missing"):
         load_safetensors(tmp_path)
 
@@ -417,8 +514,11 @@ def test_shape_mismatch(tmp_path):
 
 def test_quantized_shape_mismatch(tmp_path):
     # 4-bit tensors under a config that says 8 bits: qweight holds half the rows 8-bit needs.
-    write_quantized(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 32},
-                    lambda n, k, gen: make_gptq(n, k, 4, 32, False, False, "gptq", gen))
+    write_quantized(
+        tmp_path,
+        {"quant_method": "gptq", "bits": 4, "group_size": 32},
+        lambda n, k, gen: make_gptq(n, k, 4, 32, False, False, "gptq", gen),
+    )
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"]["bits"] = 8
     (tmp_path / "config.json").write_text(json.dumps(config))

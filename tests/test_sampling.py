@@ -75,8 +75,17 @@ def test_penalties_follow_the_formulas():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(max_tokens=0),
-     dict(repetition_penalty=0), dict(presence_penalty=3), dict(stop=("",))],
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(min_p=1.0),
+        dict(max_tokens=0),
+        dict(repetition_penalty=0),
+        dict(presence_penalty=3),
+        dict(stop=("",)),
+    ],
 )
 def test_invalid_values_are_named(bad):
     with pytest.raises(RequestError) as e:

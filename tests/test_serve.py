@@ -48,8 +48,11 @@ def test_chat_streamed_and_whole_agree(client, model):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert whole.choices[0].finish_reason in ("stop", "length")
 
-    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert "".join(deltas) == whole.choices[0].message.content  # greedy: the same reply either way
     assert len([d for d in deltas if d]) > 1  # it streamed
@@ -71,8 +74,12 @@ def test_completions_streamed_and_whole_agree(client, model):
 def test_stop_strings_and_seeds(client, model):
     stopped = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, stop=["Paris"])
     assert stopped.choices[0].finish_reason == "stop" and "Paris" not in stopped.choices[0].message.content
-    sampled = [client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=1.0,
-                                              seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    sampled = [
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=1.0, seed=seed)
+        .choices[0]
+        .message.content
+        for seed in (7, 7, 8)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -83,8 +90,11 @@ def test_eight_concurrent_streams_are_batched(server, client, model):
 
     def ask(i: int) -> None:
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}], max_tokens=16,
-            stream=True)
+            model=model,
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+            max_tokens=16,
+            stream=True,
+        )
         replies.append("".join(c.choices[0].delta.content or "" for c in stream))
 
     def watch() -> None:
@@ -106,8 +116,9 @@ def test_eight_concurrent_streams_are_batched(server, client, model):
 
 
 def test_a_client_that_disconnects_frees_its_blocks(server, client, model):
-    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4000, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
@@ -124,7 +135,8 @@ def test_a_client_that_disconnects_frees_its_blocks(server, client, model):
 def test_a_wrong_or_missing_key_gets_401(server, model):
     with pytest.raises(openai.AuthenticationError) as err:
         openai.OpenAI(base_url=server, api_key="wrong-key", max_retries=0).chat.completions.create(
-            model=model, messages=QUESTION, max_tokens=1)
+            model=model, messages=QUESTION, max_tokens=1
+        )
     assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
     assert httpx2.get(server + "/models").status_code == 401  # no key at all
 
@@ -138,21 +150,28 @@ def test_a_wrong_or_missing_key_gets_401(server, model):
         ("/chat/completions", {"model": SERVED, "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
         ("/chat/completions", {"model": SERVED, "messages": [{"role": "user", "content": 42}]}, 400, "content"),
         ("/chat/completions", {"model": SERVED, "messages": "hi"}, 400, "messages"),
-        ("/chat/completions", {"model": SERVED, "messages": [{"role": "user", "content": "word " * 9000}]}, 400,
-         "context"),
+        (
+            "/chat/completions",
+            {"model": SERVED, "messages": [{"role": "user", "content": "word " * 9000}]},
+            400,
+            "context",
+        ),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "max_tokens": 10**9}, 400, "max_tokens"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "n": 2}, 400, "n = 2"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "frobnicate": True}, 400, "Unrecognized"),
-        ("/chat/completions", {"model": SERVED, "messages": QUESTION, "chat_template_kwargs": {"x": 1}}, 400,
-         "enable_thinking"),
+        (
+            "/chat/completions",
+            {"model": SERVED, "messages": QUESTION, "chat_template_kwargs": {"x": 1}},
+            400,
+            "enable_thinking",
+        ),
         ("/completions", {"model": SERVED, "prompt": [1, 2, 3]}, 400, "prompt"),
         ("/no/such/endpoint", {}, 404, "no such endpoint"),
     ],
 )
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, model, path, body, status,
-                                                                     words):
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, model, path, body, status, words):
     if isinstance(body, dict) and body.get("model") == SERVED:
         body = body | {"model": model}
     sent = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -167,8 +186,12 @@ def test_text_that_is_not_unicode_is_refused_and_the_server_keeps_serving(server
     """One message holding a lone surrogate (valid JSON, not Unicode text) ended the engine process: every later
     request got 503 "the engine process has exited"."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "\ud800 hi"}]}).encode()
-    reply = httpx2.post(server + "/chat/completions", content=body, timeout=60,
-                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    reply = httpx2.post(
+        server + "/chat/completions",
+        content=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert reply.status_code == 400 and "not valid Unicode" in reply.json()["error"]["message"]
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).choices[0].message.content
 
@@ -218,8 +241,9 @@ def test_run_on_the_server_answers_as_the_local_engine(server):
     ],
 )
 def test_run_on_a_bad_server_fails_in_one_line(server, url, key, args, words):
-    out = llamaterm("run", "--server", url.replace("SERVER", server.removesuffix("/v1")), "--api-key", key, *args,
-                    "hello")
+    out = llamaterm(
+        "run", "--server", url.replace("SERVER", server.removesuffix("/v1")), "--api-key", key, *args, "hello"
+    )
     assert out.returncode == 1 and words in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("llamaterm: ")
 

@@ -32,15 +32,18 @@ def split_stream(deltas: list[str]) -> tuple[str, str]:
     return thinking, answer
 
 
-@pytest.mark.parametrize("reply, thinking, answer", [
-    (REPLY, "The user says hi.\nGreet back.\n", "Hello!"),
-    ("  <think>x</think>y", "x", "y"),
-    ("<think>\n\n</think>\n\nHi", "", "Hi"),  # what Qwen3 writes with thinking off
-    ("<think>still thinking", "still thinking", ""),  # stopped before </think>
-    ("Hello <think> world", "", "Hello <think> world"),  # a tag not at the start is text
-    (" Hi\n", "", " Hi\n"),  # a reply that does not think is untouched
-    ("<thi", "", "<thi"),
-])
+@pytest.mark.parametrize(
+    "reply, thinking, answer",
+    [
+        (REPLY, "The user says hi.\nGreet back.\n", "Hello!"),
+        ("  <think>x</think>y", "x", "y"),
+        ("<think>\n\n</think>\n\nHi", "", "Hi"),  # what Qwen3 writes with thinking off
+        ("<think>still thinking", "still thinking", ""),  # stopped before </think>
+        ("Hello <think> world", "", "Hello <think> world"),  # a tag not at the start is text
+        (" Hi\n", "", " Hi\n"),  # a reply that does not think is untouched
+        ("<thi", "", "<thi"),
+    ],
+)
 def test_split_whole_and_streamed_in_every_cut(reply, thinking, answer):
     assert split_reply(reply) == (thinking, answer)
     for cut in range(1, len(reply)):  # tags split across deltas
@@ -52,9 +55,17 @@ def test_split_whole_and_streamed_in_every_cut(reply, thinking, answer):
 def qwen3_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3 with a tokenizer holding <think> and </think> and the real Qwen3 chat template."""
     folder = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"
-    config = transformers.Qwen3Config(vocab_size=384, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      max_position_embeddings=256, tie_word_embeddings=True)
+    config = transformers.Qwen3Config(
+        vocab_size=384,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     save_tiny_model(transformers.Qwen3ForCausalLM, config, folder)
     byte_level_bpe(folder, 384, ["<think>", "</think>", "<|im_start|>", "<|im_end|>"])
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -75,8 +86,9 @@ CHAT = [{"role": "user", "content": "Hi"}]
 @pytest.mark.parametrize("switch", [None, True, False])
 def test_the_thinking_switch_renders_the_template_as_transformers_does(engine, switch):
     extra = {} if switch is None else {"enable_thinking": switch}
-    want, _ = render_jinja_template(conversations=[CHAT], chat_template=QWEN3_TEMPLATE, add_generation_prompt=True,
-                                    **extra)
+    want, _ = render_jinja_template(
+        conversations=[CHAT], chat_template=QWEN3_TEMPLATE, add_generation_prompt=True, **extra
+    )
     assert engine.tokenizer.apply_chat_template(CHAT, enable_thinking=switch) == want[0]
     assert want[0].endswith("<think>\n\n</think>\n\n") == (switch is False)
     ids = engine.encode_prompt(CHAT, enable_thinking=switch)
@@ -125,6 +137,7 @@ def test_run_streams_the_answer_to_stdout_and_the_thinking_to_stderr(capsys, hid
 
 def test_run_flags(qwen3_dir):
     """--no-think switches the template (its prompt then holds the empty thinking block), --json has the parts."""
+
     def run(*flags) -> dict:
         out = llamaterm("run", "--model", str(qwen3_dir), "--json", "--max-tokens", "2", *flags, "Hi")
         assert out.returncode == 0, out.stderr

@@ -515,12 +515,15 @@ def test_text_that_is_not_unicode_is_refused(smollm, text):
 # ---- which chat template a Hugging Face folder ships: the engine and `llamaterm info` ask the same place ----
 
 
-@pytest.mark.parametrize("files", [
-    {"tokenizer_config.json": "C"},
-    {"tokenizer_config.json": "C", "chat_template.json": "J"},
-    {"tokenizer_config.json": "C", "chat_template.jinja": "K", "chat_template.json": "J"},
-    {"tokenizer_config.json": [("tool_use", "T"), ("default", "D")]},
-])
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"tokenizer_config.json": "C"},
+        {"tokenizer_config.json": "C", "chat_template.json": "J"},
+        {"tokenizer_config.json": "C", "chat_template.jinja": "K", "chat_template.json": "J"},
+        {"tokenizer_config.json": [("tool_use", "T"), ("default", "D")]},
+    ],
+)
 def test_a_folder_s_chat_template_as_transformers_picks_it(tmp_path, files):
     """tokenizer.py once took only a named template called "default" while `llamaterm info` fell back to the
     first, and neither read chat_template.json. Now both ask hf_files.chat_template_source, which picks what
@@ -531,8 +534,9 @@ def test_a_folder_s_chat_template_as_transformers_picks_it(tmp_path, files):
     config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
     for name, template in files.items():
         if name == "tokenizer_config.json":
-            config["chat_template"] = (body(template) if isinstance(template, str)
-                                       else [{"name": n, "template": body(t)} for n, t in template])
+            config["chat_template"] = (
+                body(template) if isinstance(template, str) else [{"name": n, "template": body(t)} for n, t in template]
+            )
         elif name == "chat_template.json":
             (tmp_path / name).write_text(json.dumps({"chat_template": body(template)}))
         else:

@@ -36,8 +36,7 @@ class Loader:
         self.taken[backend] = kv_share * self.free
         self.free -= self.taken[backend]
         name = backend.model or "default"
-        engine = self.engines[backend] = FakeEngine(lambda messages: f"{name} says hi", model_name=name,
-                                                    **self.options)
+        engine = self.engines[backend] = FakeEngine(lambda messages: f"{name} says hi", model_name=name, **self.options)
         return engine
 
 
@@ -150,8 +149,11 @@ def test_a_server_failing_mid_reply_fails_that_pane_only():
     served = FakeEngine(model_name="served-llama", hold=True)
     local = FakeEngine(model_name="local-llama")
     with served, app_server(served) as url:
-        app = ChatApp(lambda b, share: open_engine(b, share, None) if b.server else local, sessions=2,
-                      backends=[Backend(), Backend(server=url)])
+        app = ChatApp(
+            lambda b, share: open_engine(b, share, None) if b.server else local,
+            sessions=2,
+            backends=[Backend(), Backend(server=url)],
+        )
 
         async def scenario(pilot):
             await all_loaded(pilot, 2)

@@ -87,8 +87,11 @@ def ask_each_pane(app: ChatApp, question: str, max_tokens: int, check):
 def test_a_local_pane_beside_a_pane_on_llamaterm_serve(tmp_path, monkeypatch):
     with llamaterm_serve("--device", "cpu") as url:
         monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))  # the history; the server has read the store
-        app = ChatApp(lambda b, share: open_engine(b, share, None), sessions=2,
-                      backends=[Backend(str(DEFAULT)), Backend(server=url)])
+        app = ChatApp(
+            lambda b, share: open_engine(b, share, None),
+            sessions=2,
+            backends=[Backend(str(DEFAULT)), Backend(server=url)],
+        )
 
         def check(chat):
             here, there = (p.session for p in chat.panes)
@@ -105,8 +108,9 @@ def test_a_local_pane_beside_a_pane_on_llamaterm_serve(tmp_path, monkeypatch):
 def test_two_panes_on_two_local_models(tmp_path, monkeypatch):
     tiny = write_tiny_llama(tmp_path / "tiny.gguf", context_length=256)
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
-    app = ChatApp(lambda b, share: open_engine(b, share, None), sessions=2,
-                  backends=[Backend(str(DEFAULT)), Backend(str(tiny))])
+    app = ChatApp(
+        lambda b, share: open_engine(b, share, None), sessions=2, backends=[Backend(str(DEFAULT)), Backend(str(tiny))]
+    )
 
     def check(chat):
         names = [chat.engines[p.session.settings.backend].model_name for p in chat.panes]

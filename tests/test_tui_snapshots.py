@@ -56,8 +56,10 @@ def ask_panes(systems: list[str], hold: bool = False):
         await pilot.press(*QUESTION, "enter")
         panes = app.chat.panes
         if hold:  # all text is in, the requests still run: the stats show a live rate
-            await wait_until(pilot, lambda: all(p.session.messages[-1].content == PERSONAS[s]
-                                                for p, s in zip(panes, systems, strict=True)))
+            await wait_until(
+                pilot,
+                lambda: all(p.session.messages[-1].content == PERSONAS[s] for p, s in zip(panes, systems, strict=True)),
+            )
             await wait_until(pilot, lambda: not any(p.has_undrawn for p in panes))
         else:
             await idle(pilot)
@@ -85,8 +87,9 @@ def test_four_panes_streaming(snap_compare):
 
 def test_history_list(snap_compare):
     history = History.open()
-    for day, (title, text) in enumerate([("Rust lifetimes", "What is 'a?"), ("Sourdough", "Starter ratio?"),
-                                         ("Fibonacci", QUESTION)]):
+    for day, (title, text) in enumerate(
+        [("Rust lifetimes", "What is 'a?"), ("Sourdough", "Starter ratio?"), ("Fibonacci", QUESTION)]
+    ):
         cid = history.create_conversation(title, {})
         history.add_message(cid, "user", text)
         history.add_message(cid, "assistant", "An answer.", "stop")
@@ -106,8 +109,9 @@ def test_history_list(snap_compare):
 def test_settings_screen(snap_compare):
     async def run_before(pilot):
         await engine_ready(pilot)
-        pilot.app.chat.panes[0].session.configure(ChatSettings(system="Answer like a pirate.", temperature=0.7,
-                                                               seed=42))
+        pilot.app.chat.panes[0].session.configure(
+            ChatSettings(system="Answer like a pirate.", temperature=0.7, seed=42)
+        )
         await pilot.press("ctrl+s")
         still_cursors(pilot.app)
 

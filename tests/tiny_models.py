@@ -23,8 +23,18 @@ from llamaterm.engine.store.model_store import resolve_model
 
 # The fp16 scale fields of each block layout (byte offsets, ggml-common.h); random bytes elsewhere are valid.
 FP16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_XS": (0,),
 }
 # What llama.cpp's quantizer substitutes when rows are not whole 256-value blocks (ggml-quants.c).
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -47,16 +57,14 @@ _TOKENIZER_KEYS = {
 }
 
 
-def random_blocks(
-    qtype: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0
-) -> np.ndarray:
+def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
     """Random quantized rows uint8 [rows, bytes per row]: random bytes with finite fp16 scales of magnitude
     `scale` (times 0.5..1, random sign). Every bit pattern of the other fields is a valid block."""
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
     for at in FP16_FIELDS[qtype]:
         d = scale * rng.uniform(0.5, 1.0, blocks.shape[:2]) * rng.choice([-1.0, 1.0], blocks.shape[:2])
-        blocks[..., at:at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -68,8 +76,11 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 @functools.cache
 def _tokenizer_metadata(path: Path) -> dict[str, object]:
     metadata = read_gguf_info(path)["metadata"]
-    return {key: value.tolist() if isinstance(value, np.ndarray) else value  # GGUFWriter takes lists
-            for key, value in metadata.items() if key in _TOKENIZER_KEYS}
+    return {
+        key: value.tolist() if isinstance(value, np.ndarray) else value  # GGUFWriter takes lists
+        for key, value in metadata.items()
+        if key in _TOKENIZER_KEYS
+    }
 
 
 def _add_matrix(writer: GGUFWriter, name: str, w: np.ndarray, qtype: str, rng: np.random.Generator) -> None:
@@ -154,8 +165,9 @@ def write_tiny_llama(
         _add_matrix(writer, name, converter_permute(w, permute_heads) if permute_heads else w, qtype, rng)
         if attention_bias and name.split(".")[-2] in ("attn_q", "attn_k", "attn_v"):
             b = rng.normal(0.0, 0.02, size=rows).astype(np.float32)
-            writer.add_tensor(name.replace(".weight", ".bias"), converter_permute(b, permute_heads)
-                              if permute_heads else b)
+            writer.add_tensor(
+                name.replace(".weight", ".bias"), converter_permute(b, permute_heads) if permute_heads else b
+            )
 
     def norm(name: str) -> None:
         writer.add_tensor(name, (1.0 + rng.normal(0.0, 0.1, size=hidden)).astype(np.float32))

@@ -28,8 +28,13 @@ class ChatApp(App):
     TITLE = "llamaterm"
     CSS_PATH = [ASSETS / "chat.tcss", ASSETS / "dialogs.tcss"]
 
-    def __init__(self, load_engine: Callable[[Backend, float], object], sessions: int = 1,
-                 system: str | None = None, backends: list[Backend] | None = None):
+    def __init__(
+        self,
+        load_engine: Callable[[Backend, float], object],
+        sessions: int = 1,
+        system: str | None = None,
+        backends: list[Backend] | None = None,
+    ):
         """load_engine(backend, kv_share) runs in a worker thread and returns the backend's engine (open_engine, or
         a stand-in). The panes take `backends` in turn (default: the default local model).
 
@@ -113,5 +118,9 @@ class ChatApp(App):
 
 def run_tui(backends: list[Backend], sessions: int, system: str | None, api_key: str | None = None) -> None:
     """`llamaterm chat`: the TUI with `sessions` panes, which take `backends` in turn."""
-    ChatApp(lambda backend, kv_share: open_engine(backend, kv_share, api_key), sessions=sessions, system=system,
-            backends=backends).run()
+    ChatApp(
+        lambda backend, kv_share: open_engine(backend, kv_share, api_key),
+        sessions=sessions,
+        system=system,
+        backends=backends,
+    ).run()

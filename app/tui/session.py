@@ -124,8 +124,9 @@ class Session:
         """Send the queued request. One the engine refuses (too long for the context) ends with its reason."""
         self.queued, self.engine = False, engine
         try:
-            self.handle = engine.submit(self.request_messages(), self.settings.sampling_params(),
-                                        enable_thinking=self.settings.thinking)
+            self.handle = engine.submit(
+                self.request_messages(), self.settings.sampling_params(), enable_thinking=self.settings.thinking
+            )
         except RequestError as e:
             self._end_reply("error", str(e))
 

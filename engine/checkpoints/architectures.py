@@ -17,8 +17,12 @@ class Family:
 
 FAMILIES = (
     # llama.cpp writes Mistral models as "llama"
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM"),
-           "Llama 2/3, Mistral, Ministral, SmolLM", ("llama", "mistral", "ministral")),
+    Family(
+        "llama",
+        ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM"),
+        "Llama 2/3, Mistral, Ministral, SmolLM",
+        ("llama", "mistral", "ministral"),
+    ),
     Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen", ("qwen2",)),
     Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3 (dense)", ("qwen3",)),
     Family("phi3", ("Phi3ForCausalLM",), "Phi-3, Phi-3.5, Phi-4-mini", ("phi3",)),

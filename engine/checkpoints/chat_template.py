@@ -110,6 +110,7 @@ def _format_bound(fmt: str, args) -> int:
 def _check_call(name: str, target, args: tuple, kwargs: dict, method: bool) -> None:
     """Refuse a call whose result would pass MAX_OUTPUT_CHARS: of the method `name` of `target` (method=True), or
     of the filter `name` on the value `target`."""
+
     def arg(i: int, key: str, default=None):
         return args[i] if len(args) > i else kwargs.get(key, default)
 
@@ -139,8 +140,10 @@ def _check_call(name: str, target, args: tuple, kwargs: dict, method: bool) -> N
     elif name in ("indent", "expandtabs", "wordwrap") and isinstance(target, str):
         if name == "indent":  # the width, a number or a string, at every line
             width = arg(0, "width", 4)
-            _check_size(what, len(target) + (len(width) if isinstance(width, str) else int(width or 0))
-                        * (target.count("\n") + 1))
+            _check_size(
+                what,
+                len(target) + (len(width) if isinstance(width, str) else int(width or 0)) * (target.count("\n") + 1),
+            )
         elif name == "expandtabs":
             _check_size(what, len(target) + int(arg(0, "tabsize", 8) or 0) * target.count("\t"))
         else:  # at worst a wrapstring after every character
@@ -233,8 +236,10 @@ class ChatTemplate:
 
     def __init__(self, source: str):
         if len(source) > MAX_TEMPLATE_CHARS:
-            raise ModelFormatError(f"the model's chat template is {len(source)} characters long, beyond any real "
-                                   f"template (at most {MAX_TEMPLATE_CHARS}); the file is damaged or hostile")
+            raise ModelFormatError(
+                f"the model's chat template is {len(source)} characters long, beyond any real "
+                f"template (at most {MAX_TEMPLATE_CHARS}); the file is damaged or hostile"
+            )
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as err:
@@ -244,8 +249,15 @@ class ChatTemplate:
         except Exception as err:  # the compiler on hostile input: RecursionError, MemoryError, ...
             raise ModelFormatError(f"the model's chat template does not compile: {type(err).__name__}") from err
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool, bos_token: str, eos_token: str,
-               enable_thinking: bool | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool,
+        bos_token: str,
+        eos_token: str,
+        enable_thinking: bool | None = None,
+    ) -> str:
         """enable_thinking: the thinking switch of templates that have one (Qwen3's); None leaves it undefined, so
         each template takes its own default."""
         switches = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
@@ -264,11 +276,12 @@ class ChatTemplate:
         except _TemplateRaised as err:
             raise RequestError(f"the model's chat template refuses this conversation: {err.message}") from err
         except _OverBudget as err:
-            raise ModelFormatError(f"the model's chat template was stopped: {err.message}; the template is broken "
-                                   "or hostile (run with --raw to skip it)") from err
+            raise ModelFormatError(
+                f"the model's chat template was stopped: {err.message}; the template is broken "
+                "or hostile (run with --raw to skip it)"
+            ) from err
         except Exception as err:  # untrusted code can fail in any way (TypeError, SecurityError, ...)
-            raise ModelFormatError(f"the model's chat template failed: {type(err).__name__}: "
-                                   f"{str(err)[:200]}") from err
+            raise ModelFormatError(f"the model's chat template failed: {type(err).__name__}: {str(err)[:200]}") from err
 
 
 def _within_budget(chunks) -> str:

@@ -88,11 +88,15 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     entries = header.items() if isinstance(header, dict) else [(None, None)]
     for name, t in entries:
         if name != "__metadata__" and not (
-            isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+            isinstance(t, dict)
+            and isinstance(t.get("dtype"), str)
+            and isinstance(t.get("shape"), list)
             and all(isinstance(d, int) and d >= 0 for d in t["shape"])
         ):
-            raise ModelFormatError(f"{path}: the safetensors header does not describe tensor {name!r} (a dtype and "
-                                   "a shape); the file is damaged: re-download it")
+            raise ModelFormatError(
+                f"{path}: the safetensors header does not describe tensor {name!r} (a dtype and "
+                "a shape); the file is damaged: re-download it"
+            )
     return header
 
 
@@ -125,8 +129,9 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
             numel = math.prod(t["shape"])
             if name.endswith((".qweight", ".weight_packed")) and bits and 0 < bits <= 32:
                 parameters += numel * (32 // bits)  # GPTQ / AWQ / compressed-tensors: 32 // bits weights an int32
-            elif not name.endswith((".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point",
-                                    ".weight_shape")):  # quantization bookkeeping, not weights
+            elif not name.endswith(
+                (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape")
+            ):  # quantization bookkeeping, not weights
                 parameters += numel
     return CheckpointInfo(
         format="safetensors",

@@ -57,28 +57,37 @@ class ModelConfig:
             if f.type in (int, "int") and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ModelFormatError(f"{f.name} = {value!r} is not a positive integer")
         if self.n_heads % self.n_kv_heads or self.head_dim % 2:
-            raise ModelFormatError(f"inconsistent attention shape: {self.n_heads} heads, {self.n_kv_heads} kv "
-                                   f"heads, head_dim {self.head_dim} (heads must be a multiple of kv heads, "
-                                   "head_dim even)")
+            raise ModelFormatError(
+                f"inconsistent attention shape: {self.n_heads} heads, {self.n_kv_heads} kv "
+                f"heads, head_dim {self.head_dim} (heads must be a multiple of kv heads, "
+                "head_dim even)"
+            )
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise ModelFormatError(f"RoPE rotates {self.rotary_dim} dims of a head of {self.head_dim}: it must be "
-                                   "an even number, at most the head size")
+            raise ModelFormatError(
+                f"RoPE rotates {self.rotary_dim} dims of a head of {self.head_dim}: it must be "
+                "an even number, at most the head size"
+            )
         for name in ("rope_freq_factors", "rope_long_factors"):
             factors = getattr(self, name)
             if factors is not None and len(factors) != self.rotary_dim // 2:
-                raise ModelFormatError(f"{len(factors)} RoPE {name.split('_')[1]} factors for {self.rotary_dim} "
-                                       f"rotated dims: there must be {self.rotary_dim // 2}")
+                raise ModelFormatError(
+                    f"{len(factors)} RoPE {name.split('_')[1]} factors for {self.rotary_dim} "
+                    f"rotated dims: there must be {self.rotary_dim // 2}"
+                )
         if self.activation not in ("silu", "gelu_tanh"):
             raise ModelFormatError(f"unsupported activation {self.activation!r} (llamaterm runs silu and gelu_tanh)")
         if (self.rope_long_factors is None) != (self.rope_long_from is None):
             raise ModelFormatError("LongRoPE needs both its long factors and the original context length")
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
-            raise ModelFormatError(f"sliding_window = {window!r} is not a positive integer (the tokens each query "
-                                   "sees; leave it out for full attention)")
+            raise ModelFormatError(
+                f"sliding_window = {window!r} is not a positive integer (the tokens each query "
+                "sees; leave it out for full attention)"
+            )
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
-            raise ModelFormatError(f"the sliding-window layer pattern has {len(self.sliding_layers)} entries for "
-                                   f"{self.n_layers} layers")
+            raise ModelFormatError(
+                f"the sliding-window layer pattern has {len(self.sliding_layers)} entries for {self.n_layers} layers"
+            )
 
     def is_sliding(self, layer: int) -> bool:
         """Whether a layer is of the sliding kind (Gemma 3 gives those a RoPE base of their own), whatever its
@@ -134,8 +143,17 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     be there."""
     q, kv, h, ffn = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
     shapes = {"token_embd.weight": (c.vocab_size, h), "output_norm.weight": (h,), "output.weight": (c.vocab_size, h)}
-    layer = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
-             "ffn_norm": (h,), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn)}
+    layer = {
+        "attn_norm": (h,),
+        "attn_q": (q, h),
+        "attn_k": (kv, h),
+        "attn_v": (kv, h),
+        "attn_output": (h, q),
+        "ffn_norm": (h,),
+        "ffn_gate": (ffn, h),
+        "ffn_up": (ffn, h),
+        "ffn_down": (h, ffn),
+    }
     if c.fused_projections:
         del layer["attn_q"], layer["attn_k"], layer["attn_v"], layer["ffn_gate"]
         layer |= {"attn_qkv": (q + 2 * kv, h), "ffn_up": (2 * ffn, h)}

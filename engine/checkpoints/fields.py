@@ -57,8 +57,10 @@ def read(data: Mapping, key: str, kind, default=MISSING, *, where: str, positive
         return value
     if positive:
         expected = f"a positive {'integer' if kind is int else 'number'}"
-    raise ModelFormatError(f"{where}: {key} = {_shown(value)} is not {expected}; the file is damaged or was "
-                           "made by a broken converter: re-download the model")
+    raise ModelFormatError(
+        f"{where}: {key} = {_shown(value)} is not {expected}; the file is damaged or was "
+        "made by a broken converter: re-download the model"
+    )
 
 
 def _shown(value) -> str:

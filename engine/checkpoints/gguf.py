@@ -37,8 +37,17 @@ REDOWNLOAD = "Re-download it (or re-convert it with a current llama.cpp)."
 
 _V = GGUFValueType
 _SCALAR_FORMATS = {
-    _V.UINT8: "<B", _V.INT8: "<b", _V.UINT16: "<H", _V.INT16: "<h", _V.UINT32: "<I", _V.INT32: "<i",
-    _V.UINT64: "<Q", _V.INT64: "<q", _V.FLOAT32: "<f", _V.FLOAT64: "<d", _V.BOOL: "<?",
+    _V.UINT8: "<B",
+    _V.INT8: "<b",
+    _V.UINT16: "<H",
+    _V.INT16: "<h",
+    _V.UINT32: "<I",
+    _V.INT32: "<i",
+    _V.UINT64: "<Q",
+    _V.INT64: "<q",
+    _V.FLOAT32: "<f",
+    _V.FLOAT64: "<d",
+    _V.BOOL: "<?",
 }
 _MAX_ARRAY_NESTING = 4  # the spec allows arrays of arrays; real files use none
 
@@ -77,10 +86,11 @@ class _Reader:
 
     def take(self, n: int, what: str) -> memoryview:
         if self.pos + n > len(self.mv):
-            raise _bad(self.path, f"the file is truncated: {what} at byte {self.pos} runs past its end "
-                                  f"({len(self.mv)} bytes)")
+            raise _bad(
+                self.path, f"the file is truncated: {what} at byte {self.pos} runs past its end ({len(self.mv)} bytes)"
+            )
         self.pos += n
-        return self.mv[self.pos - n:self.pos]
+        return self.mv[self.pos - n : self.pos]
 
     def scalar(self, fmt: str, what: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
@@ -89,8 +99,11 @@ class _Reader:
         """A u64 element count, checked against the bytes left so that absurd counts fail at once."""
         n = self.scalar("<Q", what)
         if n * item_size > (left := len(self.mv) - self.pos):
-            raise _bad(self.path, f"the file is truncated or corrupt: {what} claims {n} entries, more than the "
-                                  f"{left} bytes left can hold")
+            raise _bad(
+                self.path,
+                f"the file is truncated or corrupt: {what} claims {n} entries, more than the "
+                f"{left} bytes left can hold",
+            )
         return n
 
     def string(self, what: str) -> str:
@@ -152,12 +165,18 @@ def read_gguf_file(path: Path) -> GGUFFile:
     r = _Reader(path, buf)
     magic = bytes(r.take(4, "the magic bytes")) if size >= 4 else b""
     if magic != b"GGUF":
-        raise _bad(path, f"not a GGUF file (it starts with {bytes(buf[:4])!r}, not b'GGUF')",
-                   "llamaterm loads llama.cpp GGUF models (*.gguf): check the path, or re-download the file.")
+        raise _bad(
+            path,
+            f"not a GGUF file (it starts with {bytes(buf[:4])!r}, not b'GGUF')",
+            "llamaterm loads llama.cpp GGUF models (*.gguf): check the path, or re-download the file.",
+        )
     version = r.scalar("<I", "the version")
     if version not in (2, 3):
-        problem = ("a big-endian GGUF file, which llamaterm does not read" if version & 0xFFFF == 0
-                   else f"GGUF version {version}; llamaterm reads versions 2 and 3")
+        problem = (
+            "a big-endian GGUF file, which llamaterm does not read"
+            if version & 0xFFFF == 0
+            else f"GGUF version {version}; llamaterm reads versions 2 and 3"
+        )
         raise _bad(path, problem, "Download a little-endian GGUF of version 3 (current llama.cpp writes it).")
     n_tensors = r.count(24, "the tensor count")  # a tensor info takes at least 24 bytes
     n_keys = r.count(13, "the metadata key count")  # a key/value pair takes at least 13 bytes
@@ -189,21 +208,30 @@ def read_gguf_file(path: Path) -> GGUFFile:
         if name in tensors:
             raise _bad(path, f"tensor {name!r} appears twice")
         if type_id not in GGML_QUANT_SIZES:  # GGML_QUANT_SIZES is keyed by the enum, whose members equal ints
-            raise _bad(path, f"tensor {name!r} has an unknown type id {type_id} (new format or corrupt file)",
-                       "Update llamaterm, or download a GGUF quantized with a common type (Q4_K_M, Q8_0).")
+            raise _bad(
+                path,
+                f"tensor {name!r} has an unknown type id {type_id} (new format or corrupt file)",
+                "Update llamaterm, or download a GGUF quantized with a common type (Q4_K_M, Q8_0).",
+            )
         ggml_type = GGMLQuantizationType(type_id)
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         if min(dims) == 0:
             raise _bad(path, f"tensor {name!r} has shape {dims}, with an empty dimension")
         if dims[0] % block_size:
-            raise _bad(path, f"tensor {name!r} has shape {dims}, whose rows are not a whole number of "
-                             f"{ggml_type.name} blocks of {block_size} values")
+            raise _bad(
+                path,
+                f"tensor {name!r} has shape {dims}, whose rows are not a whole number of "
+                f"{ggml_type.name} blocks of {block_size} values",
+            )
         n_bytes = math.prod(dims) // block_size * type_size
         start = data_start + offset
         if offset % alignment or start + n_bytes > size:
-            raise _bad(path, f"tensor {name!r} lies at bytes {start}..{start + n_bytes}, misaligned or "
-                             f"beyond the end of the file ({size} bytes): the file is truncated or corrupt")
-        tensors[name] = RawTensor(name, ggml_type, tuple(reversed(dims)), buf[start:start + n_bytes])
+            raise _bad(
+                path,
+                f"tensor {name!r} lies at bytes {start}..{start + n_bytes}, misaligned or "
+                f"beyond the end of the file ({size} bytes): the file is truncated or corrupt",
+            )
+        tensors[name] = RawTensor(name, ggml_type, tuple(reversed(dims)), buf[start : start + n_bytes])
     return GGUFFile(path, metadata, tensors)
 
 
@@ -219,19 +247,27 @@ def read_gguf_parts(path: Path) -> GGUFFile:
         return first
     no, shard = split_key(first, "split.no"), SPLIT_GGUF.fullmatch(path.name)
     if no != 0 or not shard or int(shard["no"]) != 1 or int(shard["count"]) != count:
-        raise _bad(path, f"this is part {no!r} (counting from 0) of a model split into {count!r} files",
-                   "Load the first part, the file named like <name>-00001-of-000NN.gguf.")
+        raise _bad(
+            path,
+            f"this is part {no!r} (counting from 0) of a model split into {count!r} files",
+            "Load the first part, the file named like <name>-00001-of-000NN.gguf.",
+        )
     parts = [path.with_name(f"{shard['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
     missing = [p.name for p in parts if not p.exists()]
     if missing:
-        raise ModelFormatError(f"{path}: the model is split into {count} files and these are missing: "
-                               f"{', '.join(missing)}. Download every part into {path.parent}.")
+        raise ModelFormatError(
+            f"{path}: the model is split into {count} files and these are missing: "
+            f"{', '.join(missing)}. Download every part into {path.parent}."
+        )
     tensors = dict(first.tensors)
     for no, part_path in enumerate(parts, start=1):
         part = read_gguf_file(part_path)
         if (split_key(part, "split.no"), split_key(part, "split.count")) != (no, count):
-            raise _bad(part_path, f"its split keys do not say part {no} of {count} (counting from 0)",
-                       "The parts come from different models or downloads: download every part again.")
+            raise _bad(
+                part_path,
+                f"its split keys do not say part {no} of {count} (counting from 0)",
+                "The parts come from different models or downloads: download every part again.",
+            )
         if repeated := sorted(tensors.keys() & part.tensors.keys()):
             raise _bad(part_path, f"it repeats tensors of earlier parts: {', '.join(repeated[:3])}")
         tensors.update(part.tensors)
@@ -276,13 +312,17 @@ def _config(f: GGUFFile) -> ModelConfig:
     head_dim = get("attention.key_length", max(hidden // n_heads, 1))
     rope_dim = get("rope.dimension_count", head_dim)
     if get("attention.value_length", head_dim) != head_dim:
-        raise _bad(path, f"{arch}.attention.value_length differs from key_length {head_dim}, which llamaterm "
-                         "does not run", "Pick a standard model of the family.")
+        raise _bad(
+            path,
+            f"{arch}.attention.value_length differs from key_length {head_dim}, which llamaterm does not run",
+            "Pick a standard model of the family.",
+        )
     n_layers = get("block_count")
     # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
     # and Gemma 3's pattern, left out of its GGUFs, is llama.cpp's: every sixth layer global
-    window, sliding_layers = ((None, None) if arch == "phi3" else
-                              _sliding_window(f, arch, n_layers, 6 if arch == "gemma3" else None))
+    window, sliding_layers = (
+        (None, None) if arch == "phi3" else _sliding_window(f, arch, n_layers, 6 if arch == "gemma3" else None)
+    )
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
     fields = dict(
@@ -308,20 +348,26 @@ def _config(f: GGUFFile) -> ModelConfig:
         sliding_layers=sliding_layers,
     )
     if arch == "gemma3":  # the converter stores its norms as 1 + weight already; the rest as llama.cpp defaults it
-        fields |= dict(post_norms=True, activation="gelu_tanh", embedding_scale=hidden**0.5,
-                       # query_pre_attn_scalar is no GGUF key: llama.cpp's scale is 27B's (62 layers) or head_dim's
-                       attention_scale=(hidden // n_heads if n_layers == 62 else head_dim) ** -0.5,
-                       rope_theta_sliding=get("rope.freq_base_swa", 10000.0, float),
-                       final_logit_softcap=read(meta, f"{arch}.final_logit_softcapping", float, None,
-                                                where=str(path), positive=True))
+        fields |= dict(
+            post_norms=True,
+            activation="gelu_tanh",
+            embedding_scale=hidden**0.5,
+            # query_pre_attn_scalar is no GGUF key: llama.cpp's scale is 27B's (62 layers) or head_dim's
+            attention_scale=(hidden // n_heads if n_layers == 62 else head_dim) ** -0.5,
+            rope_theta_sliding=get("rope.freq_base_swa", 10000.0, float),
+            final_logit_softcap=read(
+                meta, f"{arch}.final_logit_softcapping", float, None, where=str(path), positive=True
+            ),
+        )
     try:
         return ModelConfig(**fields)
     except ModelFormatError as e:  # the checks every reader shares
         raise _bad(path, str(e)) from None
 
 
-def _sliding_window(f: GGUFFile, arch: str, n_layers: int, period: int | None
-                    ) -> tuple[int | None, tuple[bool, ...] | None]:
+def _sliding_window(
+    f: GGUFFile, arch: str, n_layers: int, period: int | None
+) -> tuple[int | None, tuple[bool, ...] | None]:
     """(window, which layers use it) from {arch}.attention.sliding_window (0 or absent: none, as llama.cpp reads
     it) and .sliding_window_pattern: a bool per layer (true: sliding), or a period n (every nth layer is global, as
     llama.cpp's set_swa_pattern); absent: the family's period, else every layer slides."""
@@ -352,8 +398,9 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
     one factor for all, LongRoPE (Phi-3) has short and long factor tensors. Called once the tensors have been
     checked against the config, which bounds their shapes."""
     arch, half = c.arch, c.rotary_dim // 2
-    get = lambda key, kind, default=None: read(f.metadata, f"{arch}.{key}", kind, default, where=str(f.path),
-                                               positive=kind is float)
+    get = lambda key, kind, default=None: read(
+        f.metadata, f"{arch}.{key}", kind, default, where=str(f.path), positive=kind is float
+    )
 
     def factors(name: str) -> list[float] | None:
         if (t := f.tensors.get(name)) is None:
@@ -370,9 +417,12 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
         raise _bad(f.path, "it has one of rope_factors_short and rope_factors_long but not the other")
     if long is not None:
         # llama.cpp's defaults: the original context is the trained one, the attention factor 1
-        return dict(rope_freq_factors=tuple(short), rope_long_factors=tuple(long),
-                    rope_long_from=int(get("rope.scaling.original_context_length", int, c.context_length)),
-                    rope_attention_factor=float(get("rope.scaling.attn_factor", float, 1.0)))
+        return dict(
+            rope_freq_factors=tuple(short),
+            rope_long_factors=tuple(long),
+            rope_long_from=int(get("rope.scaling.original_context_length", int, c.context_length)),
+            rope_attention_factor=float(get("rope.scaling.attn_factor", float, 1.0)),
+        )
     legacy_linear = get("rope.scale_linear", float)  # the old spelling of linear scaling
     scaling = get("rope.scaling.type", str, "none" if legacy_linear is None else "linear")
     if scaling == "linear":
@@ -381,8 +431,11 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
             raise _bad(f.path, f"{arch}.rope.scaling.factor is missing for linear RoPE scaling")
         freqs = [x * factor for x in (freqs or [1.0] * half)]
     elif scaling != "none":
-        raise _bad(f.path, f"RoPE scaling {scaling!r} is not supported (only linear, Llama-3 and LongRoPE are)",
-                   "Pick a model without that context extension.")
+        raise _bad(
+            f.path,
+            f"RoPE scaling {scaling!r} is not supported (only linear, Llama-3 and LongRoPE are)",
+            "Pick a model without that context extension.",
+        )
     return dict(rope_freq_factors=None if freqs is None else tuple(freqs))
 
 
@@ -401,18 +454,26 @@ def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
         raise _bad(f.path, f"tensors are missing: {', '.join(missing[:5])}{' ...' if missing[5:] else ''}")
     for name, t in f.tensors.items():
         if name not in shapes:
-            raise _bad(f.path, f"tensor {name!r} is not part of a {c.arch} model",
-                       "It is a variant llamaterm does not run: pick a standard model of the family.")
+            raise _bad(
+                f.path,
+                f"tensor {name!r} is not part of a {c.arch} model",
+                "It is a variant llamaterm does not run: pick a standard model of the family.",
+            )
         if t.shape != shapes[name]:
             raise _bad(f.path, f"tensor {name!r} has shape {t.shape}; the metadata implies {shapes[name]}")
         if t.type in _UNPACK and len(t.shape) == 1:
-            raise _bad(f.path, f"tensor {name!r} is a vector quantized as {t.type.name}; llamaterm expects "
-                               "vectors in F32, F16 or BF16")
+            raise _bad(
+                f.path,
+                f"tensor {name!r} is a vector quantized as {t.type.name}; llamaterm expects "
+                "vectors in F32, F16 or BF16",
+            )
         if t.type not in _DENSE and t.type not in _UNPACK:
             supported = ", ".join(x.name for x in _DENSE | _UNPACK)
-            raise _bad(f.path, f"tensor {name!r} has type {t.type.name}, which llamaterm does not support "
-                               f"(supported: {supported})",
-                       "Download a GGUF quantized with a supported type, e.g. Q4_K_M, Q4_0 or Q8_0.")
+            raise _bad(
+                f.path,
+                f"tensor {name!r} has type {t.type.name}, which llamaterm does not support (supported: {supported})",
+                "Download a GGUF quantized with a supported type, e.g. Q4_K_M, Q4_0 or Q8_0.",
+            )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -420,14 +481,17 @@ def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
 # Each unpacker takes blocks uint8 [rows, n_blocks, type_size] and returns q uint8 [rows, n_blocks,
 # block_size], scales and offsets (or None) [rows, n_blocks, groups per block], bits and group size.
 
-_DENSE = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
-          GGMLQuantizationType.BF16: torch.bfloat16}
+_DENSE = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 _SHIFTS = np.arange(8, dtype=np.uint8)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     """The fp16 field at byte `at` of every block."""
-    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]
+    return np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0]
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -478,11 +542,21 @@ _UNPACK = {
     # w = d*q + m
     GGMLQuantizationType.Q4_1: lambda b: (_nibbles(b[..., 4:20]), _f16(b, 0), _f16(b, 2), 4, 32),
     # w = d*(q5 - 16), q5 stored as q5 + 112 in 8 bits
-    GGMLQuantizationType.Q5_0: lambda b: ((_nibbles(b[..., 6:22]) | _bits(b[..., 2:6]) << 4) + 112,
-                                          _f16(b, 0), None, 8, 32),
+    GGMLQuantizationType.Q5_0: lambda b: (
+        (_nibbles(b[..., 6:22]) | _bits(b[..., 2:6]) << 4) + 112,
+        _f16(b, 0),
+        None,
+        8,
+        32,
+    ),
     # w = d*q5 + m
-    GGMLQuantizationType.Q5_1: lambda b: (_nibbles(b[..., 8:24]) | _bits(b[..., 4:8]) << 4,
-                                          _f16(b, 0), _f16(b, 2), 8, 32),
+    GGMLQuantizationType.Q5_1: lambda b: (
+        _nibbles(b[..., 8:24]) | _bits(b[..., 4:8]) << 4,
+        _f16(b, 0),
+        _f16(b, 2),
+        8,
+        32,
+    ),
     # w = d*q8, the int8 q8 stored as q8 + 128
     GGMLQuantizationType.Q8_0: lambda b: (b[..., 2:34] ^ 0x80, _f16(b, 0), None, 8, 32),
     GGMLQuantizationType.Q4_K: lambda b: (_k_nibbles(b[..., 16:144]), *_k_affine(b), 4, 32),
@@ -537,7 +611,6 @@ def load_gguf(path: str | Path) -> Checkpoint:
         if config.arch == "llama" and (".attn_q." in name or ".attn_k." in name):  # the one family permuted
             t = _unpermute(t, config.n_heads if ".attn_q." in name else config.n_kv_heads)
         tensors[name] = w = convert_tensor(t)
-        if isinstance(w, QuantWeight) and not all(x.isfinite().all() for x in (w.scales, w.offsets)
-                                                  if x is not None):
+        if isinstance(w, QuantWeight) and not all(x.isfinite().all() for x in (w.scales, w.offsets) if x is not None):
             raise _bad(f.path, f"tensor {name!r} has scales that are NaN or beyond the fp16 range (corrupt)")
     return Checkpoint(config=config, tensors=tensors, metadata=f.metadata, path=f.path)

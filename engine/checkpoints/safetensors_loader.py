@@ -46,9 +46,11 @@ LAYER_MODULES = {
     "mlp.down_proj": "ffn_down",
 }
 # Gemma 3 norms each block's input, its attention's output, the MLP's input and its output
-GEMMA_LAYER_MODULES = LAYER_MODULES | {"post_attention_layernorm": "post_attention_norm",
-                                       "pre_feedforward_layernorm": "ffn_norm",
-                                       "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA_LAYER_MODULES = LAYER_MODULES | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 # transformers' config.json spellings of the MLP activations llamaterm runs
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # A RoPE buffer that older transformers versions saved with the weights; it is recomputed from the config.
@@ -71,8 +73,10 @@ class QuantScheme:
 
 
 # compressed-tensors: what llamaterm reads, for its refusals
-COMPRESSED_TENSORS_SUPPORTED = ("compressed-tensors pack-quantized W4A16 / W8A16 (integer weights, group or "
-                                "channel scales, symmetric or asymmetric)")
+COMPRESSED_TENSORS_SUPPORTED = (
+    "compressed-tensors pack-quantized W4A16 / W8A16 (integer weights, group or "
+    "channel scales, symmetric or asymmetric)"
+)
 
 
 def load_safetensors(model_dir: Path) -> Checkpoint:
@@ -121,22 +125,26 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     if arch in SLIDING_WINDOW_ARCHITECTURES:  # Llama ignores a sliding_window key; these read it
         window, sliding_layers = sliding_window(hf, n_layers)
     elif gemma:  # every sixth layer global, unless the config says otherwise (Gemma3TextConfig's default)
-        window, sliding_layers = sliding_window(hf, n_layers, field(hf, "sliding_window_pattern", int, 6,
-                                                                    positive=True))
+        window, sliding_layers = sliding_window(
+            hf, n_layers, field(hf, "sliding_window_pattern", int, 6, positive=True)
+        )
     elif family == "phi3":  # transformers' Phi-3 slides where its config gives a window (Phi-3-mini-4k: 2047)
         window = size("sliding_window", None)
     if family in ("qwen2", "qwen3") and field(hf, "use_sliding_window", bool, False):
         raise ModelFormatError("config.json: use_sliding_window (Qwen's window on its upper layers) is not supported")
     act = field(hf, "hidden_activation" if gemma else "hidden_act", str, "gelu_pytorch_tanh" if gemma else "silu")
     if ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
-        raise ModelFormatError(f"unsupported activation {act!r} for {arch} (llamaterm runs {', '.join(ACTIVATIONS)}, "
-                               "each where its family uses it)")
+        raise ModelFormatError(
+            f"unsupported activation {act!r} for {arch} (llamaterm runs {', '.join(ACTIVATIONS)}, "
+            "each where its family uses it)"
+        )
     if field(hf, "attn_logit_softcapping", float, None) is not None:
         raise ModelFormatError("config.json: attn_logit_softcapping (Gemma 2's) is not supported")
     # Qwen3's and Gemma 3's config defaults differ from hidden / heads (transformers: 128, 256); their files say
     head_dim = size("head_dim", MISSING if family in ("qwen3", "gemma3") else max(hidden_size // n_heads, 1))
-    partial = field(rope_params(hf), "partial_rotary_factor", float, field(hf, "partial_rotary_factor", float, 1.0),
-                    positive=True)
+    partial = field(
+        rope_params(hf), "partial_rotary_factor", float, field(hf, "partial_rotary_factor", float, 1.0), positive=True
+    )
     config = ModelConfig(
         arch=family,
         name=name,
@@ -150,8 +158,9 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         vocab_size=size("vocab_size"),
         context_length=context_length,
         rms_norm_eps=float(field(hf, "rms_norm_eps", float, 1e-6, positive=True)),
-        rope_theta=float(field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0),
-                               positive=True)),
+        rope_theta=float(
+            field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0), positive=True)
+        ),
         tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, gemma)),  # transformers' defaults
         qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
         qk_norm=family in ("qwen3", "gemma3"),
@@ -160,12 +169,23 @@ def model_config(hf: dict, name: str) -> ModelConfig:
         sliding_layers=sliding_layers,
     )
     if gemma:
-        config = replace(config, post_norms=True, activation="gelu_tanh", embedding_scale=hidden_size**0.5,
-                         attention_scale=field(hf, "query_pre_attn_scalar", float, positive=True) ** -0.5,
-                         rope_theta_sliding=float(field(rope_params(hf, "sliding_attention"), "rope_theta", float,
-                                                        field(hf, "rope_local_base_freq", float, 10000.0),
-                                                        positive=True)),
-                         final_logit_softcap=field(hf, "final_logit_softcapping", float, None, positive=True))
+        config = replace(
+            config,
+            post_norms=True,
+            activation="gelu_tanh",
+            embedding_scale=hidden_size**0.5,
+            attention_scale=field(hf, "query_pre_attn_scalar", float, positive=True) ** -0.5,
+            rope_theta_sliding=float(
+                field(
+                    rope_params(hf, "sliding_attention"),
+                    "rope_theta",
+                    float,
+                    field(hf, "rope_local_base_freq", float, 10000.0),
+                    positive=True,
+                )
+            ),
+            final_logit_softcap=field(hf, "final_logit_softcapping", float, None, positive=True),
+        )
     return replace(config, **rope_scaling(hf, config))
 
 
@@ -181,8 +201,9 @@ def sliding_window(hf: dict, n_layers: int, pattern: int | None = None) -> tuple
         return window, None
     kinds = {"sliding_attention": True, "full_attention": False}
     if len(layer_types) != n_layers or not set(layer_types) <= kinds.keys():
-        raise ModelFormatError(f"config.json: layer_types must give one of {sorted(kinds)} for each of the "
-                               f"{n_layers} layers")
+        raise ModelFormatError(
+            f"config.json: layer_types must give one of {sorted(kinds)} for each of the {n_layers} layers"
+        )
     return window, tuple(kinds[t] for t in layer_types)
 
 
@@ -197,8 +218,10 @@ def rope_params(hf: dict, layer_type: str = "full_attention") -> dict:
     params = [hf.get(key) or {} for key in ("rope_parameters", "rope_scaling")]
     if not all(isinstance(p, dict) for p in params):
         raise ModelFormatError("config.json: rope_parameters and rope_scaling must be JSON objects")
-    params = [p.get(layer_type) or {} if "full_attention" in p else {} if layer_type != "full_attention" else p
-              for p in params]
+    params = [
+        p.get(layer_type) or {} if "full_attention" in p else {} if layer_type != "full_attention" else p
+        for p in params
+    ]
     if not all(isinstance(p, dict) for p in params):
         raise ModelFormatError(f"config.json: the RoPE settings of {layer_type} layers must be a JSON object")
     return {**params[0], **params[1]}
@@ -215,13 +238,17 @@ def rope_scaling(hf: dict, config: ModelConfig) -> dict:
     if rope_type == "linear":  # positions divided by factor: every frequency is
         return {"rope_freq_factors": (float(field(params, "factor", float, positive=True)),) * (config.rotary_dim // 2)}
     if rope_type != "llama3":
-        raise ModelFormatError(f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3' and "
-                               "'longrope'")
+        raise ModelFormatError(
+            f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3' and 'longrope'"
+        )
     if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
-        raise ModelFormatError(f"config.json: head_dim {config.head_dim} is beyond any model's "
-                               f"(at most {MAX_HEAD_DIM}); the file is damaged")
-    factor, low, high = (field(params, k, float, positive=True) for k in ("factor", "low_freq_factor",
-                                                                          "high_freq_factor"))
+        raise ModelFormatError(
+            f"config.json: head_dim {config.head_dim} is beyond any model's "
+            f"(at most {MAX_HEAD_DIM}); the file is damaged"
+        )
+    factor, low, high = (
+        field(params, k, float, positive=True) for k in ("factor", "low_freq_factor", "high_freq_factor")
+    )
     if low >= high:
         raise ModelFormatError(f"config.json: llama3 rope scaling has low_freq_factor {low} >= high_freq_factor {high}")
     old_context = field(params, "original_max_position_embeddings", float, config.context_length, positive=True)
@@ -249,8 +276,12 @@ def longrope(hf: dict, params: dict, config: ModelConfig) -> dict:
     short, long = (tuple(float(x) for x in field(params, f"{k}_factor", "numbers")) for k in ("short", "long"))
     scale = field(params, "factor", float, config.context_length / old, positive=True)
     default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(old))
-    return {"rope_freq_factors": short, "rope_long_factors": long, "rope_long_from": old,
-            "rope_attention_factor": float(field(params, "attention_factor", float, default, positive=True))}
+    return {
+        "rope_freq_factors": short,
+        "rope_long_factors": long,
+        "rope_long_from": old,
+        "rope_attention_factor": float(field(params, "attention_factor", float, default, positive=True)),
+    }
 
 
 def quant_scheme(qc: dict | None) -> QuantScheme | None:
@@ -263,8 +294,9 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
     bits = qc.get("bits", qc.get("w_bit"))  # AutoAWQ spells them w_bit and q_group_size
     group_size = qc.get("group_size", qc.get("q_group_size"))
     if method not in ("gptq", "awq"):
-        raise ModelFormatError(f"unsupported quantization method {method!r}: llamaterm reads GPTQ, AWQ and "
-                               "compressed-tensors")
+        raise ModelFormatError(
+            f"unsupported quantization method {method!r}: llamaterm reads GPTQ, AWQ and compressed-tensors"
+        )
     if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ModelFormatError(f"{method} quantization_config has an invalid group_size {group_size!r}")
     if method == "gptq":
@@ -288,16 +320,21 @@ def compressed_tensors_scheme(qc: dict) -> QuantScheme:
     """A compressed-tensors quantization_config (as llm-compressor writes it) -> QuantScheme, refusing by name
     what is not integer weight-only quantization packed into int32 words."""
     get = lambda data, key, kind, default=MISSING, positive=False: read(
-        data, key, kind, default, where="config.json quantization_config", positive=positive)
+        data, key, kind, default, where="config.json quantization_config", positive=positive
+    )
 
     def refuse(what: str) -> ModelFormatError:
-        return ModelFormatError(f"compressed-tensors {what} is not supported: llamaterm reads "
-                                f"{COMPRESSED_TENSORS_SUPPORTED}")
+        return ModelFormatError(
+            f"compressed-tensors {what} is not supported: llamaterm reads {COMPRESSED_TENSORS_SUPPORTED}"
+        )
 
     if (fmt := get(qc, "format", str, None)) != "pack-quantized":
         raise refuse(f"format {fmt!r}")
-    for key, what in (("sparsity_config", "sparsity (e.g. 2:4)"), ("transform_config", "a weight transform"),
-                      ("kv_cache_scheme", "KV-cache quantization")):
+    for key, what in (
+        ("sparsity_config", "sparsity (e.g. 2:4)"),
+        ("transform_config", "a weight transform"),
+        ("kv_cache_scheme", "KV-cache quantization"),
+    ):
         if get(qc, key, dict, None):
             raise refuse(what)
     groups = get(qc, "config_groups", dict)
@@ -346,8 +383,10 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
             raise ModelFormatError(f"{index_path}: weight_map is not an object of tensor name -> file name")
         files = sorted(set(weight_map.values()))
         if outside := [f for f in files if not is_file_name(f)]:  # a shard is a file beside the index
-            raise ModelFormatError(f"{index_path} points outside the model folder ({outside[0]!r}): refusing "
-                                   "to read it; the index is damaged or hostile")
+            raise ModelFormatError(
+                f"{index_path} points outside the model folder ({outside[0]!r}): refusing "
+                "to read it; the index is damaged or hostile"
+            )
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
@@ -406,8 +445,9 @@ def convert_tensors(
             raise ModelFormatError(f"unexpected tensor {name!r}: not part of a {config.arch} model")
         modules.setdefault(module, (hf_module, {}))[1][part] = tensor
     if config.n_layers * 6 > len(modules):  # a block has at least 6 modules; checked before per-layer tables
-        raise ModelFormatError(f"config.json: num_hidden_layers = {config.n_layers}, but the checkpoint holds "
-                               f"only {len(raw)} tensors")
+        raise ModelFormatError(
+            f"config.json: num_hidden_layers = {config.n_layers}, but the checkpoint holds only {len(raw)} tensors"
+        )
     if config.tie_word_embeddings:
         modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
     shapes = tensor_shapes(config)
@@ -423,8 +463,10 @@ def convert_tensors(
             raise ModelFormatError(f"unexpected tensors {hf_module}.* ({layers} layers in config.json)")
         shape = shapes[f"{module}.weight"]
         if "bias" in parts and f"{module}.bias" not in shapes:
-            raise ModelFormatError(f"{hf_module}.bias is not part of a {config.arch} model as config.json describes "
-                                   "it (llamaterm runs biases of q/k/v only: Qwen2's, or Llama's attention_bias)")
+            raise ModelFormatError(
+                f"{hf_module}.bias is not part of a {config.arch} model as config.json describes "
+                "it (llamaterm runs biases of q/k/v only: Qwen2's, or Llama's attention_bias)"
+            )
         if "bias" not in parts and f"{module}.bias" in shapes:
             raise ModelFormatError(f"{hf_module}.bias is missing: the checkpoint is incomplete")
         if "bias" in parts:
@@ -542,15 +584,21 @@ def packed_weight(parts: dict, shape: tuple[int, int], scheme: QuantScheme, hf_m
     names = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric else {"weight_zero_point"})
     if set(parts) != names:
         kind = "symmetric" if scheme.symmetric else "asymmetric"
-        raise ModelFormatError(f"{hf_module} has tensors {sorted(parts)}; {kind} compressed-tensors uses "
-                               f"{sorted(names)}")
-    for name, dtypes in (("weight_packed", (torch.int32,)), ("weight_zero_point", (torch.int32,)),
-                         ("weight_shape", (torch.int32, torch.int64)), ("weight_scale", DENSE_DTYPES)):
+        raise ModelFormatError(
+            f"{hf_module} has tensors {sorted(parts)}; {kind} compressed-tensors uses {sorted(names)}"
+        )
+    for name, dtypes in (
+        ("weight_packed", (torch.int32,)),
+        ("weight_zero_point", (torch.int32,)),
+        ("weight_shape", (torch.int32, torch.int64)),
+        ("weight_scale", DENSE_DTYPES),
+    ):
         if name in parts and parts[name].dtype not in dtypes:
             raise ModelFormatError(f"{hf_module}.{name} has dtype {parts[name].dtype}, expected one of {dtypes}")
     if parts["weight_shape"].tolist() != [n, k]:
-        raise ModelFormatError(f"{hf_module}.weight_shape is {parts['weight_shape'].tolist()}, expected {[n, k]} "
-                               "from config.json")
+        raise ModelFormatError(
+            f"{hf_module}.weight_shape is {parts['weight_shape'].tolist()}, expected {[n, k]} from config.json"
+        )
     group_size, groups = group_count(k, scheme)
     check_shape(parts["weight_packed"], (n, -(-k // per_word)), f"{hf_module}.weight_packed")
     check_shape(parts["weight_scale"], (n, groups), f"{hf_module}.weight_scale")

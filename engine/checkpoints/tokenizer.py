@@ -96,8 +96,10 @@ def check_unicode(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestError(f"the text is not valid Unicode: {text[e.start]!r} at character {e.start} (a lone "
-                           "surrogate, or a byte that is not UTF-8): give UTF-8 text") from None
+        raise RequestError(
+            f"the text is not valid Unicode: {text[e.start]!r} at character {e.start} (a lone "
+            "surrogate, or a byte that is not UTF-8): give UTF-8 text"
+        ) from None
 
 
 class Tokenizer:
@@ -238,8 +240,10 @@ class Tokenizer:
             raise ModelFormatError(f"{folder / 'tokenizer.json'}: the vocabulary is empty")
         token, top = max(vocab.items(), key=lambda item: item[1])
         if top >= 2 * len(vocab):  # ids index a table of max id + 1 entries: a sparse one is a damaged file
-            raise ModelFormatError(f"{folder / 'tokenizer.json'}: token {token!r} has id {top}, far beyond the "
-                                   f"{len(vocab)} tokens of the vocabulary; the file is damaged")
+            raise ModelFormatError(
+                f"{folder / 'tokenizer.json'}: token {token!r} has id {top}, far beyond the "
+                f"{len(vocab)} tokens of the vocabulary; the file is damaged"
+            )
         tokens = [""] * max(top + 1, model_vocab_size)
         token_types = [UNUSED] * len(tokens)
         for token, i in vocab.items():
@@ -247,16 +251,20 @@ class Tokenizer:
             token_types[i] = BYTE if not byte_level and _BYTE_TOKEN.fullmatch(token) else NORMAL
         for added in spec.get("added_tokens") or []:
             if not (isinstance(added, dict) and vocab.get(added.get("content")) == added.get("id")):
-                raise ModelFormatError(f"{folder / 'tokenizer.json'}: added token {str(added)[:60]} is not in the "
-                                       "vocabulary")
+                raise ModelFormatError(
+                    f"{folder / 'tokenizer.json'}: added token {str(added)[:60]} is not in the vocabulary"
+                )
             token_types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
 
         def config_token_id(name: str) -> int | None:
             token = config.get(name)
             if isinstance(token, dict):  # saved as an AddedToken
                 token = token.get("content")
-            return None if token is None else backend.token_to_id(read({name: token}, name, str,
-                                                                        where=str(folder / "tokenizer_config.json")))
+            return (
+                None
+                if token is None
+                else backend.token_to_id(read({name: token}, name, str, where=str(folder / "tokenizer_config.json")))
+            )
 
         bos_id, eos_id = config_token_id("bos_token"), config_token_id("eos_token")
         # Without add_bos_token in the config, the post-processor shows what to add (Llama 3 adds BOS there)
@@ -271,8 +279,9 @@ class Tokenizer:
         generation_eos = generation.get("eos_token_id")
         if not isinstance(generation_eos, list):
             generation_eos = [] if generation_eos is None else [generation_eos]
-        extra_stops = tuple(read({"eos_token_id": generation_eos}, "eos_token_id", "ints",
-                                 where=str(folder / "generation_config.json")))
+        extra_stops = tuple(
+            read({"eos_token_id": generation_eos}, "eos_token_id", "ints", where=str(folder / "generation_config.json"))
+        )
 
         return cls(
             backend,
@@ -317,8 +326,9 @@ class Tokenizer:
         # Compiled on first use, so a model with a broken template still loads for raw prompts
         return ChatTemplate(self._chat_template_source or CHATML_TEMPLATE)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+    ) -> str:
         """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none).
         enable_thinking: the template's thinking switch, where it has one (None: its default)."""
         return self._chat_template.render(
@@ -329,8 +339,9 @@ class Tokenizer:
             enable_thinking=enable_thinking,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    enable_thinking: bool | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+    ) -> list[int]:
         """The prompt's ids: template markers parsed as special tokens, BOS added once if the model asks."""
         text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
         ids = self.encode(text, add_special=False, parse_special=True)
@@ -449,4 +460,3 @@ def _flatten_decoders(decoder) -> list[dict]:
     if decoder.get("type") == "Sequence":
         return _flatten_decoders(decoder.get("decoders"))
     return [decoder]
-

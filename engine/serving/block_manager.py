@@ -32,8 +32,10 @@ def pool_blocks(kv_tokens: int, block_size: int, bytes_per_token: int, free_byte
     here, before the block list or the cache tensor is allocated."""
     need = kv_tokens * bytes_per_token
     if need > free_bytes:
-        raise LlamatermError(f"a KV cache of {kv_tokens} tokens needs {need / 1e9:.3g} GB, but only "
-                             f"{free_bytes / 1e9:.3g} GB are free: give a smaller --kv-tokens (or leave it out)")
+        raise LlamatermError(
+            f"a KV cache of {kv_tokens} tokens needs {need / 1e9:.3g} GB, but only "
+            f"{free_bytes / 1e9:.3g} GB are free: give a smaller --kv-tokens (or leave it out)"
+        )
     return max(1, kv_tokens // block_size)
 
 

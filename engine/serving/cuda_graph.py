@@ -35,16 +35,25 @@ def token_buckets(max_batch: int, max_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_tokens: int, max_blocks: int,
-                 compile_all: bool):
+    def __init__(
+        self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_tokens: int, max_blocks: int, compile_all: bool
+    ):
         self.model, self.kv_cache = model, kv_cache
         self.buckets = token_buckets(max_batch, max_tokens)
         self.max_batch = max_batch
         t, b, dev = self.buckets[-1], max_batch, model.device
         # one int64 buffer: ids, positions, slots [t each], context lens [b], query starts [b + 1], logits rows [b],
         # and (read before the replay) the rows whose token is the step in flight's sample, and its rows [b each]
-        self.offsets = {"ids": 0, "pos": t, "slots": 2 * t, "ctx": 3 * t, "qsl": 3 * t + b, "rows": 3 * t + 2 * b + 1,
-                        "prow": 3 * t + 3 * b + 1, "pfrom": 3 * t + 4 * b + 1}
+        self.offsets = {
+            "ids": 0,
+            "pos": t,
+            "slots": 2 * t,
+            "ctx": 3 * t,
+            "qsl": 3 * t + b,
+            "rows": 3 * t + 2 * b + 1,
+            "prow": 3 * t + 3 * b + 1,
+            "pfrom": 3 * t + 4 * b + 1,
+        }
         size = 3 * t + 5 * b + 1
         # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
         # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
@@ -90,9 +99,15 @@ class StepGraphs:
 
     def _step(self, bucket: int) -> StepInput:
         t, b, f = bucket, self._seqs(bucket), self.flat
-        return StepInput(self._view(f, "ids", t), self._view(f, "pos", t), self._view(f, "slots", t),
-                         self.tables[:b], self._view(f, "ctx", b), self._view(f, "qsl", b + 1),
-                         self._view(f, "rows", b))
+        return StepInput(
+            self._view(f, "ids", t),
+            self._view(f, "pos", t),
+            self._view(f, "slots", t),
+            self.tables[:b],
+            self._view(f, "ctx", b),
+            self._view(f, "qsl", b + 1),
+            self._view(f, "rows", b),
+        )
 
     def fits(self, step: StepLists) -> bool:
         return len(step.input_ids) <= self.buckets[-1] and len(step.context_lens) <= self.max_batch
@@ -104,11 +119,16 @@ class StepGraphs:
         self._turn ^= 1
         host, host_tables = self.host[self._turn], self.host_tables[self._turn]
         t, b, h, h_tables = bucket, self._seqs(bucket), host.numpy(), host_tables.numpy()  # numpy views: same memory
-        for name, values, size, fill in (("ids", step.input_ids, t, 0), ("pos", step.positions, t, 0),
-                                         ("slots", step.slot_mapping, t, -1), ("ctx", step.context_lens, b, 0),
-                                         ("qsl", step.query_start_loc, b + 1, n),
-                                         ("rows", step.logits_indices, b, 0),
-                                         ("prow", step.pending_rows, 0, 0), ("pfrom", step.pending_from, 0, 0)):
+        for name, values, size, fill in (
+            ("ids", step.input_ids, t, 0),
+            ("pos", step.positions, t, 0),
+            ("slots", step.slot_mapping, t, -1),
+            ("ctx", step.context_lens, b, 0),
+            ("qsl", step.query_start_loc, b + 1, n),
+            ("rows", step.logits_indices, b, 0),
+            ("prow", step.pending_rows, 0, 0),
+            ("pfrom", step.pending_from, 0, 0),
+        ):
             at = self.offsets[name]
             h[at : at + len(values)] = values
             h[at + len(values) : at + size] = fill  # (size 0: only the values are read)
@@ -119,8 +139,12 @@ class StepGraphs:
         self.flat.copy_(host, non_blocking=True)
         self.tables[:s, :width].copy_(host_tables[:s, :width], non_blocking=True)
         n_pending = len(step.pending_rows)
-        take_pending(self._view(self.flat, "ids", t), self._view(self.flat, "prow", n_pending), pending,
-                     self._view(self.flat, "pfrom", n_pending))
+        take_pending(
+            self._view(self.flat, "ids", t),
+            self._view(self.flat, "prow", n_pending),
+            pending,
+            self._view(self.flat, "pfrom", n_pending),
+        )
         if bucket not in self.graphs:
             if bucket not in self._ran_eagerly:
                 self._ran_eagerly.add(bucket)

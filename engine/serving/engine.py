@@ -140,10 +140,11 @@ class Engine:
         # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
-        with out_of_memory(f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
-                           f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})"):
-            self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens,
-                                      c.cuda_graphs)
+        with out_of_memory(
+            f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
+            f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})",
+        ):
+            self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
@@ -195,8 +196,9 @@ class Engine:
             return self.max_context
         return min(self.max_context, self.pool_tokens())
 
-    def encode_prompt(self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
-                      ) -> list[int]:
+    def encode_prompt(
+        self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
+    ) -> list[int]:
         if isinstance(prompt, str) and raw:
             if not prompt:
                 raise RequestError("the prompt is empty: give some text")
@@ -206,15 +208,24 @@ class Engine:
             raise RequestError("the prompt is empty: give some text")
         return self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
 
-    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
-               enable_thinking: bool | None = None, prompt_ids: list[int] | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt: list[dict] | str,
+        params: SamplingParams | None = None,
+        *,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> RequestHandle:
         """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids.
         enable_thinking: the chat template's thinking switch (None: the template's default)."""
         params = params or SamplingParams()
         ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw, enable_thinking)
         if any(not 0 <= i < self.model.config.vocab_size for i in ids):  # a tokenizer larger than the weights
-            raise RequestError(f"the prompt has a token id outside the model's {self.model.config.vocab_size}-token "
-                               "vocabulary: its tokenizer and its weights do not match")
+            raise RequestError(
+                f"the prompt has a token id outside the model's {self.model.config.vocab_size}-token "
+                "vocabulary: its tokenizer and its weights do not match"
+            )
         if len(ids) >= self.max_context:
             raise RequestError(
                 f"the prompt is {len(ids)} tokens but the model's context holds {self.max_context}: "
@@ -397,8 +408,15 @@ class Engine:
             return self._finish(handle, "length", text=text, token_ids=(token,))
         handle.events_queue.put(Event(seq.id, text, (token,)))
 
-    def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, *, text: str = "",
-                token_ids: tuple[int, ...] = ()) -> None:
+    def _finish(
+        self,
+        handle: RequestHandle,
+        reason: str,
+        error: str | None = None,
+        *,
+        text: str = "",
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
         seq = handle.seq
         self.scheduler.finish(seq)
         del seq.token_ids[len(seq.token_ids) - seq.num_pending :]  # samples past the end, never read
@@ -419,8 +437,9 @@ def out_of_memory(doing: str, advice: str):
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()  # what the failed step held goes back, so a caller that stays up can retry
         free, total = torch.cuda.mem_get_info()
-        raise LlamatermError(f"the GPU ran out of memory {doing} ({free / 1e9:.3g} of {total / 1e9:.3g} GB free "
-                             f"now): {advice}") from None
+        raise LlamatermError(
+            f"the GPU ran out of memory {doing} ({free / 1e9:.3g} of {total / 1e9:.3g} GB free now): {advice}"
+        ) from None
 
 
 def default_kv_tokens(model: Model, share: float = 1.0) -> int:

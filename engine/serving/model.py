@@ -51,8 +51,7 @@ class StepLists:
     pending_from: list[int]
 
 
-def take_pending(input_ids: torch.Tensor, rows: torch.Tensor, pending: torch.Tensor | None, src: torch.Tensor
-                 ) -> None:
+def take_pending(input_ids: torch.Tensor, rows: torch.Tensor, pending: torch.Tensor | None, src: torch.Tensor) -> None:
     """Write the in-flight step's sampled tokens into this step's inputs, on the device."""
     if rows.numel():
         input_ids.index_copy_(0, rows, pending.index_select(0, src))
@@ -80,7 +79,9 @@ def take_rows(parts: list[Weight], index: torch.Tensor) -> list[Weight]:
     """The rows `index` of the matrix the parts stack into; each part's rows must stay within it."""
     out, start = [], 0
     for w in parts:
-        rows = (index[start:start + w.shape[0]] - start).to(w.scales.device if isinstance(w, QuantWeight) else w.device)
+        rows = (index[start : start + w.shape[0]] - start).to(
+            w.scales.device if isinstance(w, QuantWeight) else w.device
+        )
         out.append(w.take_rows(rows) if isinstance(w, QuantWeight) else w[rows])
         start += w.shape[0]
     return out
@@ -117,18 +118,19 @@ class Layer:
         self.qk_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else None
         self.o = get("attn_output")
         self.down = get("ffn_down")
-        self.post_attn_norm, self.post_ffn_norm = ((get("post_attention_norm"), get("post_ffw_norm")) if c.post_norms
-                                                   else (None, None))
+        self.post_attn_norm, self.post_ffn_norm = (
+            (get("post_attention_norm"), get("post_ffw_norm")) if c.post_norms else (None, None)
+        )
 
 
 class Model:
-    def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device, dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
         self.token_embd = to_device(tensors["token_embd.weight"], device, dtype)
         self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
-        self.lm_head = (self.token_embd if config.tie_word_embeddings
-                        else to_device(tensors["output.weight"], device, dtype))
+        self.lm_head = (
+            self.token_embd if config.tie_word_embeddings else to_device(tensors["output.weight"], device, dtype)
+        )
         self.layers = [Layer(config, tensors, i, device, dtype) for i in range(config.n_layers)]
         self.inv_freq = config.inv_freq().to(device)
         self.long_inv_freq = None if config.rope_long_factors is None else config.inv_freq(long=True).to(device)
@@ -143,8 +145,12 @@ class Model:
         """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized
         steps run cuBLAS on them instead of dequantizing every weight in every step (kernels/linear_triton.py).
         Returns the bytes kept (0: none, the budget is too small)."""
-        weights = [w for layer in self.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
-                   if isinstance(w, QuantWeight)]
+        weights = [
+            w
+            for layer in self.layers
+            for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+            if isinstance(w, QuantWeight)
+        ]
         need = sum(w.shape[0] * w.shape[1] for w in weights) * torch.finfo(self.dtype).bits // 8
         if not weights or need > budget:
             return 0
@@ -188,12 +194,21 @@ class Model:
             k = k.view(n_tokens, c.n_kv_heads, c.head_dim)
             v = v.reshape(n_tokens, c.n_kv_heads, c.head_dim)
             freq = self.sliding_inv_freq if layer.sliding_rope else inv_freq
-            q = rope_write_kv(q, k, v, step.positions, freq, k_cache, v_cache, step.slot_mapping, layer.qk_norm,
-                              c.rms_norm_eps)
+            q = rope_write_kv(
+                q, k, v, step.positions, freq, k_cache, v_cache, step.slot_mapping, layer.qk_norm, c.rms_norm_eps
+            )
             if self.q_scale is not None:
                 q = q * self.q_scale
-            o = paged_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
-                                step.query_start_loc, self.scale, layer.window)
+            o = paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                step.block_tables,
+                step.context_lens,
+                step.query_start_loc,
+                self.scale,
+                layer.window,
+            )
             h = linear(o.view(n_tokens, q_size), layer.o)
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual, layer.post_attn_norm)
             h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: Model, num_blocks: int, block_size: int, max_batch: int, max_tokens: int,
-                 cuda_graphs: bool):
+    def __init__(
+        self, model: Model, num_blocks: int, block_size: int, max_batch: int, max_tokens: int, cuda_graphs: bool
+    ):
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
@@ -46,8 +47,12 @@ class ModelRunner:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
-    def run(self, chunks: list[ScheduledChunk], pending: torch.Tensor | None = None,
-            pending_rows: dict[int, int] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        chunks: list[ScheduledChunk],
+        pending: torch.Tensor | None = None,
+        pending_rows: dict[int, int] | None = None,
+    ) -> torch.Tensor:
         """Logits for every chunk that samples, in chunk order. A sequence's last token may still be on the
         device: `pending` holds the sampled tokens of the step in flight and pending_rows maps a sequence id to
         its row there."""
@@ -86,8 +91,19 @@ def compiled_marker(model: Model, max_batch: int, max_tokens: int) -> Path:
     import llamaterm.kernels
 
     sources = sorted(Path(llamaterm.kernels.__path__[0]).glob("*.py"))
-    key = hashlib.sha256(repr((torch.__version__, triton.__version__, torch.cuda.get_device_name(model.device),
-                               model.config, model.dtype, max_batch, max_tokens)).encode())
+    key = hashlib.sha256(
+        repr(
+            (
+                torch.__version__,
+                triton.__version__,
+                torch.cuda.get_device_name(model.device),
+                model.config,
+                model.dtype,
+                max_batch,
+                max_tokens,
+            )
+        ).encode()
+    )
     for path in sources:
         key.update(path.read_bytes())
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
@@ -134,8 +150,17 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, pending_rows: dict
         qsl.append(qsl[-1] + c.length)
         if end == known:  # the chunk samples (ScheduledChunk.samples)
             rows.append(qsl[-1] - 1)
-    return StepLists(ids, positions, slots, [c.seq.table.block_ids for c in chunks],
-                     [c.start + c.length for c in chunks], qsl, rows, pending, pending_from)
+    return StepLists(
+        ids,
+        positions,
+        slots,
+        [c.seq.table.block_ids for c in chunks],
+        [c.start + c.length for c in chunks],
+        qsl,
+        rows,
+        pending,
+        pending_from,
+    )
 
 
 def step_input(step: StepLists, device: torch.device, pending: torch.Tensor | None = None) -> StepInput:

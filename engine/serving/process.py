@@ -26,6 +26,7 @@ IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
 
 # ---- messages, parent -> child ----
 
+
 @dataclass(frozen=True)
 class Submit:
     request_id: int
@@ -46,6 +47,7 @@ class Shutdown:
 
 
 # ---- messages, child -> parent ----
+
 
 @dataclass(frozen=True)
 class Ready:
@@ -115,8 +117,14 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="llamaterm-engine-reader", daemon=True)
         self._reader.start()
 
-    def submit(self, prompt: list[dict] | str, params: SamplingParams | None = None, *, raw: bool = False,
-               enable_thinking: bool | None = None) -> ProcessHandle:
+    def submit(
+        self,
+        prompt: list[dict] | str,
+        params: SamplingParams | None = None,
+        *,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> ProcessHandle:
         """As Engine.submit; a request the engine refuses raises here, in the caller's thread."""
         request_id = next(self._ids)
         handle = self._handles[request_id] = ProcessHandle(request_id, self.max_context)
@@ -176,8 +184,9 @@ class EngineProcess:
                     del self._handles[update.request_id]
         # the child is gone: whatever was in flight ends with an error rather than hanging its reader
         for request_id, handle in list(self._handles.items()):
-            handle.events_queue.put(Event(request_id, finished=True, finish_reason="error",
-                                          error="the engine process exited"))
+            handle.events_queue.put(
+                Event(request_id, finished=True, finish_reason="error", error="the engine process exited")
+            )
         for ack in self._acks.values():
             ack.put(LlamatermError("the engine process has exited"))
 
@@ -238,8 +247,9 @@ def serve(conn, config: EngineConfig) -> None:
                     engine.cancel(handle)
                 continue
             try:
-                handles[message.request_id] = engine.submit(message.prompt, message.params, raw=message.raw,
-                                                            enable_thinking=message.enable_thinking)
+                handles[message.request_id] = engine.submit(
+                    message.prompt, message.params, raw=message.raw, enable_thinking=message.enable_thinking
+                )
                 error = None
             except LlamatermError as e:
                 error = e

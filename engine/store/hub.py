@@ -200,8 +200,10 @@ def plan_pull(repo: str, quant: str | None, revision: str | None, name: str | No
             repo, revision=revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT
         )
     if not isinstance(info.sha, str) or not GIT_SHA.match(info.sha):  # it names a folder in the store
-        raise PullError(f"{endpoint()} answered {str(info.sha)[:60]!r} as the commit of {repo}, not a git commit id: "
-                        "refusing it (is HF_ENDPOINT a Hub?)")
+        raise PullError(
+            f"{endpoint()} answered {str(info.sha)[:60]!r} as the commit of {repo}, not a git commit id: "
+            "refusing it (is HF_ENDPOINT a Hub?)"
+        )
     if info.gated and get_token() is None:
         raise PullError(gated_message(repo))  # say so now, not after the first download fails
     remote = {
@@ -318,9 +320,7 @@ def _download_and_install(plan: PullPlan, say: Callable[[str], None]) -> StoredM
         "requested_revision": plan.revision,
         "format": plan.format,
         "quant": plan.quant,
-        "files": [
-            {"path": f.path, "size": f.size, "sha256": f.sha256 or file_hash(dests[f.path])} for f in plan.files
-        ],
+        "files": [{"path": f.path, "size": f.size, "sha256": f.sha256 or file_hash(dests[f.path])} for f in plan.files],
         "pulled_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     described = describe_checkpoint(StoredModel(plan.name, staging, manifest).checkpoint)
@@ -396,8 +396,10 @@ def _stream(url: str, out, headers: dict[str, str], bar, remote: RemoteFile) -> 
         for chunk in response.iter_bytes():
             if out.tell() + len(chunk) > remote.size:
                 out.truncate(0)
-                raise PullError(f"the Hub sent more of {remote.path} than the {remote.size} bytes it listed; the "
-                                "download was deleted: pull again")
+                raise PullError(
+                    f"the Hub sent more of {remote.path} than the {remote.size} bytes it listed; the "
+                    "download was deleted: pull again"
+                )
             out.write(chunk)
             bar.update(len(chunk))
 

@@ -125,8 +125,9 @@ class DamagedModel(ModelFormatError):
     """A folder in the store that holds no model llamaterm can read; `rm` still removes it."""
 
     def __init__(self, name: str, folder: Path, reason: str):
-        super().__init__(f"the stored model {name!r} is damaged ({reason}): `llamaterm rm {name}` removes it, then "
-                         "pull it again")
+        super().__init__(
+            f"the stored model {name!r} is damaged ({reason}): `llamaterm rm {name}` removes it, then pull it again"
+        )
         self.name, self.folder, self.reason = name, folder, reason
 
 
@@ -144,8 +145,9 @@ def _adopt(folder: Path) -> dict[str, Any]:
         files = [p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST]
         checkpoint = folder
     else:
-        raise DamagedModel(folder.name, folder, f"no usable {MANIFEST}, and no .gguf file or config.json with "
-                                                "*.safetensors beside it")
+        raise DamagedModel(
+            folder.name, folder, f"no usable {MANIFEST}, and no .gguf file or config.json with *.safetensors beside it"
+        )
     try:
         manifest = describe_checkpoint(checkpoint)
     except (ModelFormatError, OSError) as e:  # a damaged checkpoint is left out of the listing, not fatal to it

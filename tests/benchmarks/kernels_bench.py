@@ -109,28 +109,37 @@ def read_floor_us(weights: dict[str, QuantWeight]) -> float:
         src = torch.empty(words, dtype=torch.int32, device="cuda")
         out = torch.empty(triton.cdiv(words, chunk) * block, dtype=torch.int32, device="cuda")
         launches.append((src, out, words))
-    return timed(lambda: [_read_kernel[(triton.cdiv(n, chunk),)](src, out, n, CHUNK=chunk, BLOCK=block, num_warps=8)
-                          for src, out, n in launches])
+    return timed(
+        lambda: [
+            _read_kernel[(triton.cdiv(n, chunk),)](src, out, n, CHUNK=chunk, BLOCK=block, num_warps=8)
+            for src, out, n in launches
+        ]
+    )
 
 
 def linear_table(bw: float, peak: float, group: int, sweep: bool) -> list[str]:
     weights = {name: random_qweight(n, k, group=group) for name, (n, k) in LLAMA3_8B_LINEARS.items()}
     floor = read_floor_us(weights)
     floor_bytes = sum(w.shape[0] * w.shape[1] // 2 + w.shape[0] * w.shape[1] // group * 2 for w in weights.values())
-    dense = {name: torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-             for name, (n, k) in LLAMA3_8B_LINEARS.items()}
+    dense = {
+        name: torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for name, (n, k) in LLAMA3_8B_LINEARS.items()
+    }
     try:
         tiny = {name: tinygemm_weight(n, k, group) for name, (n, k) in LLAMA3_8B_LINEARS.items()}
     except RuntimeError as e:  # tinygemm supports groups 32..256 on sm80+; say so if this build does not
         print(f"tinygemm unavailable for group {group}: {e}")
         tiny = None
-    rows = [f"Read-only floor (a kernel that only reads the same weight bytes, one launch per layer, one graph): "
-            f"{floor:.1f} us, {100 * floor_bytes / floor / 1e-6 / bw:.0f}% of copy BW",
-            f"| M | ours us | ours GB/s | % of copy BW | fp16 cuBLAS us | ours / cuBLAS speed | target | "
-            f"tinygemm g{group} us | limit us |", "|" + "---|" * 9]
+    rows = [
+        f"Read-only floor (a kernel that only reads the same weight bytes, one launch per layer, one graph): "
+        f"{floor:.1f} us, {100 * floor_bytes / floor / 1e-6 / bw:.0f}% of copy BW",
+        f"| M | ours us | ours GB/s | % of copy BW | fp16 cuBLAS us | ours / cuBLAS speed | target | "
+        f"tinygemm g{group} us | limit us |",
+        "|" + "---|" * 9,
+    ]
     for m in BATCHES:
-        xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in
-              LLAMA3_8B_LINEARS.items()}
+        xs = {
+            name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in LLAMA3_8B_LINEARS.items()
+        }
         xh = {name: x.half() for name, x in xs.items()}
         try:
             ours = timed(lambda: [qmatmul_triton(xs[nm], w) for nm, w in weights.items()])  # noqa: B023
@@ -138,16 +147,26 @@ def linear_table(bw: float, peak: float, group: int, sweep: bool) -> list[str]:
             rows.append(f"| {m} | failed: {type(e).__name__} |")
             continue
         cublas = timed(lambda: [F.linear(xh[nm], w) for nm, w in dense.items()])  # noqa: B023
-        tg = (timed(lambda: [torch.ops.aten._weight_int4pack_mm(xs[nm], w, group, sz)  # noqa: B023
-                             for nm, (w, sz) in tiny.items()]) if tiny else float("nan"))
+        tg = (
+            timed(
+                lambda: [
+                    torch.ops.aten._weight_int4pack_mm(xs[nm], w, group, sz)  # noqa: B023
+                    for nm, (w, sz) in tiny.items()
+                ]
+            )
+            if tiny
+            else float("nan")
+        )
         nbytes = sum(n * k // 2 + n * k // group * 2 + 2 * m * (n + k) for n, k in LLAMA3_8B_LINEARS.values())
         flops = sum(2 * m * n * k for n, k in LLAMA3_8B_LINEARS.values())
         limit = max(nbytes / bw, flops / peak) * 1e6
         gbs = nbytes / ours / 1e3
         speed = cublas / ours
         mark = "met" if speed >= TARGET[m] and (m > 16 or gbs * 1e9 >= 0.8 * bw) else "MISSED"
-        rows.append(f"| {m} | {ours:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {cublas:.1f} | {speed:.2f}x | "
-                    f"{TARGET[m]}x: {mark} | {tg:.1f} | {limit:.1f} |")
+        rows.append(
+            f"| {m} | {ours:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {cublas:.1f} | {speed:.2f}x | "
+            f"{TARGET[m]}x: {mark} | {tg:.1f} | {limit:.1f} |"
+        )
         if sweep and group == 128 and m in (1, 16):
             sweep_linear(weights, xs, m)
     return rows
@@ -171,9 +190,11 @@ def sweep_linear(weights, xs, m):
                 cfg = Config(bm, bn, split, warps, stages)
                 results.append((timed(lambda: qmatmul_triton(x, w, cfg)), "", cfg))  # noqa: B023
         results.sort(key=lambda r: r[0])
-        print(f"  sweep M={m} {name}: " + "; ".join(f"{us:.1f} {tag}{tuple(c.__dict__.values())}"
-                                                    for us, tag, c in results[:5]) +
-              f"; default {[r[0] for r in results if r[1]][0]:.1f}")
+        print(
+            f"  sweep M={m} {name}: "
+            + "; ".join(f"{us:.1f} {tag}{tuple(c.__dict__.values())}" for us, tag, c in results[:5])
+            + f"; default {[r[0] for r in results if r[1]][0]:.1f}"
+        )
 
 
 def paged_inputs(batch, context, n_q=32, n_kv=8, head_dim=128, page=16, qlen=1):
@@ -192,9 +213,11 @@ def sdpa_us(q, k, v, causal) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for backends, label in (([SDPBackend.FLASH_ATTENTION], ""), ([SDPBackend.EFFICIENT_ATTENTION], " (mem-eff)")):
+
         def run(backends=backends):
             with sdpa_kernel(backends):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
         try:
             return f"{timed(run):.1f}{label}"
         except RuntimeError:
@@ -203,10 +226,24 @@ def sdpa_us(q, k, v, causal) -> str:
 
 
 def decode_table(bw: float, sweep: bool) -> list[str]:
-    rows = ["| batch | context | ours us | ours GB/s | % of copy BW | SDPA flash (contiguous) us | limit us |",
-            "|" + "---|" * 7]
-    for batch, context in [(1, 512), (1, 4096), (1, 32768), (4, 8192), (8, 4096), (16, 2048), (32, 1024),
-                           (64, 512), (16, 8192), (64, 4096), (8, 32768), (64, 32768)]:
+    rows = [
+        "| batch | context | ours us | ours GB/s | % of copy BW | SDPA flash (contiguous) us | limit us |",
+        "|" + "---|" * 7,
+    ]
+    for batch, context in [
+        (1, 512),
+        (1, 4096),
+        (1, 32768),
+        (4, 8192),
+        (8, 4096),
+        (16, 2048),
+        (32, 1024),
+        (64, 512),
+        (16, 8192),
+        (64, 4096),
+        (8, 32768),
+        (64, 32768),
+    ]:
         q, kc, vc, tables, lens, qsl = paged_inputs(batch, context)
         ours = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 128**-0.5))  # noqa: B023
         kd = torch.randn(batch, 8, context, 128, device="cuda", dtype=torch.float16)
@@ -214,13 +251,16 @@ def decode_table(bw: float, sweep: bool) -> list[str]:
         qd = q.view(batch, 1, 32, 128).transpose(1, 2)
         peer = sdpa_us(qd, kd, vd, False)
         nbytes = kc.numel() * 2 * 2 + 2 * q.numel() * 2
-        rows.append(f"| {batch} | {context} | {ours:.1f} | {nbytes / ours / 1e3:.0f} | "
-                    f"{100 * nbytes / ours / 1e-6 / bw:.0f}% | {peer} | {nbytes / bw * 1e6:.1f} |")
+        rows.append(
+            f"| {batch} | {context} | {ours:.1f} | {nbytes / ours / 1e3:.0f} | "
+            f"{100 * nbytes / ours / 1e-6 / bw:.0f}% | {peer} | {nbytes / bw * 1e6:.1f} |"
+        )
         if sweep and (batch, context) in ((1, 32768), (64, 512)):
             for block_n in (32, 64, 128):
                 for warps, stages in ((4, 2), (4, 3), (8, 3)):
-                    for splits in sorted({1, 2 * num_sms(q.device) // (batch * 8) or 1,
-                                          4 * num_sms(q.device) // (batch * 8) or 1}):
+                    for splits in sorted(
+                        {1, 2 * num_sms(q.device) // (batch * 8) or 1, 4 * num_sms(q.device) // (batch * 8) or 1}
+                    ):
                         cfg = AttentionConfig(1, block_n, warps, stages, max(1, min(splits, context // 256)))
                         us = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 0.1, config=cfg))  # noqa: B023
                         print(f"  sweep decode b{batch} c{context} {cfg}: {us:.1f} us")
@@ -240,11 +280,18 @@ def prefill_table(peak: float, sweep: bool) -> list[str]:
         peer = sdpa_us(qd, kd, vd, True) if prefix == 0 else "n/a"
         flops = 4 * batch * 32 * 128 * chunk * (prefix + (chunk + 1) / 2)
         speed = f"{float(peer.split()[0]) / ours:.2f}x" if peer[0].isdigit() else "-"
-        rows.append(f"| {batch} x {chunk} tokens, prefix {prefix} | {ours:.1f} | {flops / ours / 1e6:.0f} | "
-                    f"{peer} | {speed} |")
+        rows.append(
+            f"| {batch} x {chunk} tokens, prefix {prefix} | {ours:.1f} | {flops / ours / 1e6:.0f} | {peer} | {speed} |"
+        )
         if sweep:
-            for block_q, block_n, warps, stages in ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 32, 4, 3),
-                                                    (8, 64, 4, 3), (32, 64, 4, 3)):
+            for block_q, block_n, warps, stages in (
+                (16, 64, 4, 3),
+                (16, 64, 4, 4),
+                (16, 128, 4, 3),
+                (16, 32, 4, 3),
+                (8, 64, 4, 3),
+                (32, 64, 4, 3),
+            ):
                 cfg = AttentionConfig(block_q, block_n, warps, stages, 1)
                 try:
                     us = timed(lambda: paged_attention_triton(q, kc, vc, tables, lens, qsl, 0.1, config=cfg))  # noqa: B023
@@ -261,13 +308,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     bw, peak = measure_limits()
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write), "
-          f"bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s; torch {torch.__version__}")
+    print(
+        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write), "
+        f"bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s; torch {torch.__version__}"
+    )
     tables = []
     if args.only in (None, "linear"):
         for group in (128, 32):
-            tables.append(f"Llama-3-8B linears per block (qkv, o, gate_up, down), 4-bit group {group} "
-                          f"symmetric, bf16 activations")
+            tables.append(
+                f"Llama-3-8B linears per block (qkv, o, gate_up, down), 4-bit group {group} symmetric, bf16 activations"
+            )
             tables += linear_table(bw, peak, group, args.sweep)
     if args.only in (None, "decode"):
         tables.append("Paged decode attention, 32 q heads / 8 KV heads, head dim 128, fp16 KV, page 16")

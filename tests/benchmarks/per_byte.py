@@ -22,12 +22,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=f"llama3-8b,qwen2.5-7b,gemma3-4b,{CONTROL},gemma3-12b")
     args = parser.parse_args()
-    wl.SYNTHETIC[CONTROL] = (wl._llama("Gemma-3-4B dims as Llama", 34, 2560, 10240, 8, 4, 262144, 131072, 1e6,
-                                       head_dim=256, tied=True), wl.SYNTHETIC["gemma3-4b"][1])
+    wl.SYNTHETIC[CONTROL] = (
+        wl._llama("Gemma-3-4B dims as Llama", 34, 2560, 10240, 8, 4, 262144, 131072, 1e6, head_dim=256, tied=True),
+        wl.SYNTHETIC["gemma3-4b"][1],
+    )
     bandwidth = wl.copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    print("| shapes | weights per step | tok/s, 1 session | GB/s, 1 session | % of the copy bandwidth | "
-          "its graph alone | kernels per step | tok/s, 64 sessions |")
+    print(
+        "| shapes | weights per step | tok/s, 1 session | GB/s, 1 session | % of the copy bandwidth | "
+        "its graph alone | kernels per step | tok/s, 64 sessions |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         bench = wl.open_engine(wl.SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
@@ -39,9 +43,11 @@ def main() -> None:
             many = wl.static_rate(engine, 64, 128, 128, prompts)
             graph = engine.runner.graphs.graphs[1][0]
             kernels = kernel_table(graph, rows=0)[0].split()[0]
-            print(f"| {engine.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "
-                  f"{100 * gb * one * 1e9 / bandwidth:.0f}% | {replay_ms(graph):.3f} ms | {kernels} | {many:,.1f} |",
-                  flush=True)
+            print(
+                f"| {engine.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "
+                f"{100 * gb * one * 1e9 / bandwidth:.0f}% | {replay_ms(graph):.3f} ms | {kernels} | {many:,.1f} |",
+                flush=True,
+            )
         finally:
             engine.shutdown()
         del bench, engine

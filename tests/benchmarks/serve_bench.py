@@ -64,8 +64,9 @@ def direct(engine: EngineProcess, clients: int, seconds: float, max_tokens: int)
     return sum(tokens) / (max(finishes) - start), sum(requests)
 
 
-async def through_server(url: str, model: str, clients: int, seconds: float, max_tokens: int
-                         ) -> tuple[float, int, list[str]]:
+async def through_server(
+    url: str, model: str, clients: int, seconds: float, max_tokens: int
+) -> tuple[float, int, list[str]]:
     """(tok/s, requests, errors) with the load sent as streamed chat completions, a connection per client."""
     tokens, finishes, errors, requests = [], [], [], []
     start = time.perf_counter()
@@ -74,8 +75,14 @@ async def through_server(url: str, model: str, clients: int, seconds: float, max
     async def client(http: httpx2.AsyncClient, i: int) -> None:
         turn = 0
         while time.perf_counter() < deadline:
-            body = {"model": model, "messages": question(i, turn), "max_tokens": max_tokens, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": question(i, turn),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             used = None
             async with http.stream("POST", "/chat/completions", json=body) as reply:
                 if reply.status_code != 200:
@@ -129,8 +136,10 @@ def main() -> None:
         model = engine.model_name
         direct(engine, 8, 3, 4)  # warm-ups
         asyncio.run(through_server(url, model, 8, 3, 4))
-        print(f"{model} on {engine.device}, {args.clients} clients x {args.seconds:.0f} s, {args.max_tokens} "
-              "tokens a request; tok/s (requests)")
+        print(
+            f"{model} on {engine.device}, {args.clients} clients x {args.seconds:.0f} s, {args.max_tokens} "
+            "tokens a request; tok/s (requests)"
+        )
         rates: dict[str, list[float]] = {"direct": [], "served": []}
         for turn in range(1, args.rounds + 1):
             rate, requests = direct(engine, *load)
@@ -142,15 +151,19 @@ def main() -> None:
             rates["served"].append(served)
             time.sleep(1)  # the engine process forwards its stats every tick
             after = metrics(url)
-            print(f"round {turn}: engine directly {rate:7.1f} ({requests}) | through llamaterm serve {served:7.1f} "
-                  f"({served_requests}), {served / rate:.1%} | CPU: server {http_cpu:.1%}, clients "
-                  f"{client_cpu:.1%} of a core | errors "
-                  f"{len(errors)}{' ' + errors[0] if errors else ''} | after: "
-                  f"{after['llamaterm_requests_running']:.0f} running, {after['llamaterm_kv_blocks_used']:.0f} KV "
-                  "blocks held")
+            print(
+                f"round {turn}: engine directly {rate:7.1f} ({requests}) | through llamaterm serve {served:7.1f} "
+                f"({served_requests}), {served / rate:.1%} | CPU: server {http_cpu:.1%}, clients "
+                f"{client_cpu:.1%} of a core | errors "
+                f"{len(errors)}{' ' + errors[0] if errors else ''} | after: "
+                f"{after['llamaterm_requests_running']:.0f} running, {after['llamaterm_kv_blocks_used']:.0f} KV "
+                "blocks held"
+            )
     direct_median, served_median = (statistics.median(rates[k]) for k in ("direct", "served"))
-    print(f"median: engine directly {direct_median:.1f}, through llamaterm serve {served_median:.1f} tok/s: "
-          f"{served_median / direct_median:.1%}")
+    print(
+        f"median: engine directly {direct_median:.1f}, through llamaterm serve {served_median:.1f} tok/s: "
+        f"{served_median / direct_median:.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,12 +22,20 @@ from tests.kernel_cases import random_qweight
 # name: (out features, in features, bits, group, offsets): the default model's Q4_1 blocks and Q8_0 lm_head;
 # Gemma-3-4B's in 4-bit group-128 symmetric (engine/bench.py's synthetic:gemma3-4b)
 SHAPES = {
-    "smollm2-135m": {"qkv": (960, 576, 4, 32, True), "o": (576, 576, 4, 32, True),
-                     "gate_up": (3072, 576, 4, 32, True), "down": (576, 1536, 4, 32, True),
-                     "lm_head": (49152, 576, 8, 32, False)},
-    "gemma3-4b": {"qkv": (4096, 2560, 4, 128, False), "o": (2560, 2048, 4, 128, False),
-                  "gate_up": (20480, 2560, 4, 128, False), "down": (2560, 10240, 4, 128, False),
-                  "lm_head": (262144, 2560, 4, 128, False)},
+    "smollm2-135m": {
+        "qkv": (960, 576, 4, 32, True),
+        "o": (576, 576, 4, 32, True),
+        "gate_up": (3072, 576, 4, 32, True),
+        "down": (576, 1536, 4, 32, True),
+        "lm_head": (49152, 576, 8, 32, False),
+    },
+    "gemma3-4b": {
+        "qkv": (4096, 2560, 4, 128, False),
+        "o": (2560, 2048, 4, 128, False),
+        "gate_up": (20480, 2560, 4, 128, False),
+        "down": (2560, 10240, 4, 128, False),
+        "lm_head": (262144, 2560, 4, 128, False),
+    },
 }
 
 
@@ -53,12 +61,16 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             picked = pick_config(m, n, k, group, steps, sms)
             ours = timed(lambda x=x, w=w, c=picked: qmatmul_triton(x, w, c))
-            tried = sorted(((timed(lambda x=x, w=w, c=c: qmatmul_triton(x, w, c)), c) for c in candidates(m)),
-                           key=lambda r: r[0])
+            tried = sorted(
+                ((timed(lambda x=x, w=w, c=c: qmatmul_triton(x, w, c)), c) for c in candidates(m)), key=lambda r: r[0]
+            )
             best_us, best = tried[0]
-            print(f"{name:8s} M={m:2d}: pick_config {ours:6.2f} us {tuple(picked.__dict__.values())}, best "
-                  f"{best_us:6.2f} us {tuple(best.__dict__.values())} of {len(tried)}; weight read at the copy "
-                  f"bandwidth {floor_us:6.2f} us", flush=True)
+            print(
+                f"{name:8s} M={m:2d}: pick_config {ours:6.2f} us {tuple(picked.__dict__.values())}, best "
+                f"{best_us:6.2f} us {tuple(best.__dict__.values())} of {len(tried)}; weight read at the copy "
+                f"bandwidth {floor_us:6.2f} us",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

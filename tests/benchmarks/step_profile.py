@@ -58,8 +58,10 @@ def main() -> None:
             rate = wl.static_rate(engine, n, 128, 128, prompts)
             graph = engine.runner.graphs.graphs[n][0]  # decode buckets are captured at start-up
             gpu = replay_ms(graph)
-            print(f"{bench.label}, {n} sessions: {rate:,.1f} tok/s = {1e3 * n / rate:.3f} ms per step; the step's "
-                  f"graph alone {gpu:.3f} ms")
+            print(
+                f"{bench.label}, {n} sessions: {rate:,.1f} tok/s = {1e3 * n / rate:.3f} ms per step; the step's "
+                f"graph alone {gpu:.3f} ms"
+            )
             print("\n".join(kernel_table(graph)), flush=True)
     finally:
         engine.shutdown()

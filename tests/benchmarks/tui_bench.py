@@ -149,21 +149,26 @@ def main() -> None:
         with_tui.append(rate)
         print(f"  headless {headless[-1]:6.1f} tok/s   with the TUI {rate:6.1f} tok/s (UI thread busy {busy:.0%})")
     ratio = statistics.median(with_tui) / statistics.median(headless)
-    print(f"median: headless {statistics.median(headless):.1f} tok/s, with the TUI {statistics.median(with_tui):.1f}"
-          f" tok/s = {ratio:.1%} (target >= {TARGET:.0%}): {'PASS' if ratio >= TARGET else 'FAIL'}")
+    print(
+        f"median: headless {statistics.median(headless):.1f} tok/s, with the TUI {statistics.median(with_tui):.1f}"
+        f" tok/s = {ratio:.1%} (target >= {TARGET:.0%}): {'PASS' if ratio >= TARGET else 'FAIL'}"
+    )
 
     _, _, latencies = tui_run(engine, args.sessions, settings, typing=True)
     engine.shutdown()
     latencies.sort()
     p95 = latencies[int(0.95 * (len(latencies) - 1))]
     verdict = "PASS" if p95 <= KEY_LATENCY_BOUND_S else "FAIL"
-    print(f"keys typed while {args.sessions} panes stream ({len(latencies)} keys): median"
-          f" {ms(statistics.median(latencies))}, p95 {ms(p95)}, max {ms(latencies[-1])}"
-          f" (p95 bound {ms(KEY_LATENCY_BOUND_S)}): {verdict}")
+    print(
+        f"keys typed while {args.sessions} panes stream ({len(latencies)} keys): median"
+        f" {ms(statistics.median(latencies))}, p95 {ms(p95)}, max {ms(latencies[-1])}"
+        f" (p95 bound {ms(KEY_LATENCY_BOUND_S)}): {verdict}"
+    )
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
+
 
 if __name__ == "__main__":
     main()

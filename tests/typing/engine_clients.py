@@ -11,6 +11,5 @@ def clients(local: Engine, child: EngineProcess, fake: FakeEngine, remote: Remot
     return [local, child, fake, remote]
 
 
-def streams(local: RequestHandle, child: ProcessHandle, fake: FakeHandle, remote: RemoteStream
-            ) -> list[RequestStream]:
+def streams(local: RequestHandle, child: ProcessHandle, fake: FakeHandle, remote: RemoteStream) -> list[RequestStream]:
     return [local, child, fake, remote]

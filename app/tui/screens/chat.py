@@ -56,21 +56,45 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_pane", "New pane", tooltip="Open a pane with the active pane's settings"),
         Binding("f8", "close_pane", "Close pane", show=False, tooltip="Close the active pane (it stays in history)"),
         Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active pane's conversation"),
-        Binding("ctrl+s", "settings", "Settings",
-                tooltip="Model or server, system prompt, temperature, top-p, max tokens, seed"),
+        Binding(
+            "ctrl+s",
+            "settings",
+            "Settings",
+            tooltip="Model or server, system prompt, temperature, top-p, max tokens, seed",
+        ),
         Binding("f6", "focus_pane(1)", "Next pane", show=False, tooltip="Make the next pane active"),
         Binding("shift+f6", "focus_pane(-1)", "Previous pane", show=False, tooltip="Make the previous pane active"),
         Binding("ctrl+z", "zoom", "Zoom", show=False, tooltip="Show only the active pane, or all of them again"),
-        Binding("ctrl+t", "toggle_selected", "Select", show=False,
-                tooltip="Add or remove the active pane from the broadcast targets"),
+        Binding(
+            "ctrl+t",
+            "toggle_selected",
+            "Select",
+            show=False,
+            tooltip="Add or remove the active pane from the broadcast targets",
+        ),
         Binding("ctrl+r", "regenerate", "Regenerate", show=False, tooltip="Ask the last prompt again"),
         Binding("f4", "edit", "Edit last", show=False, tooltip="Edit the last prompt and send it again"),
-        Binding("f3", "toggle_thinking", "Thinking", show=False,
-                tooltip="Show or fold the thinking (<think>...</think>) of the active pane's replies"),
-        Binding("ctrl+y", "copy_reply", "Copy reply", show=False,
-                tooltip="Copy the active pane's last reply (its answer, without the thinking)"),
-        Binding("ctrl+b", "copy_code", "Copy code", show=False,
-                tooltip="Copy the last code block of the active pane's last reply"),
+        Binding(
+            "f3",
+            "toggle_thinking",
+            "Thinking",
+            show=False,
+            tooltip="Show or fold the thinking (<think>...</think>) of the active pane's replies",
+        ),
+        Binding(
+            "ctrl+y",
+            "copy_reply",
+            "Copy reply",
+            show=False,
+            tooltip="Copy the active pane's last reply (its answer, without the thinking)",
+        ),
+        Binding(
+            "ctrl+b",
+            "copy_code",
+            "Copy code",
+            show=False,
+            tooltip="Copy the last code block of the active pane's last reply",
+        ),
         Binding("ctrl+l", "clear", "Clear", show=False, tooltip="Start a new conversation in the active pane"),
         Binding("ctrl+o", "history", "History", tooltip="Search past conversations and reopen one"),
     ]
@@ -177,8 +201,11 @@ class ChatScreen(Screen):
         for pane in self.panes:
             engine = self.engine_for(pane)
             backend = pane.session.settings.backend
-            name = (engine.model_name if backend.local else f"{engine.model_name} @ {engine.device}") if engine \
+            name = (
+                (engine.model_name if backend.local else f"{engine.model_name} @ {engine.device}")
+                if engine
                 else backend.label
+            )
             if pane.border_subtitle != (name if several else None):
                 pane.border_subtitle = name if several else None
 
@@ -353,8 +380,9 @@ class ChatScreen(Screen):
                 pane.session.configure(settings)
                 self.load_backends()
 
-        self.app.push_screen(SettingsScreen(f"Pane {pane.number}: {pane.session.title}", pane.session.settings),
-                             configure)
+        self.app.push_screen(
+            SettingsScreen(f"Pane {pane.number}: {pane.session.title}", pane.session.settings), configure
+        )
 
     async def action_regenerate(self) -> None:
         pane = self.active

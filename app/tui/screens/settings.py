@@ -52,8 +52,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             with Horizontal(classes="field"):
                 yield Label("Thinking", classes="field-label")
                 options = [(label, str(value)) for label, value in THINKING]
-                yield Select(options, value=str(self.settings.thinking), allow_blank=False, id="thinking",
-                             compact=True)
+                yield Select(options, value=str(self.settings.thinking), allow_blank=False, id="thinking", compact=True)
                 yield Label("enable_thinking, as Qwen3's", classes="field-hint")
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
@@ -73,8 +72,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 for name, label, kind, _ in FIELDS
             }
             thinking = {str(value): value for _, value in THINKING}[self.query_one("#thinking", Select).value]
-            settings = ChatSettings(system=self.query_one("#system", TextArea).text.strip(), thinking=thinking,
-                                    **values)
+            settings = ChatSettings(
+                system=self.query_one("#system", TextArea).text.strip(), thinking=thinking, **values
+            )
         except LlamatermError as e:
             self.query_one("#error", Label).update(Content(str(e)))
             return
