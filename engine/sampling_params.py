@@ -27,12 +27,15 @@ class SamplingParams:
             (0 <= self.temperature < math.inf, "temperature must be >= 0 and finite"),
             (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 turns it off)"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(s for s in self.stop), "stop strings must not be empty"),
-            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),  # torch's generator seed
+            (
+                self.seed is None or 0 <= self.seed < 2**64,
+                "seed must be in [0, 2**64)",
+            ),  # 64 bits (kernels/sampling.py)
         ]
         for ok, message in checks:
             if not ok:

@@ -51,6 +51,10 @@ def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
                 temperature=rng.choice([0.7, 1.0, 1.3]),
                 top_p=rng.choice([1.0, 0.9]),
                 top_k=rng.choice([0, 50]),
+                min_p=rng.choice([0.0, 0.05]),
+                repetition_penalty=rng.choice([1.0, 1.2]),
+                presence_penalty=rng.choice([0.0, 0.5]),
+                frequency_penalty=rng.choice([0.0, 0.3]),
                 seed=1000 + i,
                 ignore_eos=True,
             )
@@ -83,8 +87,15 @@ def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_small_pool_preempts_and_recomputes(tiny, overlap):
     prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
+    # penalties too: their token counts stay on the device through a preemption
     requests = [
-        (p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=i % 2, seed=i)) for i, p in enumerate(prompts)
+        (
+            p,
+            SamplingParams(
+                max_tokens=40, ignore_eos=True, temperature=i % 2, repetition_penalty=1 + i % 3 / 10, seed=i
+            ),
+        )
+        for i, p in enumerate(prompts)
     ]
     expected = solo_outputs(tiny, requests)
     # 16 blocks: ~3 requests at a time
@@ -222,6 +233,32 @@ def test_bad_requests_fail_alone(tiny, overlap, monkeypatch):
         bad_events = list(bad.events())
         assert bad_events[-1].finish_reason == "error" and "exploded" in bad_events[-1].error
         assert list(good.events())[-1].finish_reason == "length" and good.seq.num_generated == 5
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_whose_logits_are_nan_ends_alone(tmp_path, overlap):
+    """A corrupt embedding row: every request whose prompt holds that token gets NaN logits and ends with an error
+    that says so; the requests beside it in the batch go on, and get the tokens they get alone."""
+    path = write_tiny_llama(tmp_path / "nan.gguf", n_layers=2, context_length=512, tie_embeddings=False)
+    ckpt = load_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata)
+    model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
+    embd = model.token_embd
+    (embd.scales if isinstance(embd, QuantWeight) else embd)[42] = float("nan")
+    good = [
+        ([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True)),
+        ([9, 10, 11], SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3, ignore_eos=True)),
+    ]
+    with Engine(model, tokenizer, EngineConfig(overlap=overlap)) as engine:
+        expected = [run_alone(engine, p, sp) for p, sp in good]
+        bad = engine.submit(None, SamplingParams(max_tokens=12, temperature=0.8), prompt_ids=[5, 42, 7])
+        handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in good]
+        last = list(bad.events())[-1]
+        assert last.finish_reason == "error" and "NaN or infinite" in last.error
+        assert [(list(h.events())[-1].finish_reason, h.seq.generated) for h in handles] == [
+            ("length", e) for e in expected
+        ]
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 

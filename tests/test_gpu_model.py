@@ -1,6 +1,7 @@
 """The whole model on the GPU (Triton kernels, fp16) against the CPU reference path (torch, fp32)."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import StepInput, StepLists
-from llamaterm.engine.serving.model_runner import step_input
+from llamaterm.engine.serving.model_runner import device_tensors, take_pending
 from llamaterm.engine.store.model_store import resolve_model
 from tests.tiny_models import write_tiny_llama
 
@@ -130,12 +131,14 @@ def test_step_graphs_match_eager():
     model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
     caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
     caches[1].copy_(caches[0])
-    graphs = StepGraphs(model, caches[0], max_batch=8, max_tokens=64, max_blocks=8, compile_all=True)
+    # a body that returns the logits, so the graphs' steps compare with the eager forward pass
+    body = lambda step: model.forward(step.inputs, caches[0])
+    graphs = StepGraphs(body, model.device, max_running=8, max_batch_tokens=64, max_blocks=8, compile_all=True)
     gen = torch.Generator().manual_seed(0)
 
     def step(lens: list[int], queries: list[int]) -> StepLists:
         """Sequence i owns blocks 8i .. 8i + 7, has lens[i] tokens in cache after the step, queries[i] of them new."""
-        s = StepLists([], [], [], [], [], [0], [], [], [])
+        s = StepLists([], [], [], [], [], [0], [], [], [], [], [])
         for i, (n, q) in enumerate(zip(lens, queries, strict=True)):
             s.input_ids += torch.randint(0, model.config.vocab_size, (q,), generator=gen).tolist()
             s.positions += range(n - q, n)
@@ -144,6 +147,8 @@ def test_step_graphs_match_eager():
             s.context_lens.append(n)
             s.query_start_loc.append(s.query_start_loc[-1] + q)
             s.logits_indices.append(s.query_start_loc[-1] - 1)
+            s.sampler_slots.append(-1)
+            s.sample_positions.append(n)
         return s
 
     steps = [
@@ -157,10 +162,13 @@ def test_step_graphs_match_eager():
     known = [dataclasses.replace(s, input_ids=list(s.input_ids)) for s in steps]
     known[1].input_ids[0], known[1].input_ids[2] = 33, 222
     steps[1].pending_rows, steps[1].pending_from = [0, 2], [2, 1]
+    last = SimpleNamespace(tokens=SimpleNamespace(device_tokens=pending))  # as model_runner's LaunchedStep
     for s, k in zip(steps, known, strict=True):
-        ref = model.forward(step_input(k, model.device), caches[1]).float()
-        for _ in range(2):  # a bucket above max_batch runs eagerly (padded) first, then from its new graph
-            out = graphs.forward(s, pending).float()
+        ref = model.forward(device_tensors(k, model.device).inputs, caches[1]).float()
+        for _ in range(2):  # a bucket above max_running runs eagerly (padded) first, then from its new graph
+            bucket, device_step = graphs.prepare(s)
+            take_pending(device_step, s, last)
+            out = graphs.run(bucket, device_step)[: len(s.context_lens)].float()
             assert out.shape == ref.shape == (len(s.context_lens), model.config.vocab_size)
             assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
             assert (caches[0] - caches[1]).abs().max().item() <= 1e-2

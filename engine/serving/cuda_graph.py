@@ -1,119 +1,142 @@
-"""Every step replayed from a CUDA graph: decodes, prefill chunks, and steps that mix them.
+"""Every step replayed from a CUDA graph: decodes, prefill chunks, and steps that mix them, each with its sampler.
 
 A step of a small model is hundreds of kernel launches that each take microseconds on the GPU, so Python and the
-launches, not the GPU, would set its time. The forward pass is captured once per token-count bucket and replayed:
-a bucket of T tokens holds up to B = min(T, max_batch) sequences. The step's metadata is written into one pinned
-host buffer and copied with two transfers into fixed device buffers the graphs read, padded up to the bucket:
+launches, not the GPU, would set its time. The step's body (the forward pass and the batched sampler, from the
+model runner) is captured once per token-count bucket and replayed: a bucket of T tokens holds up to
+B = min(T, max_running) sequences. The step's metadata is written into one pinned host buffer and copied with two
+transfers into fixed device buffers the graphs read, padded up to the bucket:
 - padding tokens write no KV (slot -1) and belong to no sequence: the padding sequences have no query tokens
   (query_start_loc stays at the real token count), so the attention kernel skips them; their rows are computed
   and dropped;
-- logits rows past the step's sampled sequences are dropped.
+- logits rows past the step's sampled sequences have sampler slot -1, which the sampler leaves alone.
 The block-table buffer is as wide as the model's context, so one graph serves every context length (the
 attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
-Buckets: powers of two up to max_batch (pure decode steps), then coarser steps up to the step token budget
+Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
 (token_buckets). Decode buckets, every session's steady state, are captured at start-up; a larger bucket runs
 eagerly over the same padded buffers the first time a step needs it and is captured the second time, so start-up
 captures a few graphs and a one-shot command never captures a prefill. Padded to its bucket, an eager step
-launches the kernel variants its graph would: on a first start (compile_all) a forward pass over every bucket
-compiles them all before the first request, and later starts find them in Triton's cache.
+launches the kernel variants its graph would: on a first start (compile_all) a pass over every bucket compiles
+them all before the first request, and later starts find them in Triton's cache.
 """
+
+from collections.abc import Callable
 
 import torch
 
-from llamaterm.engine.serving.model import Model, StepInput, StepLists, take_pending
+from llamaterm.engine.serving.model import DeviceStep, StepInput, StepLists
 
 
-def token_buckets(max_batch: int, max_tokens: int) -> list[int]:
-    """1, 2, 4 ... 64 and max_batch (decode steps); then steps of 64 up to 512, the quantized matmul's row tile
-    (a step pays per started tile), and of 256 up to max_tokens: a mixed step pads less than a tile up to 512
+def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
+    """1, 2, 4 ... 64 and max_running (decode steps); then steps of 64 up to 512, the quantized matmul's row tile
+    (a step pays per started tile), and of 256 up to max_batch_tokens: a mixed step pads less than a tile up to 512
     tokens and less than 256 tokens (under half its own) above."""
     out, t = [], 1
-    while t < max_tokens:
+    while t < max_batch_tokens:
         out.append(t)
         t = t * 2 if t < 64 else t + (64 if t < 512 else 256)
-    return sorted({*out, min(max_batch, max_tokens), max_tokens})
+    return sorted({*out, min(max_running, max_batch_tokens), max_batch_tokens})
 
 
 class StepGraphs:
     def __init__(
-        self, model: Model, kv_cache: torch.Tensor, max_batch: int, max_tokens: int, max_blocks: int, compile_all: bool
+        self,
+        body: Callable[[DeviceStep], torch.Tensor],
+        device: torch.device,
+        max_running: int,
+        max_batch_tokens: int,
+        max_blocks: int,
+        compile_all: bool,
     ):
-        self.model, self.kv_cache = model, kv_cache
-        self.buckets = token_buckets(max_batch, max_tokens)
-        self.max_batch = max_batch
-        t, b, dev = self.buckets[-1], max_batch, model.device
-        # one int64 buffer: ids, positions, slots [t each], context lens [b], query starts [b + 1], logits rows [b],
-        # and (read before the replay) the rows whose token is the step in flight's sample, and its rows [b each]
-        self.offsets = {
-            "ids": 0,
+        self.body = body
+        self.buckets = token_buckets(max_running, max_batch_tokens)
+        self.max_running = max_running
+        t, b = self.buckets[-1], max_running
+        # one int64 buffer: ids, positions, slots [t each], context lens [b], query starts [b + 1], and per logits
+        # row [b each] its step row, sampler slot and sampled position; then (read before the replay) the rows whose
+        # token is the step in flight's sample, and its rows there [b each]
+        sizes = {
+            "ids": t,
             "pos": t,
-            "slots": 2 * t,
-            "ctx": 3 * t,
-            "qsl": 3 * t + b,
-            "rows": 3 * t + 2 * b + 1,
-            "prow": 3 * t + 3 * b + 1,
-            "pfrom": 3 * t + 4 * b + 1,
+            "slots": t,
+            "ctx": b,
+            "qsl": b + 1,
+            "rows": b,
+            "sampler": b,
+            "spos": b,
+            "prow": b,
+            "pfrom": b,
         }
-        size = 3 * t + 5 * b + 1
+        self.offsets, size = {}, 0
+        for name, n in sizes.items():
+            self.offsets[name], size = size, size + n
         # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
         # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
         self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self._turn = 0
-        self.flat = torch.zeros(size, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.flat = torch.zeros(size, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
         self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
+        self.flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # the graphs share one memory pool: they never run at the same time
-        self._stream = torch.cuda.Stream(dev)  # captures record on a side stream
+        self._stream = torch.cuda.Stream(device)  # captures record on a side stream
         self._ran_eagerly: set[int] = set()
         if compile_all:
             for bucket in reversed(self.buckets):
-                model.forward(self._step(bucket), kv_cache)
+                body(self._step(bucket))
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-            if bucket <= max_batch:
+            if bucket <= max_running:
                 if not compile_all:  # a first run outside the capture: kernels load, scratch is allocated
-                    model.forward(self._step(bucket), kv_cache)
+                    body(self._step(bucket))
                 self._capture(bucket)
 
     def _capture(self, bucket: int) -> None:
-        """Record the bucket's forward pass. Not through torch.cuda.graph, which first waits for the device and
-        empties the allocator's cache: in the middle of serving that would stall every session."""
+        """Record the bucket's step. Not through torch.cuda.graph, which first waits for the device and empties
+        the allocator's cache: in the middle of serving that would stall every session."""
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                logits = self.model.forward(self._step(bucket), self.kv_cache)
+                tokens = self.body(self._step(bucket))
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(self._stream)
         self._pool = graph.pool()
-        self.graphs[bucket] = graph, logits
+        self.graphs[bucket] = graph, tokens
 
     def _seqs(self, bucket: int) -> int:
-        return min(bucket, self.max_batch)
+        return min(bucket, self.max_running)
 
-    def _view(self, buf: torch.Tensor, name: str, n: int) -> torch.Tensor:
-        return buf[self.offsets[name] : self.offsets[name] + n]
+    def _view(self, name: str, n: int) -> torch.Tensor:
+        return self.flat[self.offsets[name] : self.offsets[name] + n]
 
-    def _step(self, bucket: int) -> StepInput:
-        t, b, f = bucket, self._seqs(bucket), self.flat
-        return StepInput(
-            self._view(f, "ids", t),
-            self._view(f, "pos", t),
-            self._view(f, "slots", t),
+    def _step(self, bucket: int, n_pending: int = 0) -> DeviceStep:
+        t, b = bucket, self._seqs(bucket)
+        inputs = StepInput(
+            self._view("ids", t),
+            self._view("pos", t),
+            self._view("slots", t),
             self.tables[:b],
-            self._view(f, "ctx", b),
-            self._view(f, "qsl", b + 1),
-            self._view(f, "rows", b),
+            self._view("ctx", b),
+            self._view("qsl", b + 1),
+            self._view("rows", b),
+        )
+        return DeviceStep(
+            inputs,
+            self._view("sampler", b),
+            self._view("spos", b),
+            self._view("prow", n_pending),
+            self._view("pfrom", n_pending),
         )
 
     def fits(self, step: StepLists) -> bool:
-        return len(step.input_ids) <= self.buckets[-1] and len(step.context_lens) <= self.max_batch
+        return len(step.input_ids) <= self.buckets[-1] and len(step.context_lens) <= self.max_running
 
-    def forward(self, step: StepLists, pending: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits model.forward would return for this step (`pending`: see ModelRunner.run)."""
+    def prepare(self, step: StepLists) -> tuple[int, DeviceStep]:
+        """Copy the step's metadata into the buffers of the smallest bucket that holds it (the copies are queued,
+        not waited for); returns the bucket and the buffers' views."""
         n, s = len(step.input_ids), len(step.context_lens)
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
         self._turn ^= 1
@@ -126,6 +149,8 @@ class StepGraphs:
             ("ctx", step.context_lens, b, 0),
             ("qsl", step.query_start_loc, b + 1, n),
             ("rows", step.logits_indices, b, 0),
+            ("sampler", step.sampler_slots, b, -1),
+            ("spos", step.sample_positions, b, 0),
             ("prow", step.pending_rows, 0, 0),
             ("pfrom", step.pending_from, 0, 0),
         ):
@@ -138,18 +163,16 @@ class StepGraphs:
             width = max(width, len(row))
         self.flat.copy_(host, non_blocking=True)
         self.tables[:s, :width].copy_(host_tables[:s, :width], non_blocking=True)
-        n_pending = len(step.pending_rows)
-        take_pending(
-            self._view(self.flat, "ids", t),
-            self._view(self.flat, "prow", n_pending),
-            pending,
-            self._view(self.flat, "pfrom", n_pending),
-        )
+        return bucket, self._step(bucket, len(step.pending_rows))
+
+    def run(self, bucket: int, step: DeviceStep) -> torch.Tensor:
+        """The bucket's sampled tokens [its rows]: replayed from its graph, or the body run eagerly over the same
+        buffers the first time the bucket is needed."""
         if bucket not in self.graphs:
             if bucket not in self._ran_eagerly:
                 self._ran_eagerly.add(bucket)
-                return self.model.forward(self._step(bucket), self.kv_cache)[: len(step.logits_indices)]
+                return self.body(step)
             self._capture(bucket)
-        graph, logits = self.graphs[bucket]
+        graph, tokens = self.graphs[bucket]
         graph.replay()
-        return logits[: len(step.logits_indices)]
+        return tokens

@@ -34,14 +34,17 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving.model_runner import HostTokens, ModelRunner
-from llamaterm.engine.serving.sampling import needs_history, sample
+from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
 from llamaterm.engine.serving.scheduler import Scheduler
-from llamaterm.engine.serving.sequence import PENDING, Sequence
+from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
 from llamaterm.engine.thinking import opens_thinking
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
+NOT_FINITE = (
+    "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
+    "fp16 overflowed): try another file of the model, or --device cpu"
+)
 
 
 @dataclass(eq=False)
@@ -70,15 +73,6 @@ class RequestHandle(EventStream):
             max_context=self.engine.max_context,
             finished=self.finished,
         )
-
-
-@dataclass
-class InFlight:
-    """A launched step: the sequences it samples for, in row order, and their tokens on the way to the host."""
-
-    sampling: list[Sequence]
-    tokens: HostTokens
-    start: float  # when it was scheduled
 
 
 class OutputState:
@@ -243,7 +237,7 @@ class Engine:
             num_prompt_tokens=len(ids),
             params=params,
             max_tokens=min(params.max_tokens, limit - len(ids)),
-            generator=self._generator(params.seed),
+            seed=params.seed if params.seed is not None else secrets.randbits(64),
         )
         handle = RequestHandle(seq.id, seq, self)
         if prompt_ids is None and not raw:  # R1 distills, QwQ: the template ends its prompt inside <think>
@@ -299,15 +293,10 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _generator(self, seed: int | None) -> torch.Generator:
-        g = torch.Generator(device=self.model.device)
-        g.manual_seed(seed if seed is not None else secrets.randbits(63))
-        return g
-
     # ---- the loop (engine thread only) ----
 
     def _loop(self) -> None:
-        inflight: InFlight | None = None  # the step launched last, its tokens not yet read
+        inflight: LaunchedStep | None = None  # the step launched last, its tokens not yet read
         while True:
             with self._cv:
                 while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
@@ -326,51 +315,37 @@ class Engine:
                     self._finish(self._handles[request_id], "cancelled")
             # The next step is launched before the last one's tokens are read, so scheduling, building its inputs
             # and reading tokens overlap the device's work; it finds the tokens it needs on the device.
-            if inflight is not None and (not self.overlap or any(map(needs_history, inflight.sampling))):
+            if inflight is not None and not self.overlap:
                 self._complete(inflight)
                 inflight = None
-            launched = self._launch(inflight)
+            launched = self._launch()
             if inflight is not None:
                 self._complete(inflight)
             inflight = launched
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
 
-    def _launch(self, inflight: InFlight | None) -> InFlight | None:
-        """Schedule and launch one step; its sampled tokens stay on the device (PENDING in token_ids)."""
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule and launch one step; its sampled tokens stay on the device (model_runner.py)."""
         start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
         self._last_batch = len(chunks)
         self.num_steps += 1
-        sampling = [c.seq for c in chunks if c.samples]
         try:
-            if inflight is None:
-                logits = self.runner.run(chunks)
-            else:
-                rows = {seq.id: i for i, seq in enumerate(inflight.sampling)}
-                logits = self.runner.run(chunks, inflight.tokens.device_tokens, rows)
-            tokens = self.runner.to_host(sample(logits, sampling))
+            step = self.runner.launch(chunks, start)
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
                 self._finish(self._handles[c.seq.id], "error", f"{type(e).__name__}: {e}")
             return None
-        for c in chunks:
-            seq = c.seq
-            seq.num_computed += c.length
-            # a block holding a pending token is published once that token is known (a later step's launch)
-            self.block_manager.commit_full_blocks(seq.table, seq.token_ids, seq.num_computed - seq.num_pending)
-            self.block_manager.slide(seq.table, seq.num_computed)
-        for seq in sampling:
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
-        return InFlight(sampling, tokens, start)
+        self.scheduler.advance(chunks)
+        return step
 
-    def _complete(self, step: InFlight) -> None:
+    def _complete(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens (waiting for the device) and hand them to their requests."""
         try:
-            tokens = step.tokens.wait()
+            tokens = self.runner.complete(step)
         except Exception as e:  # a device error surfaces here, after the launch: the step's requests share it
             for seq in step.sampling:
                 if (handle := self._handles.get(seq.id)) is not None and handle.seq is seq:
@@ -379,12 +354,8 @@ class Engine:
         now = time.perf_counter()
         self.max_step_s = max(self.max_step_s, now - max(step.start, self._last_done))
         self._last_done = now
-        for seq, token in zip(step.sampling, tokens, strict=True):
-            handle = self._handles.get(seq.id)
-            if handle is None or handle.seq is not seq:  # finished (stopped, cancelled) while the step ran
-                continue
-            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
-            seq.num_pending -= 1
+        for seq, token in tokens:
+            handle = self._handles[seq.id]
             try:
                 self._on_token(handle, token, now)
             except Exception as e:  # one request's failure stays its own
@@ -398,6 +369,8 @@ class Engine:
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if token < 0:
+            return self._finish(handle, "error", NOT_FINITE)
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.stop_ids):
             return self._finish(handle, "stop", token_ids=(token,))
@@ -419,8 +392,7 @@ class Engine:
     ) -> None:
         seq = handle.seq
         self.scheduler.finish(seq)
-        del seq.token_ids[len(seq.token_ids) - seq.num_pending :]  # samples past the end, never read
-        seq.num_pending = 0
+        drop_pending(seq)
         output = self._outputs.pop(handle.id)
         if reason in ("length", "stop") and not error:
             text += output.finish()

@@ -36,7 +36,7 @@ class StepInput:
 @dataclass
 class StepLists:
     """The same step as host lists, as the model runner builds it from the scheduled chunks (block tables
-    unpadded); engine/serving/model_runner.py turns it into a StepInput, cuda_graph.py into its fixed buffers."""
+    unpadded); engine/serving/model_runner.py turns it into a DeviceStep, cuda_graph.py into its fixed buffers."""
 
     input_ids: list[int]
     positions: list[int]
@@ -45,16 +45,25 @@ class StepLists:
     context_lens: list[int]
     query_start_loc: list[int]
     logits_indices: list[int]
+    # per logits row: its sequence's sampler slot (scheduler.py) and the position of the token it samples
+    sampler_slots: list[int]
+    sample_positions: list[int]
     # input tokens sampled by the step still in flight: step rows pending_rows take that step's sampled tokens
-    # pending_from (its rows), on the device
+    # pending_from (its rows), on the device (model_runner.py)
     pending_rows: list[int]
     pending_from: list[int]
 
 
-def take_pending(input_ids: torch.Tensor, rows: torch.Tensor, pending: torch.Tensor | None, src: torch.Tensor) -> None:
-    """Write the in-flight step's sampled tokens into this step's inputs, on the device."""
-    if rows.numel():
-        input_ids.index_copy_(0, rows, pending.index_select(0, src))
+@dataclass
+class DeviceStep:
+    """A step on the device: the forward pass's inputs, the sampler's rows (sampler slot -1: a padding row), and
+    the indices of the inputs the step in flight fills in."""
+
+    inputs: StepInput
+    sampler_slots: torch.Tensor
+    sample_positions: torch.Tensor
+    pending_rows: torch.Tensor | None  # None: no input waits for the step in flight
+    pending_from: torch.Tensor | None
 
 
 def fuse(parts: list[Weight]) -> list[Weight]:

@@ -1,6 +1,13 @@
-"""The model runner: one scheduled step in, logits out. It owns the KV cache and the CUDA graphs, builds each
-step's flat inputs (token ids, positions, slot mapping, block tables) from the scheduled chunks, and warms the
-model up before the first request."""
+"""The model runner owns the step: scheduled chunks in, sampled token ids out. It builds each step's flat inputs
+(token ids, positions, slot mapping, block tables, the sampler's rows) from the chunks, runs the forward pass and the
+batched sampler (replayed from a CUDA graph where one fits), and starts the copy of the sampled tokens to the host;
+logits never leave the device. It owns the KV cache, the CUDA graphs and the sampler's tables, and warms the model
+up before the first request.
+
+Steps overlap (engine/serving/engine.py): the next step is launched before this one's tokens reach the host. The
+whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is PENDING in its
+token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
+"""
 
 from __future__ import annotations
 
@@ -9,63 +16,103 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from llamaterm.engine.serving.cuda_graph import StepGraphs
-from llamaterm.engine.serving.model import Model, StepInput, StepLists, take_pending
+from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLists
+from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.scheduler import ScheduledChunk
+from llamaterm.engine.serving.sequence import Sequence, Status
 from llamaterm.kernels.dispatch import use_triton
 
 log = logging.getLogger(__name__)
 
+# A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
+# token_ids when that step completes. Only the last tokens of a sequence can be pending.
+PENDING = -1
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way: the sequences it samples for, in row order, and their tokens on the way to the host."""
+
+    sampling: list[Sequence]
+    tokens: HostTokens
+    start: float  # when it was scheduled
+
 
 class ModelRunner:
     def __init__(
-        self, model: Model, num_blocks: int, block_size: int, max_batch: int, max_tokens: int, cuda_graphs: bool
+        self, model: Model, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int, cuda_graphs: bool
     ):
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+            self.sampler = Sampler(max_running, model.config.vocab_size, model.device)
         with self._timed("warm-up"):
             self._warm_up()
         pinned = model.device.type == "cuda"
-        self._host_tokens = [torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._host_turn = 0
+        self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
         if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
             # a first start compiles every kernel variant a step can launch, before the first request
-            marker = compiled_marker(model, max_batch, max_tokens)
+            marker = compiled_marker(model, max_running, max_batch_tokens)
             first = not marker.exists()
             if first:
                 log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
             max_blocks = -(-model.config.context_length // block_size)
             with self._timed("CUDA graphs"):
-                self.graphs = StepGraphs(model, self.kv_cache, max_batch, max_tokens, max_blocks, first)
+                self.graphs = StepGraphs(self._body, model.device, max_running, max_batch_tokens, max_blocks, first)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
-    def run(
-        self,
-        chunks: list[ScheduledChunk],
-        pending: torch.Tensor | None = None,
-        pending_rows: dict[int, int] | None = None,
-    ) -> torch.Tensor:
-        """Logits for every chunk that samples, in chunk order. A sequence's last token may still be on the
-        device: `pending` holds the sampled tokens of the step in flight and pending_rows maps a sequence id to
-        its row there."""
-        step = step_lists(chunks, self.block_size, pending_rows or {})
+    def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
+        """Run one step on the device and start its sampled tokens' copy to the host; nothing here waits for the
+        device. Each sampling sequence gets a PENDING token."""
+        sampling = [c.seq for c in chunks if c.samples]
+        for seq in sampling:
+            self.sampler.join(seq)
+        last = self._last
+        rows = {seq.id: i for i, seq in enumerate(last.sampling)} if last else {}
+        step = step_lists(chunks, self.block_size, rows)
         if self.graphs and self.graphs.fits(step):
-            return self.graphs.forward(step, pending)
-        return self.model.forward(step_input(step, self.model.device, pending), self.kv_cache)
-
-    def to_host(self, tokens: torch.Tensor) -> HostTokens:
-        """Start copying a step's sampled tokens to the host; two pinned buffers in turn, since a step's tokens are
-        read before the step after next is launched."""
+            bucket, device_step = self.graphs.prepare(step)
+            take_pending(device_step, step, last)
+            tokens = self.graphs.run(bucket, device_step)[: len(sampling)]
+        else:
+            device_step = device_tensors(step, self.model.device)
+            take_pending(device_step, step, last)
+            tokens = self._body(device_step)
+        for seq in sampling:
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
         self._host_turn ^= 1
-        return HostTokens(tokens, self._host_tokens[self._host_turn] if tokens.is_cuda else None)
+        self._last = LaunchedStep(sampling, HostTokens(tokens, self._host_tokens[self._host_turn]), start)
+        return self._last
+
+    def complete(self, step: LaunchedStep) -> list[tuple[Sequence, int]]:
+        """Wait for a step's tokens and put them in place of its sequences' PENDING tokens; returns (sequence,
+        token) for those still under way (-1: the row's logits were not finite, kernels/sampling.py)."""
+        out = []
+        for seq, token in zip(step.sampling, step.tokens.wait(), strict=True):
+            if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
+                continue
+            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
+            out.append((seq, token))
+        return out
+
+    @torch.inference_mode()
+    def _body(self, step: DeviceStep) -> torch.Tensor:
+        """What a CUDA graph captures: the forward pass and the sampler (which penalises the logits in place)."""
+        logits = self.model.forward(step.inputs, self.kv_cache)
+        return self.sampler.sample(logits, step.sampler_slots, step.sample_positions)
 
     @contextmanager
     def _timed(self, part: str):
@@ -76,14 +123,30 @@ class ModelRunner:
         self.startup_s[part] = time.perf_counter() - t
 
     def _warm_up(self) -> None:
-        """One token through the model before serving, so weight preparation and kernel compilation are paid at
-        load time rather than by the first request's TTFT. It writes slot 0 of a free block: no one reads it."""
+        """One token through the model and the sampler before serving, so weight preparation and kernel
+        compilation are paid at load time rather than by the first request's TTFT. It writes slot 0 of a free
+        block (no one reads it) and samples a padding row."""
         one = lambda *v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=self.model.device)
-        step = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
-        self.model.forward(step, self.kv_cache)
+        inputs = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
+        self._body(DeviceStep(inputs, one(-1), one(0), one(), one()))
 
 
-def compiled_marker(model: Model, max_batch: int, max_tokens: int) -> Path:
+def drop_pending(seq: Sequence) -> None:
+    """A finished sequence's samples past its end, never read."""
+    del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
+    seq.num_pending = 0
+
+
+def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
+    """Write the tokens the last launched step sampled into this step's inputs that wait for them, on the device.
+    A row that sampled -1 (not finite) feeds token 0: its request is ended when that -1 reaches the host."""
+    if step.pending_rows:
+        assert last is not None
+        tokens = last.tokens.device_tokens.index_select(0, device_step.pending_from).clamp_(min=0)
+        device_step.inputs.input_ids.index_copy_(0, device_step.pending_rows, tokens)
+
+
+def compiled_marker(model: Model, max_running: int, max_batch_tokens: int) -> Path:
     """A file in Triton's cache that says these kernels were compiled for this GPU, model shape and batch limits
     (Triton keys its cache the same way: source, versions, device, constants); clearing the cache clears it."""
     import triton
@@ -99,8 +162,8 @@ def compiled_marker(model: Model, max_batch: int, max_tokens: int) -> Path:
                 torch.cuda.get_device_name(model.device),
                 model.config,
                 model.dtype,
-                max_batch,
-                max_tokens,
+                max_running,
+                max_batch_tokens,
             )
         ).encode()
     )
@@ -112,12 +175,13 @@ def compiled_marker(model: Model, max_batch: int, max_tokens: int) -> Path:
 
 class HostTokens:
     """A step's sampled token ids on their way to the host: on CUDA a copy into pinned memory that does not block
-    the caller, and the event that marks it done."""
+    the caller, and the event that marks it done. Two pinned buffers serve in turn, since a step's tokens are read
+    before the step after next is launched."""
 
-    def __init__(self, tokens: torch.Tensor, buffer: torch.Tensor | None):
-        self.device_tokens = tokens  # read by the next step's inputs (ModelRunner.run's `pending`)
+    def __init__(self, tokens: torch.Tensor, buffer: torch.Tensor):
+        self.device_tokens = tokens  # read by the next step's inputs (take_pending)
         self.ready = None
-        if buffer is None:
+        if not tokens.is_cuda:
             self.host = tokens
         else:
             self.host = buffer[: tokens.numel()]
@@ -131,12 +195,13 @@ class HostTokens:
         return self.host.tolist()
 
 
-def step_lists(chunks: list[ScheduledChunk], block_size: int, pending_rows: dict[int, int]) -> StepLists:
-    """The step as flat lists. On the host path of every step, so locals rather than attribute lookups."""
+def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[int, int]) -> StepLists:
+    """The step as flat lists; last_rows maps a sequence id to its row in the last launched step. On the host path
+    of every step, so locals rather than attribute lookups."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    qsl, rows, pending, pending_from = [0], [], [], []
+    qsl, rows, sampler_slots, sample_positions, pending, pending_from = [0], [], [], [], [], []
     for c in chunks:
         seq, start, end = c.seq, c.start, c.start + c.length
         table, known = seq.table.block_ids, len(seq.token_ids)
@@ -144,12 +209,14 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, pending_rows: dict
         if seq.num_pending and end == known:  # its last token is the step in flight's sample
             ids[-1] = 0
             pending.append(len(ids) - 1)
-            pending_from.append(pending_rows[seq.id])
+            pending_from.append(last_rows[seq.id])
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         qsl.append(qsl[-1] + c.length)
         if end == known:  # the chunk samples (ScheduledChunk.samples)
             rows.append(qsl[-1] - 1)
+            sampler_slots.append(seq.sampler_slot)
+            sample_positions.append(end)
     return StepLists(
         ids,
         positions,
@@ -158,21 +225,20 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, pending_rows: dict
         [c.start + c.length for c in chunks],
         qsl,
         rows,
+        sampler_slots,
+        sample_positions,
         pending,
         pending_from,
     )
 
 
-def step_input(step: StepLists, device: torch.device, pending: torch.Tensor | None = None) -> StepInput:
+def device_tensors(step: StepLists, device: torch.device) -> DeviceStep:
     """Tensors of exactly the step's size, for the eager forward pass."""
     width = max(len(t) for t in step.block_tables)
     tables = [t + [0] * (width - len(t)) for t in step.block_tables]
     as_tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)
-    input_ids = as_tensor(step.input_ids)
-    if step.pending_rows:  # no index tensors to build (and copy to the device) for a step with none
-        take_pending(input_ids, as_tensor(step.pending_rows), pending, as_tensor(step.pending_from))
-    return StepInput(
-        input_ids=input_ids,
+    inputs = StepInput(
+        input_ids=as_tensor(step.input_ids),
         positions=as_tensor(step.positions),
         slot_mapping=as_tensor(step.slot_mapping),
         block_tables=as_tensor(tables, torch.int32),
@@ -180,3 +246,6 @@ def step_input(step: StepLists, device: torch.device, pending: torch.Tensor | No
         query_start_loc=as_tensor(step.query_start_loc),
         logits_indices=as_tensor(step.logits_indices),
     )
+    # no index tensors to build (and copy to the device) for a step with no pending inputs
+    pending = (as_tensor(step.pending_rows), as_tensor(step.pending_from)) if step.pending_rows else (None, None)
+    return DeviceStep(inputs, as_tensor(step.sampler_slots), as_tensor(step.sample_positions), *pending)

@@ -4,6 +4,9 @@ Each step packs, under a token budget, one decode token for every running sequen
 (chunked prefill), so a long new prompt never stalls the others for more than one chunk. When the cache runs out
 of blocks, the newest running sequence is preempted: its blocks are freed and it is recomputed later (its prefix
 may still be cached). Sequences join and leave between steps.
+
+Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
+admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
 """
 
 from collections import deque
@@ -32,6 +35,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
+        self.free_slots = list(range(max_running - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,10 +65,12 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         budget = self.max_batch_tokens - sum(c.length for c in chunks)
-        # Then admit waiting sequences while tokens, blocks and batch slots remain.
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        # Then admit waiting sequences while tokens, blocks and sampler slots remain (a preempted one has its own).
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.done_sampling:  # preempted while its last token is in flight: it finishes when that arrives
+                break
+            if seq.sampler_slot is None and not self.free_slots:
                 break
             if seq.num_computed == 0 and not seq.table.block_ids:
                 cached = self.blocks.match_prefix(seq.token_ids, seq.table)
@@ -74,14 +80,30 @@ class Scheduler:
             n = min(seq.num_to_compute, budget)
             # The engine rejects requests larger than the pool, so a sequence always fits once others finish.
             if not self.blocks.can_allocate(seq.table, seq.num_computed + n):
+                # give the matched prefix back (it stays cached): waiting sequences that hold blocks could
+                # otherwise fill the pool with nothing running
+                self.blocks.release(seq.table)
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq.table, seq.num_computed + n)
+            if seq.sampler_slot is None:
+                seq.sampler_slot = self.free_slots.pop()
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def advance(self, chunks: list[ScheduledChunk]) -> None:
+        """After a step's launch: its tokens are computed, and the blocks they fill hold known tokens once the
+        tokens still pending (sampled in flight, not yet on the host) are not among them."""
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed += c.length
+            known = min(seq.num_computed, len(seq.token_ids) - seq.num_pending)
+            self.blocks.commit_full_blocks(seq.table, seq.token_ids, known)
+            self.blocks.slide(seq.table, seq.num_computed)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -97,4 +119,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq.table)
+        if seq.sampler_slot is not None:
+            self.free_slots.append(seq.sampler_slot)
+            seq.sampler_slot = None
         seq.status = Status.FINISHED

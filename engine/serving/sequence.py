@@ -5,14 +5,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockTableEntry
-
-# A token sampled by a step still in flight: its value is on the device (the next step reads it there) and reaches
-# token_ids when that step completes (engine/serving/engine.py). Only the last tokens of a sequence can be pending.
-PENDING = -1
 
 
 class Status(enum.Enum):
@@ -28,12 +22,13 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     max_tokens: int  # params.max_tokens clamped to the context
-    generator: torch.Generator | None = None
+    seed: int = 0  # 64 bits: the request's seed, or a random one (kernels/sampling.py keys its draws on it)
+    sampler_slot: int | None = None  # its row of the sampler's tables, from first admission to finish
     status: Status = Status.WAITING
     table: BlockTableEntry = field(default_factory=BlockTableEntry)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
-    num_pending: int = 0  # trailing token_ids still PENDING
+    num_pending: int = 0  # trailing token_ids still PENDING (sampled by a step in flight: model_runner.py)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     token_times: deque = field(default_factory=lambda: deque(maxlen=32))  # for the sliding-window rate
