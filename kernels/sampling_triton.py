@@ -1,15 +1,16 @@
-"""The batched sampler on CUDA: one program per row, no sort of the vocabulary (kernels/sampling.py says what a
-row keeps and how it draws; its torch reference is this kernel's oracle).
+"""The batched sampler on CUDA (kernels/sampling.py says what a row keeps and how it draws; its torch reference is
+this kernel's oracle). Every row is split into chunks of CHUNK tokens, so a step of 8 rows still spreads over the
+whole GPU, and nothing sorts the vocabulary. Three launches:
 
-Pass 1 reads the row once: penalties (written back), the maximum and its index, the mean of the finite logits, and
-whether a logit is NaN or +inf. A greedy row ends there. A row with top-k or top-p then bounds its kept set:
-pass 2 counts its logits in BINS bins below the maximum, each (max - mean) / 64 wide so a peaked row and a flat
-one both spread over them, and sums the softmax normaliser. The top bins that hold at most CAP tokens are the
-candidates when they provably hold every token the row keeps: the whole top-k set, or every token above the min-p
-threshold, or (without top-k) a mass of at least top_p, by a lower bound from the bins. Pass 3 gathers them; they
-are sorted in registers and cut as the reference cuts them, and the race runs among them. A row the bins cannot
-bound (a flat distribution whose nucleus passes CAP tokens) finds its thresholds by bisection over the row
-instead, about 64 more passes; a row with neither top-k nor top-p races over the whole row at once.
+1. per chunk, one read: penalties (written back), the chunk's maximum and its index, NaN or +inf;
+2. per chunk, with the row's maximum: the chunk's softmax mass, its race winner among the tokens min-p keeps, and,
+   for rows with top-k or top-p, its candidates: the tokens above tau, the chunk's (L+1)-th largest, at most L;
+3. per row: greedy rows take the argmax; rows with neither top-k nor top-p the best of the chunks' winners; the
+   others find their thresholds by bisection over the candidates, held in registers. Every token above a
+   threshold t > max(tau) is a candidate, so when the cut lands there (the usual case: top-k <= L, or a nucleus
+   of at most L tokens in each chunk) and top-p's normaliser, the top-k set's mass, is among them, the candidates
+   decide it exactly and the race runs among them. Otherwise (a flat row whose nucleus is larger, a top-k above L)
+   the row bisects over its whole length instead: slower, the same tokens.
 """
 
 import torch
@@ -17,6 +18,9 @@ import triton
 import triton.language as tl
 
 from llamaterm.kernels import sampling as ref
+
+CHUNK = 8192  # tokens of a row per program of the first two launches
+L = 128  # candidates a chunk keeps: top-k up to L is decided among them
 
 _TEMPERATURE = tl.constexpr(ref.TEMPERATURE)
 _TOP_P = tl.constexpr(ref.TOP_P)
@@ -29,9 +33,9 @@ _SEED = tl.constexpr(ref.SEED)
 _GOLDEN = tl.constexpr(ref.GOLDEN)
 _MIX1 = tl.constexpr(ref.MIX1)
 _MIX2 = tl.constexpr(ref.MIX2)
-_SPREAD_BINS = tl.constexpr(64)  # bins from the maximum down to the mean
 _LOW32 = tl.constexpr(0xFFFFFFFF)
 _NEG_INF = tl.constexpr(float("-inf"))
+_NO_KEY = tl.constexpr(-(2**31))  # below every float's ordered key: an empty candidate slot, or no tau
 
 
 @triton.jit
@@ -61,35 +65,185 @@ def _from_okey(k):
 
 
 @triton.jit
-def _bin(x, m, width, BINS: tl.constexpr):
-    return tl.minimum((m - x) / width, BINS - 1).to(tl.int32)
+def _row_key(ints_ptr, positions_ptr, slot, row):
+    seed = tl.load(ints_ptr + slot * 2 + _SEED).to(tl.uint64, bitcast=True)
+    position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
+    return _mix64(seed ^ _mix64(position))
 
 
 @triton.jit
-def _tail(row_ptr, vocab, m, temperature, threshold, BLOCK: tl.constexpr):
-    """Count and probability mass (unnormalised) of the tokens whose y has an ordered key >= threshold."""
-    count = 0
-    mass = 0.0
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+def _row_max(cmax_ptr, carg_ptr, cbad_ptr, base, n_chunks, PB: tl.constexpr):
+    """The row's maximum, the first index holding it, and whether a chunk saw NaN or +inf."""
+    c = tl.arange(0, PB)
+    ok = c < n_chunks
+    maxima = tl.load(cmax_ptr + base + c, mask=ok, other=_NEG_INF)
+    m = tl.max(maxima, 0)
+    first = tl.min(tl.where(ok & (maxima == m), tl.load(carg_ptr + base + c, mask=ok, other=0), 2**31 - 1), 0)
+    bad = tl.max(tl.load(cbad_ptr + base + c, mask=ok, other=0), 0)
+    return m, first, bad
+
+
+@triton.jit
+def _chunk_stats_kernel(
+    logits_ptr,
+    stride,
+    vocab,
+    slots_ptr,
+    floats_ptr,
+    counts_ptr,
+    in_prompt_ptr,
+    cmax_ptr,
+    carg_ptr,
+    cbad_ptr,
+    n_chunks,
+    CHUNK: tl.constexpr,
+):
+    row, c = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot >= 0:
+        f = floats_ptr + slot * 6
+        rep = tl.load(f + _REPETITION)
+        presence = tl.load(f + _PRESENCE)
+        frequency = tl.load(f + _FREQUENCY)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride
+        offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < vocab
-        y = (tl.load(row_ptr + offs, mask=mask, other=_NEG_INF) - m) / temperature
-        sel = mask & (_okey(y) >= threshold)
-        count += tl.sum(sel.to(tl.int32), 0)
-        mass += tl.sum(tl.where(sel, tl.exp(y), 0.0), 0)
+        x = tl.load(row_ptr + offs, mask=mask, other=_NEG_INF)
+        if (rep != 1.0) | (presence != 0.0) | (frequency != 0.0):
+            state = slot * vocab
+            n = tl.load(counts_ptr + state + offs, mask=mask, other=0)
+            seen = (tl.load(in_prompt_ptr + state + offs, mask=mask, other=0) != 0) | (n > 0)
+            x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+            x = x - frequency * n.to(tl.float32) - presence * (n > 0).to(tl.float32)
+            tl.store(row_ptr + offs, x, mask=mask)
+        at = row * n_chunks + c
+        tl.store(cmax_ptr + at, tl.max(x, 0))
+        tl.store(carg_ptr + at, c * CHUNK + tl.argmax(x, 0))
+        tl.store(cbad_ptr + at, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0))
+
+
+@triton.jit
+def _chunk_candidates_kernel(
+    logits_ptr,
+    stride,
+    vocab,
+    slots_ptr,
+    positions_ptr,
+    floats_ptr,
+    ints_ptr,
+    cmax_ptr,
+    carg_ptr,
+    cbad_ptr,
+    n_chunks,
+    mass_ptr,
+    best_ptr,
+    best_id_ptr,
+    tau_ptr,
+    n_cand_ptr,
+    cand_ptr,
+    CHUNK: tl.constexpr,
+    L: tl.constexpr,
+    PB: tl.constexpr,
+):
+    row, c = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot >= 0:
+        f = floats_ptr + slot * 6
+        temperature = tl.load(f + _TEMPERATURE)
+        m, _, bad = _row_max(cmax_ptr, carg_ptr, cbad_ptr, row * n_chunks, n_chunks, PB)
+        if (temperature > 0) & (bad == 0) & (m > _NEG_INF):
+            at = row * n_chunks + c
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            mask = offs < vocab
+            y = (tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=_NEG_INF) - m) / temperature
+            tl.store(mass_ptr + at, tl.sum(tl.exp(y), 0))
+            score = tl.where(
+                mask & (y >= tl.log(tl.load(f + _MIN_P))),
+                y + _gumbel(_row_key(ints_ptr, positions_ptr, slot, row), offs),
+                _NEG_INF,
+            )
+            tl.store(best_ptr + at, tl.max(score, 0))
+            tl.store(best_id_ptr + at, c * CHUNK + tl.argmax(score, 0))
+            top_k = tl.load(ints_ptr + slot * 2 + _TOP_K)
+            if ((top_k > 0) & (top_k < vocab)) | (tl.load(f + _TOP_P) < 1.0):
+                keys = tl.where(mask, _okey(y), _NO_KEY)
+                tau = _NO_KEY
+                if tl.sum(mask.to(tl.int32), 0) > L:  # tau: the largest key that L + 1 tokens reach
+                    lo = _okey(tl.full((), _NEG_INF, tl.float32))
+                    hi = 1
+                    for _ in range(32):
+                        mid = lo + ((hi - lo) >> 1)  # lo + hi could leave int32
+                        enough = tl.sum((keys >= mid).to(tl.int32), 0) > L
+                        lo = tl.where(enough, mid, lo)
+                        hi = tl.where(enough, hi, mid)
+                    tau = lo
+                take = keys > tau
+                packed = (keys.to(tl.int64) << 32) | (_LOW32 - offs.to(tl.int64))
+                tl.store(cand_ptr + at * L + tl.cumsum(take.to(tl.int32), 0) - 1, packed, mask=take)
+                tl.store(tau_ptr + at, tau)
+                tl.store(n_cand_ptr + at, tl.sum(take.to(tl.int32), 0))
+
+
+@triton.jit
+def _tail(row_ptr, vocab, m, temperature, keys, e, threshold, FROM_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Count and probability mass (unnormalised) of the tokens whose y has an ordered key >= threshold: among the
+    candidates (keys, e), or over the whole row."""
+    if FROM_ROW:
+        count = 0
+        mass = 0.0
+        for start in range(0, vocab, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < vocab
+            y = (tl.load(row_ptr + offs, mask=mask, other=_NEG_INF) - m) / temperature
+            sel = mask & (_okey(y) >= threshold)
+            count += tl.sum(sel.to(tl.int32), 0)
+            mass += tl.sum(tl.where(sel, tl.exp(y), 0.0), 0)
+    else:
+        sel = keys >= threshold
+        count = tl.sum(sel.to(tl.int32), 0)
+        mass = tl.sum(tl.where(sel, e, 0.0), 0)
     return count, mass
 
 
 @triton.jit
+def _thresholds(row_ptr, vocab, m, temperature, keys, e, top_k, top_p, z, FROM_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Ordered keys of the top-k and top-p thresholds (kernels/sampling.py), by bisection."""
+    lowest = _okey(tl.full((), _NEG_INF, tl.float32))
+    key_k = lowest
+    z_k = z
+    if (top_k > 0) & (top_k < vocab):
+        lo = lowest  # count(key >= lo) >= k holds; count(key >= hi) >= k does not
+        hi = 1
+        for _ in range(32):
+            mid = lo + ((hi - lo) >> 1)  # lo + hi could leave int32
+            count, _ = _tail(row_ptr, vocab, m, temperature, keys, e, mid, FROM_ROW, BLOCK)
+            lo = tl.where(count >= top_k, mid, lo)
+            hi = tl.where(count >= top_k, hi, mid)
+        key_k = lo
+        _, z_k = _tail(row_ptr, vocab, m, temperature, keys, e, lo, FROM_ROW, BLOCK)
+    key_p = lowest
+    if top_p < 1.0:
+        lo = key_k - 1  # the mass above lo reaches top_p; above hi it does not
+        hi = 0
+        for _ in range(32):
+            mid = lo + ((hi - lo) >> 1)
+            _, mass = _tail(row_ptr, vocab, m, temperature, keys, e, mid + 1, FROM_ROW, BLOCK)
+            lo = tl.where(mass >= top_p * z_k, mid, lo)
+            hi = tl.where(mass >= top_p * z_k, hi, mid)
+        key_p = hi
+    return key_k, key_p
+
+
+@triton.jit
 def _race_row(row_ptr, vocab, m, temperature, lowest, key, BLOCK: tl.constexpr):
-    """The race over every token of the row with y >= lowest."""
+    """The race over every token of the row whose y has an ordered key >= lowest."""
     best = _NEG_INF
     winner = 0
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab
         y = (tl.load(row_ptr + offs, mask=mask, other=_NEG_INF) - m) / temperature
-        score = tl.where(mask & (y >= lowest), y + _gumbel(key, offs), _NEG_INF)
+        score = tl.where(mask & (_okey(y) >= lowest), y + _gumbel(key, offs), _NEG_INF)
         block_best = tl.max(score, 0)
         winner = tl.where(block_best > best, start + tl.argmax(score, 0), winner)
         best = tl.maximum(best, block_best)
@@ -97,113 +251,7 @@ def _race_row(row_ptr, vocab, m, temperature, lowest, key, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bisect_row(row_ptr, vocab, m, temperature, top_k, top_p, z, t_m, key, BLOCK: tl.constexpr):
-    """Thresholds by bisection over ordered keys, each step a pass over the row, then the race."""
-    t_k = tl.full((), _NEG_INF, tl.float32)
-    z_k = z
-    if (top_k > 0) & (top_k < vocab):
-        lo = _okey(t_k)  # count(key >= lo) >= k holds; count(key >= hi) >= k does not
-        hi = 1
-        for _ in range(32):
-            mid = lo + ((hi - lo) >> 1)  # lo + hi could leave int32
-            count, _ = _tail(row_ptr, vocab, m, temperature, mid, BLOCK)
-            lo = tl.where(count >= top_k, mid, lo)
-            hi = tl.where(count >= top_k, hi, mid)
-        t_k = _from_okey(lo)
-        _, z_k = _tail(row_ptr, vocab, m, temperature, lo, BLOCK)
-    t_p = _NEG_INF
-    if top_p < 1.0:
-        lo = _okey(t_k) - 1  # the mass above lo reaches top_p; above hi it does not
-        hi = 0
-        for _ in range(32):
-            mid = lo + ((hi - lo) >> 1)  # lo + hi could leave int32
-            _, mass = _tail(row_ptr, vocab, m, temperature, mid + 1, BLOCK)
-            lo = tl.where(mass >= top_p * z_k, mid, lo)
-            hi = tl.where(mass >= top_p * z_k, hi, mid)
-        t_p = _from_okey(hi)
-    return _race_row(row_ptr, vocab, m, temperature, tl.maximum(tl.maximum(t_k, t_p), t_m), key, BLOCK)
-
-
-@triton.jit
-def _race_candidates(cand_ptr, n, use_k, top_k, has_p, top_p, z, t_m, key, CAP: tl.constexpr):
-    """Sort the n gathered candidates (packed: ordered key, then the complement of the token id), cut them as the
-    reference cuts the sorted row, and race."""
-    j = tl.arange(0, CAP)
-    valid = j < n
-    packed = tl.sort(tl.load(cand_ptr + j, mask=valid, other=-(2**63)), descending=True)
-    y = tl.where(valid, _from_okey((packed >> 32).to(tl.int32)), _NEG_INF)
-    ids = _LOW32 - (packed & _LOW32)
-    t_k = tl.where(use_k, tl.sum(tl.where(j == top_k - 1, y, 0.0), 0), _NEG_INF)
-    probs = tl.where(y >= t_k, tl.exp(y), 0.0)
-    z_k = tl.where(use_k, tl.sum(probs, 0), z)
-    crossing = tl.minimum(tl.sum((tl.cumsum(probs, 0) < top_p * z_k).to(tl.int32), 0), n - 1)
-    t_p = tl.where(has_p, tl.sum(tl.where(j == crossing, y, 0.0), 0), _NEG_INF)
-    keep = valid & (y >= t_k) & (y >= t_p) & (y >= t_m)
-    score = tl.where(keep, y + _gumbel(key, ids), _NEG_INF)
-    return tl.sum(tl.where(j == tl.argmax(score, 0), ids, 0), 0)
-
-
-@triton.jit
-def _draw(
-    row_ptr,
-    vocab,
-    m,
-    mean,
-    temperature,
-    top_k,
-    top_p,
-    min_p,
-    key,
-    cand_ptr,
-    BLOCK: tl.constexpr,
-    CAP: tl.constexpr,
-    BINS: tl.constexpr,
-):
-    has_k = (top_k > 0) & (top_k < vocab)
-    has_p = top_p < 1.0
-    t_m = tl.log(min_p)  # -inf for min_p 0
-    token = tl.zeros((), tl.int64)
-    if has_k | has_p:
-        width = tl.maximum((m - mean) / _SPREAD_BINS, 1e-30)
-        hist = tl.zeros((BINS,), tl.int32)
-        z = 0.0
-        for start in range(0, vocab, BLOCK):  # pass 2
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offs, mask=offs < vocab, other=_NEG_INF)
-            z += tl.sum(tl.exp((x - m) / temperature), 0)
-            hist += tl.histogram(_bin(x, m, width, BINS), BINS)  # padding lands in the last bin
-        bins = tl.arange(0, BINS)
-        cum = tl.cumsum(hist, 0)
-        top = tl.max(tl.where(cum <= CAP, bins, -1), 0)  # the candidates: bins 0..top
-        held = tl.max(tl.where(cum <= CAP, cum, 0), 0)
-        # a candidate of bin b has x > m - (b + 1) * width; the last bin has no lower edge
-        edge = tl.where(bins < BINS - 1, tl.exp(-(bins + 1).to(tl.float32) * width / temperature), 0.0)
-        mass_floor = tl.sum(tl.where(bins <= top, hist.to(tl.float32) * edge, 0.0), 0) * (1 - 1e-5)
-        cover_k = has_k & (held >= top_k)
-        cover_m = (top == BINS - 1) | (-t_m * temperature / width <= top.to(tl.float32) + 0.9375)
-        cover_p = has_p & ~has_k & (mass_floor >= top_p * z)
-        # without the whole top-k set, top-p's normaliser is out of reach: min-p alone then cannot bound the cut
-        if (top >= 0) & (cover_k | cover_p | (cover_m & (cover_k | ~has_k | ~has_p))):
-            n = 0
-            for start in range(0, vocab, BLOCK):  # pass 3
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < vocab
-                x = tl.load(row_ptr + offs, mask=mask, other=_NEG_INF)
-                take = mask & (_bin(x, m, width, BINS) <= top)
-                packed = (_okey((x - m) / temperature).to(tl.int64) << 32) | (_LOW32 - offs.to(tl.int64))
-                tl.store(cand_ptr + n + tl.cumsum(take.to(tl.int32), 0) - 1, packed, mask=take)
-                n += tl.sum(take.to(tl.int32), 0)
-            tl.debug_barrier()  # the gathered candidates, written by every thread, are read by others
-            token = _race_candidates(cand_ptr, n, cover_k, top_k, has_p, top_p, z, t_m, key, CAP)
-        else:
-            token = _bisect_row(row_ptr, vocab, m, temperature, top_k, top_p, z, t_m, key, BLOCK)
-    else:
-        token = _race_row(row_ptr, vocab, m, temperature, t_m, key, BLOCK)
-    return token
-
-
-@triton.jit
-def _sample_kernel(
+def _row_token_kernel(
     logits_ptr,
     stride,
     vocab,
@@ -212,70 +260,69 @@ def _sample_kernel(
     floats_ptr,
     ints_ptr,
     counts_ptr,
-    in_prompt_ptr,
+    cmax_ptr,
+    carg_ptr,
+    cbad_ptr,
+    n_chunks,
+    mass_ptr,
+    best_ptr,
+    best_id_ptr,
+    tau_ptr,
+    n_cand_ptr,
     cand_ptr,
     tokens_ptr,
+    L: tl.constexpr,
+    PB: tl.constexpr,
     BLOCK: tl.constexpr,
-    CAP: tl.constexpr,
-    BINS: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         f = floats_ptr + slot * 6
         temperature = tl.load(f + _TEMPERATURE)
-        rep = tl.load(f + _REPETITION)
-        presence = tl.load(f + _PRESENCE)
-        frequency = tl.load(f + _FREQUENCY)
-        penalised = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride
-        state = slot * vocab
-        m = _NEG_INF
-        best = 0
-        total = 0.0
-        finite = 0
-        bad = 0
-        for start in range(0, vocab, BLOCK):  # pass 1
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < vocab
-            x = tl.load(row_ptr + offs, mask=mask, other=_NEG_INF)
-            if penalised:
-                c = tl.load(counts_ptr + state + offs, mask=mask, other=0)
-                seen = (tl.load(in_prompt_ptr + state + offs, mask=mask, other=0) != 0) | (c > 0)
-                x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
-                x = x - frequency * c.to(tl.float32) - presence * (c > 0).to(tl.float32)
-                tl.store(row_ptr + offs, x, mask=mask)
-            bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0))
-            is_finite = x > _NEG_INF
-            total += tl.sum(tl.where(is_finite, x, 0.0), 0)
-            finite += tl.sum(is_finite.to(tl.int32), 0)
-            block_max = tl.max(x, 0)
-            best = tl.where(block_max > m, start + tl.argmax(x, 0), best)
-            m = tl.maximum(m, block_max)
+        base = row * n_chunks
+        m, token, bad = _row_max(cmax_ptr, carg_ptr, cbad_ptr, base, n_chunks, PB)
+        token = token.to(tl.int64)
         ok = (bad == 0) & (m > _NEG_INF)
-        token = best.to(tl.int64)
         if ok & (temperature > 0):
-            seed = tl.load(ints_ptr + slot * 2 + _SEED).to(tl.uint64, bitcast=True)
-            position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
-            key = _mix64(seed ^ _mix64(position))
-            token = _draw(
-                row_ptr,
-                vocab,
-                m,
-                total / tl.maximum(finite, 1),
-                temperature,
-                tl.load(ints_ptr + slot * 2 + _TOP_K),
-                tl.load(f + _TOP_P),
-                tl.load(f + _MIN_P),
-                key,
-                cand_ptr + row.to(tl.int64) * CAP,
-                BLOCK,
-                CAP,
-                BINS,
-            )
+            c = tl.arange(0, PB)
+            chunks = c < n_chunks
+            top_k = tl.load(ints_ptr + slot * 2 + _TOP_K)
+            top_p = tl.load(f + _TOP_P)
+            if ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0):  # thresholds to find
+                z = tl.sum(tl.load(mass_ptr + base + c, mask=chunks, other=0.0), 0)
+                tau = tl.max(tl.load(tau_ptr + base + c, mask=chunks, other=_NO_KEY), 0)
+                j = tl.arange(0, L)
+                n = tl.load(n_cand_ptr + base + c, mask=chunks, other=0)
+                held = chunks[:, None] & (j[None, :] < n[:, None])
+                packed = tl.load(cand_ptr + (base + c)[:, None] * L + j[None, :], mask=held, other=0)
+                packed = tl.reshape(tl.where(held, packed, _NO_KEY * (2**32)), [PB * L])
+                keys = (packed >> 32).to(tl.int32)
+                ids = _LOW32 - (packed & _LOW32)
+                e = tl.where(keys > _NO_KEY, tl.exp(_from_okey(keys)), 0.0)
+                row_ptr = logits_ptr + row.to(tl.int64) * stride
+                key_k, key_p = _thresholds(row_ptr, vocab, m, temperature, keys, e, top_k, top_p, z, False, BLOCK)
+                lowest = tl.maximum(tl.maximum(key_k, key_p), _okey(tl.log(tl.load(f + _MIN_P))))
+                key = _row_key(ints_ptr, positions_ptr, slot, row)
+                # every token the row keeps is a candidate, and top-p's normaliser (the top-k set's mass) was among
+                # them if it was needed
+                has_k = (top_k > 0) & (top_k < vocab)
+                if (lowest > tau) & ((key_k > tau) | ~has_k | (top_p >= 1.0)):
+                    y = _from_okey(keys)
+                    score = tl.where(keys >= lowest, y + _gumbel(key, ids), _NEG_INF)
+                    token = tl.sum(tl.where(tl.arange(0, PB * L) == tl.argmax(score, 0), ids, 0), 0)
+                else:
+                    key_k, key_p = _thresholds(row_ptr, vocab, m, temperature, keys, e, top_k, top_p, z, True, BLOCK)
+                    lowest = tl.maximum(tl.maximum(key_k, key_p), _okey(tl.log(tl.load(f + _MIN_P))))
+                    token = _race_row(row_ptr, vocab, m, temperature, lowest, key, BLOCK)
+            else:
+                best = tl.load(best_ptr + base + c, mask=chunks, other=_NEG_INF)
+                winners = tl.load(best_id_ptr + base + c, mask=chunks, other=0)
+                token = tl.sum(tl.where(c == tl.argmax(best, 0), winners, 0), 0).to(tl.int64)
         tl.store(tokens_ptr + row, tl.where(ok, token, -1))
-        if ok & penalised:
-            at = counts_ptr + state + token
+        rep, presence, frequency = tl.load(f + _REPETITION), tl.load(f + _PRESENCE), tl.load(f + _FREQUENCY)
+        if ok & ((rep != 1.0) | (presence != 0.0) | (frequency != 0.0)):
+            at = counts_ptr + slot * vocab + token
             tl.store(at, tl.load(at) + 1)
 
 
@@ -285,31 +332,88 @@ def sample_triton(
     positions: torch.Tensor,
     tables: ref.SamplingTables,
     tokens: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+    candidates: int = L,
     block: int = 4096,
-    cap: int = 1024,
-    bins: int = 256,
 ) -> torch.Tensor:
+    """`chunk` and `candidates` (powers of two) set the launches' sizes; `block` the whole-row passes'."""
     n, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    dev = logits.device
     if tokens is None:
-        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-    candidates = torch.empty(n, cap, dtype=torch.int64, device=logits.device)
-    if n:
-        _sample_kernel[(n,)](
-            logits,
-            logits.stride(0),
-            vocab,
-            slots,
-            positions,
-            tables.floats,
-            tables.ints,
-            tables.counts,
-            tables.in_prompt,
-            candidates,
-            tokens,
-            BLOCK=block,
-            CAP=cap,
-            BINS=bins,
-            num_warps=8,
-        )
+        tokens = torch.empty(n, dtype=torch.int64, device=dev)
+    if n == 0:
+        return tokens
+    p = triton.cdiv(vocab, chunk)
+    pb = triton.next_power_of_2(p)
+    per_chunk = lambda dtype: torch.empty(n, p, dtype=dtype, device=dev)
+    cmax, carg, cbad = per_chunk(torch.float32), per_chunk(torch.int32), per_chunk(torch.int32)
+    mass, best, best_id = per_chunk(torch.float32), per_chunk(torch.float32), per_chunk(torch.int32)
+    tau, n_cand = per_chunk(torch.int32), per_chunk(torch.int32)
+    cand = torch.empty(n, p, candidates, dtype=torch.int64, device=dev)
+    t = tables
+    warps = 16 if chunk >= 8192 else 8
+    _chunk_stats_kernel[(n, p)](
+        logits,
+        logits.stride(0),
+        vocab,
+        slots,
+        t.floats,
+        t.counts,
+        t.in_prompt,
+        cmax,
+        carg,
+        cbad,
+        p,
+        CHUNK=chunk,
+        num_warps=warps,
+    )
+    _chunk_candidates_kernel[(n, p)](
+        logits,
+        logits.stride(0),
+        vocab,
+        slots,
+        positions,
+        t.floats,
+        t.ints,
+        cmax,
+        carg,
+        cbad,
+        p,
+        mass,
+        best,
+        best_id,
+        tau,
+        n_cand,
+        cand,
+        CHUNK=chunk,
+        L=candidates,
+        PB=pb,
+        num_warps=warps,
+    )
+    _row_token_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        vocab,
+        slots,
+        positions,
+        t.floats,
+        t.ints,
+        t.counts,
+        cmax,
+        carg,
+        cbad,
+        p,
+        mass,
+        best,
+        best_id,
+        tau,
+        n_cand,
+        cand,
+        tokens,
+        L=candidates,
+        PB=pb,
+        BLOCK=block,
+        num_warps=16,
+    )
     return tokens

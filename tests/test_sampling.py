@@ -96,7 +96,7 @@ def kernel(logits, batch: Batch, **sizes):
 
 
 @pytest.mark.parametrize("kind", ["peaked", "flat"])
-@pytest.mark.parametrize("cap", [16, 256])  # 16: rows past the candidates' room take the bisection path
+@pytest.mark.parametrize("cap", [4, 32])  # 4 candidates a chunk: rows whose cut passes them bisect the whole row
 def test_kernel_matches_the_reference(kind, cap):
     pytest.importorskip("triton")
     rng = random.Random(cap)
@@ -106,7 +106,7 @@ def test_kernel_matches_the_reference(kind, cap):
     logits = logits_like(kind, len(params), seed=4)
     ref_logits, ref_tables = logits.clone(), batch.tables_on("cpu")
     expected = sample_ref(ref_logits, batch.slots, batch.positions, ref_tables)
-    tokens, tables = kernel(logits.clone(), batch, block=64, cap=cap, bins=32)
+    tokens, tables = kernel(logits.clone(), batch, chunk=64, candidates=cap, block=64)
     assert tokens.tolist() == expected.tolist()
     assert torch.equal(tables.counts.cpu(), ref_tables.counts)  # the sampled tokens counted, penalised rows only
 
@@ -152,7 +152,7 @@ def test_edge_values_give_defined_tokens(path):
     if path == "reference":
         tokens = sample_ref(logits.clone(), batch.slots, batch.positions, batch.tables)
     else:
-        tokens, _ = kernel(logits.clone(), batch, block=64, cap=32, bins=32)
+        tokens, _ = kernel(logits.clone(), batch, chunk=64, candidates=16, block=64)
     for i, (name, _, expect) in enumerate(EDGES):
         token = int(tokens[i])
         assert 0 <= token < VOCAB, name
@@ -190,7 +190,9 @@ def test_draws_follow_the_filtered_distribution(path):
         from llamaterm.kernels.sampling_triton import sample_triton
 
         t = SamplingTables(*(x.to(DEVICE) for x in (tables.floats, tables.ints, tables.counts, tables.in_prompt)))
-        tokens = sample_triton(rows.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE), t, block=32, cap=32).cpu()
+        tokens = sample_triton(
+            rows.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE), t, chunk=16, candidates=8, block=32
+        ).cpu()
     counts = torch.bincount(tokens, minlength=20).double()
     assert counts[kept:].sum() == 0  # nothing outside the nucleus
     stat = ((counts[:kept] - n * expected) ** 2 / (n * expected)).sum().item()
@@ -212,7 +214,7 @@ def test_rows_with_nan_or_inf_sample_minus_one_and_the_others_go_on(path):
         tokens = sample_ref(logits.clone(), batch.slots, batch.positions, batch.tables)
     else:
         pytest.importorskip("triton")
-        tokens, _ = kernel(logits.clone(), batch, block=64)
+        tokens, _ = kernel(logits.clone(), batch, chunk=64, candidates=16, block=64)
     assert tokens[[1, 2, 4]].tolist() == [-1, -1, -1]
     assert tokens[[0, 3, 5]].tolist() == expected.tolist()
 

@@ -34,13 +34,19 @@ class Sampler:
         self._owner[slot] = seq.id
         p, t = seq.params, self.tables
         floats = [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
-        t.floats[slot].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
-        t.ints[slot].copy_(torch.tensor([p.top_k, as_int64(seq.seed)]), non_blocking=True)
+        t.floats[slot].copy_(self._staged(floats, torch.float32), non_blocking=True)
+        t.ints[slot].copy_(self._staged([p.top_k, as_int64(seq.seed)], torch.int64), non_blocking=True)
         if penalised(p):
             t.counts[slot].zero_()
             t.in_prompt[slot].zero_()
-            prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens]).to(self.device, non_blocking=True)
-            t.in_prompt[slot].index_fill_(0, prompt, 1)
+            prompt = self._staged(seq.token_ids[: seq.num_prompt_tokens], torch.int64)
+            t.in_prompt[slot].index_fill_(0, prompt.to(self.device, non_blocking=True), 1)
+
+    def _staged(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Values to copy to the device without waiting: from pinned memory on CUDA (a copy from pageable memory
+        may wait for the step in flight), which torch's host allocator keeps until the copy is done."""
+        host = torch.tensor(values, dtype=dtype)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def sample(self, logits: torch.Tensor, sampler_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return sample(logits, sampler_slots, positions, self.tables)
