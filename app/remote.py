@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, decode_rate
+from llamaterm.engine.api import ArrivalStats, EngineStats, Event, EventStream, RequestStream
 from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ RATE_WINDOW_S = 2.0  # as the engine's aggregate rate
 RATE_TOKENS = 32  # as the engine's per-request rate: over the last 32 tokens
 
 
-class RemoteStream(EventStream):
+class RemoteStream(ArrivalStats, EventStream):
     def __init__(self, request_id: int, max_context: int):
         self.id = request_id
         self.events_queue = queue.SimpleQueue()
@@ -41,19 +41,6 @@ class RemoteStream(EventStream):
         self.end: float | None = None
         self.response: httpx2.Response | None = None  # while the reply streams
         self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
-
-    def stats(self) -> RequestStats:
-        return RequestStats(
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
-            generated_tokens=self.generated,
-            ttft_s=None if self.first_token is None else self.first_token - self.start,
-            tokens_per_s=decode_rate(list(self.token_times)),
-            elapsed_s=(self.end or time.perf_counter()) - self.start,
-            context_tokens=self.prompt_tokens + self.generated,
-            max_context=self.max_context,
-            finished=self.end is not None,
-        )
 
     def text(self, text: str, now: float) -> None:
         if self.first_token is None:

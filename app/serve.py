@@ -31,7 +31,7 @@ from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
-PUMP_S = 0.01  # the engine process forwards events every 20 ms
+PUMP_S = 0.01  # how often the live requests' events are collected (the engine process sends one message per step)
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Request fields beyond the sampling ones. OpenAI's own that change nothing here are ignored; those asking for
@@ -386,21 +386,21 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
         while True:
             events = await queue.get()
             last = events[-1]
-            out = [sse(responder.chunk(e.text, **extra)) for e in events[:-1] if e.text]
+            # the tokens that arrived since the last poll go as one chunk: at tens of thousands of tokens a second,
+            # a chunk per token would cost the server more than the engine
+            text = "".join(e.text for e in events[:-1])
             if last.finished:
                 error = failure(last)
                 if error is not None:
-                    yield "".join(out) + sse(error.body)
+                    yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body)
                     return
-                out.append(sse(responder.chunk(last.text, last.finish_reason, **extra)))
+                out = [sse(responder.chunk(text + last.text, last.finish_reason, **extra))]
                 if include_usage:
                     out.append(sse(responder.envelope(responder.chunk_kind, [], usage=usage(stream))))
                 yield "".join(out) + "data: [DONE]\n\n"
                 return
-            if last.text:
-                out.append(sse(responder.chunk(last.text, **extra)))
-            if out:
-                yield "".join(out)
+            if text + last.text:
+                yield sse(responder.chunk(text + last.text, **extra))
 
     async def whole_reply(request: Request, queue, stream, responder: Responder) -> Response:
         text = []

@@ -4,6 +4,7 @@ in this process, in a child process, a test's fake, or a remote server. Imports 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self, runtime_checkable
@@ -62,6 +63,8 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
+    steps: int = 0  # steps run so far
+    host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
 
 
 def decode_rate(token_times: Sequence[float]) -> float:
@@ -91,6 +94,33 @@ class EventStream:
             yield event
             if event.finished:
                 return
+
+
+class ArrivalStats:
+    """stats() of a request measured where its tokens arrive (the engine process's parent, a remote server's
+    client), from the attributes its stream keeps up to date."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated: int
+    start: float
+    first_token: float | None
+    end: float | None
+    token_times: Sequence[float]
+    max_context: int
+
+    def stats(self) -> RequestStats:
+        return RequestStats(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            generated_tokens=self.generated,
+            ttft_s=None if self.first_token is None else self.first_token - self.start,
+            tokens_per_s=decode_rate(list(self.token_times)),
+            elapsed_s=(self.end or time.perf_counter()) - self.start,
+            context_tokens=self.prompt_tokens + self.generated,
+            max_context=self.max_context,
+            finished=self.end is not None,
+        )
 
 
 @runtime_checkable

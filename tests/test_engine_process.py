@@ -5,7 +5,7 @@ import time
 import pytest
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
+from llamaterm.engine.errors import ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.process import EngineProcess
@@ -32,6 +32,28 @@ def test_same_tokens_as_in_process(tiny):
         assert remote.stats().model == "tiny"
 
 
+def test_text_and_stop_strings_as_in_process(tiny):
+    """The parent detokenizes and finds stop strings: the same text and finish as the in-process engine, and the
+    child stops the request (its blocks come back)."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, seed=11)
+    with Engine.from_model(EngineConfig(model=tiny, device="cpu")) as local:
+        full = local.generate("Once upon a time", params, raw=True)[0]
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        stopped = SamplingParams(**{**params.__dict__, "stop": (stop,)})
+        expected = [local.generate(p, stopped, raw=True)[0] for p in ("Once upon a time", "The sea")]
+    with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
+        got = []
+        for h in [remote.submit(p, stopped, raw=True) for p in ("Once upon a time", "The sea")]:
+            events = list(h.events())
+            got.append("".join(e.text for e in events))
+            assert events[-1].finish_reason in ("stop", "length")
+        assert got == expected and got[0] == full[: full.index(stop)]
+        deadline = time.time() + 5
+        while remote.stats().kv_blocks_used and time.time() < deadline:
+            time.sleep(0.05)
+        assert remote.stats().kv_blocks_used == 0
+
+
 def test_cancel_and_errors_cross_the_process(tiny):
     with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         with pytest.raises(RequestError, match="empty"):
@@ -51,9 +73,9 @@ def test_cancel_and_errors_cross_the_process(tiny):
 
 def test_a_request_the_engine_fails_on_is_refused_and_the_process_serves_on(tiny):
     """An exception other than LlamatermError in the child's submit ended the child: every later request of
-    `llamaterm serve` then got 503. Here a prompt of the wrong type stands for any such request."""
+    `llamaterm serve` then got 503. A prompt of the wrong type is now refused in the parent, which encodes it."""
     with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
-        with pytest.raises(LlamatermError, match="could not take the request"):
+        with pytest.raises(RequestError, match="chat messages"):
             remote.submit(42, raw=True)  # type: ignore[arg-type]
         events = list(
             remote.submit("Once upon a time", SamplingParams(max_tokens=3, ignore_eos=True), raw=True).events()

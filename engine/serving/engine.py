@@ -3,6 +3,9 @@ from any thread and read each request's events from its own queue.
 
 The loop never waits on consumers (events go to unbounded queues) and consumers never block the loop (submit and
 cancel only enqueue). A failure while serving one request fails that request alone.
+
+With a sink (the engine in a child process, engine/serving/process.py), the loop hands each step's outcome to it as
+one list of plain records, token ids without text: the parent detokenizes and checks stop strings.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +39,17 @@ from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
+from llamaterm.engine.serving.output import OutputState
+from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
-from llamaterm.engine.thinking import opens_thinking
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
+# What a sink receives per step: (request id, token or -1, finish reason or None, error or None) per event, and
+# (request id, prompt tokens served from the prefix cache) for each request whose first token is among them
+Record = tuple[int, int, str | None, str | None]
+Sink = Callable[[list[Record], list[tuple[int, int]]], None]
 NOT_FINITE = (
     "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
     "fp16 overflowed): try another file of the model, or --device cpu"
@@ -75,46 +84,22 @@ class RequestHandle(EventStream):
         )
 
 
-class OutputState:
-    """Turns sampled tokens into text deltas: incremental detokenization, stop strings held back until safe."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], prefix: str = ""):
-        self.detok = tokenizer.detokenizer()
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = prefix
-        self.emitted = 0
-        self.stopped = False
-
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Returns (text safe to emit now, hit a stop string). A stop string can only end in the held-back
-        tail, so the search starts at the first unemitted character."""
-        self.text += self.detok.push(token_id)
-        for s in self.stop:
-            i = self.text.find(s, self.emitted)
-            if i >= 0:
-                self.text, self.stopped = self.text[:i], True
-                return self._emit(i), True
-        return self._emit(len(self.text) - self.hold), False
-
-    def finish(self) -> str:
-        """The rest of the text: bytes the detokenizer held and the stop-string look-ahead."""
-        if not self.stopped:
-            self.text += self.detok.flush()
-        return self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        delta, self.emitted = self.text[self.emitted : upto], upto
-        return delta
-
-
 class Engine:
     """Satisfies engine.api.EngineClient in the caller's process."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(), name: str = ""):
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        config: EngineConfig = EngineConfig(),
+        name: str = "",
+        sink: Sink | None = None,
+    ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
+        self.prompts = PromptEncoder(tokenizer)
+        self.sink = sink
+        self._records: list[Record] = []  # this step's, for the sink
+        self._cached: list[tuple[int, int]] = []
         self.device = str(model.device)
         self.max_context = model.config.context_length
         c = config
@@ -142,6 +127,8 @@ class Engine:
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
+        self.host_s = 0.0  # the loop's time outside waits for the device or for work, for per-step figures
+        self._wait_s = 0.0  # this loop turn's wait for the device
         # the longest step so far, from its scheduling (or the end of the step it queued behind) to its sampled
         # tokens on the host; benchmarks reset it
         self.max_step_s = 0.0
@@ -159,7 +146,7 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def from_model(cls, config: EngineConfig = EngineConfig()) -> Engine:
+    def from_model(cls, config: EngineConfig = EngineConfig(), sink: Sink | None = None) -> Engine:
         """Load config.model (a store name or a path; None: the default model) onto config.device."""
         from llamaterm.engine.store.loader import load_checkpoint
 
@@ -173,7 +160,7 @@ class Engine:
             model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
-        engine = cls(model, tokenizer, config, name=shown)
+        engine = cls(model, tokenizer, config, name=shown, sink=sink)
         engine.startup_s = {"read checkpoint": t1 - t0, "weights to device": t2 - t1, **engine.startup_s}
         return engine
 
@@ -193,55 +180,38 @@ class Engine:
     def encode_prompt(
         self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
     ) -> list[int]:
-        if isinstance(prompt, str) and raw:
-            if not prompt:
-                raise RequestError("the prompt is empty: give some text")
-            return self.tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not messages or not any(m.get("content") for m in messages):
-            raise RequestError("the prompt is empty: give some text")
-        return self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
+        return self.prompts.encode(prompt, raw, enable_thinking)[0]
 
     def submit(
         self,
-        prompt: list[dict] | str,
+        prompt: list[dict] | str | None,
         params: SamplingParams | None = None,
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
         prompt_ids: list[int] | None = None,
+        request_id: int | None = None,
     ) -> RequestHandle:
-        """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids.
-        enable_thinking: the chat template's thinking switch (None: the template's default)."""
+        """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids,
+        encoded here, in the caller's thread. enable_thinking: the chat template's thinking switch (None: the
+        template's default). request_id: the caller's own id (engine/serving/process.py), unique among its
+        requests."""
         params = params or SamplingParams()
-        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, raw, enable_thinking)
-        if any(not 0 <= i < self.model.config.vocab_size for i in ids):  # a tokenizer larger than the weights
-            raise RequestError(
-                f"the prompt has a token id outside the model's {self.model.config.vocab_size}-token "
-                "vocabulary: its tokenizer and its weights do not match"
-            )
-        if len(ids) >= self.max_context:
-            raise RequestError(
-                f"the prompt is {len(ids)} tokens but the model's context holds {self.max_context}: "
-                "shorten the prompt or start a new conversation"
-            )
+        if prompt_ids is None:
+            ids, opens = self.prompts.encode(prompt or "", raw, enable_thinking)
+        else:
+            ids, opens = list(prompt_ids), False
         limit = self.sequence_limit()
-        if len(ids) >= limit:
-            raise RequestError(
-                f"the prompt is {len(ids)} tokens but the KV cache pool holds {limit}: shorten the prompt, "
-                "or give the engine a larger pool (--kv-tokens)"
-            )
+        check_prompt(ids, self.model.config.vocab_size, self.max_context, limit)
         seq = Sequence(
-            id=next(self._ids),
-            token_ids=list(ids),
+            id=next(self._ids) if request_id is None else request_id,
+            token_ids=ids,
             num_prompt_tokens=len(ids),
             params=params,
             max_tokens=min(params.max_tokens, limit - len(ids)),
             seed=params.seed if params.seed is not None else secrets.randbits(64),
         )
-        handle = RequestHandle(seq.id, seq, self)
-        if prompt_ids is None and not raw:  # R1 distills, QwQ: the template ends its prompt inside <think>
-            handle.opens_thinking = opens_thinking(self.tokenizer.decode(ids[-4:]))
+        handle = RequestHandle(seq.id, seq, self, opens_thinking=opens)
         with self._cv:
             if self._stopped:
                 raise RequestError("the engine has shut down")
@@ -278,6 +248,8 @@ class Engine:
             kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free,
             kv_blocks_total=self.block_manager.num_blocks,
             tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
+            steps=self.num_steps,
+            host_s=self.host_s,
         )
 
     def shutdown(self) -> None:
@@ -305,10 +277,13 @@ class Engine:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
+            start = time.perf_counter()
+            self._wait_s = 0.0
             for handle in incoming:
                 self._handles[handle.id] = handle
-                prefix = THINK_OPEN if handle.opens_thinking else ""
-                self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop, prefix)
+                if self.sink is None:
+                    prefix = THINK_OPEN if handle.opens_thinking else ""
+                    self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop, prefix)
                 self.scheduler.add(handle.seq)
             for request_id in cancels:
                 if request_id in self._handles:
@@ -322,8 +297,17 @@ class Engine:
             if inflight is not None:
                 self._complete(inflight)
             inflight = launched
+            self._flush()
+            self.host_s += time.perf_counter() - start - self._wait_s
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._records or self._cached:
+            assert self.sink is not None
+            self.sink(self._records, self._cached)
+            self._records, self._cached = [], []
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule and launch one step; its sampled tokens stay on the device (model_runner.py)."""
@@ -344,6 +328,7 @@ class Engine:
 
     def _complete(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens (waiting for the device) and hand them to their requests."""
+        t = time.perf_counter()
         try:
             tokens = self.runner.complete(step)
         except Exception as e:  # a device error surfaces here, after the launch: the step's requests share it
@@ -352,7 +337,10 @@ class Engine:
                     self._finish(handle, "error", f"{type(e).__name__}: {e}")
             return
         now = time.perf_counter()
-        self.max_step_s = max(self.max_step_s, now - max(step.start, self._last_done))
+        self._wait_s += now - t
+        step_s = now - max(step.start, self._last_done)  # with overlap, about the step's time on the device
+        self.max_step_s = max(self.max_step_s, step_s)
+        self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
         self._last_done = now
         for seq, token in tokens:
             handle = self._handles[seq.id]
@@ -369,17 +357,24 @@ class Engine:
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
+            if self.sink is not None:
+                self._cached.append((seq.id, seq.num_cached))
         if token < 0:
             return self._finish(handle, "error", NOT_FINITE)
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.stop_ids):
             return self._finish(handle, "stop", token_ids=(token,))
-        text, stopped = self._outputs[seq.id].push(token)
-        if stopped:
-            return self._finish(handle, "stop", text=text, token_ids=(token,))
+        text = ""
+        if self.sink is None:
+            text, stopped = self._outputs[seq.id].push(token)
+            if stopped:
+                return self._finish(handle, "stop", text=text, token_ids=(token,))
         if seq.num_generated - seq.num_pending >= seq.max_tokens:
             return self._finish(handle, "length", text=text, token_ids=(token,))
-        handle.events_queue.put(Event(seq.id, text, (token,)))
+        if self.sink is None:
+            handle.events_queue.put(Event(seq.id, text, (token,)))
+        else:
+            self._records.append((seq.id, token, None, None))
 
     def _finish(
         self,
@@ -390,14 +385,19 @@ class Engine:
         text: str = "",
         token_ids: tuple[int, ...] = (),
     ) -> None:
+        """End a request. A sink's record of a "stop" carries the stop token, which is no text; of a "length",
+        the last token, which is."""
         seq = handle.seq
         self.scheduler.finish(seq)
         drop_pending(seq)
+        del self._handles[handle.id]
+        handle.finished, handle.finish_time = True, time.perf_counter()
+        if self.sink is not None:
+            self._records.append((handle.id, token_ids[0] if token_ids else -1, reason, error))
+            return
         output = self._outputs.pop(handle.id)
         if reason in ("length", "stop") and not error:
             text += output.finish()
-        del self._handles[handle.id]
-        handle.finished, handle.finish_time = True, time.perf_counter()
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
 
 

@@ -1,9 +1,11 @@
-"""The engine in a child process, behind the calls the TUI makes on serving.engine.Engine.
+"""The engine in a child process, behind the calls the TUI and the server make on serving.engine.Engine.
 
 In one process a UI shares the GIL with the engine loop: every frame Textual lays out is time the loop's Python
-waits, and 8 streaming panes cost the engine about a tenth of its throughput. Here the loop runs in a process of
-its own; the parent sends requests and cancels down a pipe and a reader thread receives events and stats in
-batches (one message per tick). The messages are pickles of our own dataclasses between our own two processes.
+waits. Here the loop runs in a process of its own and does nothing but steps. The parent encodes prompts (template
+and tokenizer, engine/serving/prompt.py), checks them against the model's limits, detokenizes replies and finds
+their stop strings (engine/serving/output.py), as vLLM's front end does for its engine core; the child sends one
+message per step with every request's new token ids (fewer when the parent reads slowly: the steps that queued up
+go as one). The messages are pickles of plain tuples and our own dataclasses between our own two processes.
 """
 
 from __future__ import annotations
@@ -14,13 +16,19 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from llamaterm.engine.api import EngineConfig, EngineStats, Event, EventStream, RequestStats, RequestStream
+from llamaterm.engine.api import ArrivalStats, EngineConfig, EngineStats, Event, EventStream, RequestStream
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.output import OutputState
+from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
+from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
+from llamaterm.engine.thinking import OPEN as THINK_OPEN
 
-TICK_S = 0.02  # how often the child forwards events: 50 Hz is smoother than any terminal redraws
 IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
 
 
@@ -30,10 +38,8 @@ IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
 @dataclass(frozen=True)
 class Submit:
     request_id: int
-    prompt: list[dict] | str
+    prompt_ids: list[int]
     params: SamplingParams
-    raw: bool
-    enable_thinking: bool | None
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class Ready:
     model_name: str
     device: str
     max_context: int
+    sequence_limit: int  # the longest prompt plus reply the KV pool holds (Engine.sequence_limit)
+    vocab_size: int
+    info: dict  # for `llamaterm bench`: where start-up went, weight bytes a decode step reads, CUDA graphs or not
 
 
 @dataclass(frozen=True)
@@ -62,56 +71,97 @@ class LoadFailed:
 
 
 @dataclass(frozen=True)
-class Ack:
-    """The answer to a Submit: error is None when the engine took the request."""
+class StepOutput:
+    """What the steps since the last message produced: engine/serving/engine.py's Record per token or finish, in
+    order, and the prefix-cache hits of requests that got their first token."""
 
-    request_id: int
-    error: LlamatermError | None
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    request_id: int
-    events: list[Event]
-    stats: RequestStats
-
-
-@dataclass(frozen=True)
-class Tick:
-    updates: list[RequestUpdate]
+    records: list[tuple[int, int, str | None, str | None]]
+    cached: list[tuple[int, int]]
     stats: EngineStats
 
 
-class ProcessHandle(EventStream):
-    def __init__(self, request_id: int, max_context: int):
-        self.id = request_id
-        self.events_queue = queue.SimpleQueue()
-        self.latest = RequestStats(max_context=max_context)
+@dataclass(eq=False)
+class ProcessHandle(ArrivalStats, EventStream):
+    """A request of the parent's: its text as its tokens arrive, and its stats, measured here."""
 
-    def stats(self) -> RequestStats:
-        return self.latest
+    id: int
+    output: OutputState
+    prompt_tokens: int
+    max_context: int
+    events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cached_tokens: int = 0
+    generated: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    end: float | None = None
+    token_times: deque = field(default_factory=lambda: deque(maxlen=32))
+
+    def push(self, token: int, reason: str | None, error: str | None, now: float) -> tuple[bool, bool]:
+        """One record from the child. Returns (finished, a stop string ended it here: the child must cancel)."""
+        if token >= 0:
+            self.generated += 1
+            self.token_times.append(now)
+            self.first_token = self.first_token or now
+        text, stopped = "", False
+        if token >= 0 and reason in (None, "length"):  # a "stop" record's token is a stop token: no text
+            text, stopped = self.output.push(token)
+        if stopped:
+            reason = "stop"
+        elif reason is None:
+            self.events_queue.put(Event(self.id, text, (token,)))
+            return False, False
+        if reason in ("length", "stop") and error is None:
+            text += self.output.finish()
+        self.end = now
+        self.events_queue.put(Event(self.id, text, (token,) if token >= 0 else (), True, reason, error))
+        return True, stopped
+
+
+Load = Callable[..., object]  # (EngineConfig, sink) -> Engine, run in the child
+
+
+def load_engine(config: EngineConfig, sink):
+    """The model config names, or random weights in a model's shapes (synthetic:NAME, engine/bench.py)."""
+    from llamaterm.engine.bench import open_engine
+
+    return open_engine(config.model, config.device, config, sink).engine
 
 
 class EngineProcess:
-    """Satisfies engine.api.EngineClient with the engine in a child process."""
+    """Satisfies engine.api.EngineClient with the engine in a child process. `load` builds the child's engine (a
+    module-level function, as the child imports it); `tokenizer` encodes and decodes here (default: the model's)."""
 
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    def __init__(
+        self, config: EngineConfig = EngineConfig(), load: Load = load_engine, tokenizer: Tokenizer | None = None
+    ):
         ctx = mp.get_context("spawn")  # a fork would copy the parent's threads and locks
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=serve, args=(child, config), name="llamaterm-engine", daemon=True)
+        self._process = ctx.Process(target=serve, args=(child, config, load), name="llamaterm-engine", daemon=True)
         start_with_real_stderr(self._process)
         child.close()
         try:
+            if tokenizer is None:  # read while the child loads the weights
+                from llamaterm.engine.store.loader import load_tokenizer
+
+                tokenizer = SyntheticTokenizer() if is_synthetic(config.model) else load_tokenizer(config.model)
             reply = self._conn.recv()
         except EOFError:
             raise LlamatermError("the engine process exited while loading the model") from None
+        except BaseException:
+            self._process.kill()
+            raise
         if isinstance(reply, LoadFailed):
             self._process.join()
             raise reply.error
         self.model_name, self.device, self.max_context = reply.model_name, reply.device, reply.max_context
+        self._ready = reply
+        self.info, self.vocab_size = reply.info, reply.vocab_size
+        if isinstance(tokenizer, SyntheticTokenizer):
+            tokenizer.vocab = reply.vocab_size
+        self.tokenizer = tokenizer
+        self.prompts = PromptEncoder(tokenizer)
         self._send_lock = threading.Lock()
         self._handles: dict[int, ProcessHandle] = {}
-        self._acks: dict[int, queue.SimpleQueue] = {}
         self._stats = EngineStats(model=self.model_name, device=self.device)
         self._ids = itertools.count(1)
         self._reader = threading.Thread(target=self._read, name="llamaterm-engine-reader", daemon=True)
@@ -119,21 +169,29 @@ class EngineProcess:
 
     def submit(
         self,
-        prompt: list[dict] | str,
+        prompt: list[dict] | str | None,
         params: SamplingParams | None = None,
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> ProcessHandle:
-        """As Engine.submit; a request the engine refuses raises here, in the caller's thread."""
+        """As Engine.submit; a request the model cannot take raises here, in the caller's thread."""
+        params = params or SamplingParams()
+        if prompt_ids is None:
+            ids, opens = self.prompts.encode(prompt or "", raw, enable_thinking)
+        else:
+            ids, opens = list(prompt_ids), False
+        r = self._ready
+        check_prompt(ids, r.vocab_size, r.max_context, r.sequence_limit)
         request_id = next(self._ids)
-        handle = self._handles[request_id] = ProcessHandle(request_id, self.max_context)
-        ack = self._acks[request_id] = queue.SimpleQueue()
-        self._send(Submit(request_id, prompt, params or SamplingParams(), raw, enable_thinking))
-        error = ack.get()
-        if error is not None:
+        output = OutputState(self.tokenizer, params.stop, THINK_OPEN if opens else "")
+        handle = self._handles[request_id] = ProcessHandle(request_id, output, len(ids), self.max_context)
+        try:
+            self._send(Submit(request_id, ids, params))
+        except LlamatermError:
             del self._handles[request_id]
-            raise error
+            raise
         return handle
 
     def cancel(self, handle: RequestStream | int) -> None:
@@ -144,7 +202,10 @@ class EngineProcess:
 
     def shutdown(self) -> None:
         if self._process.is_alive():
-            self._send(Shutdown())
+            try:
+                self._send(Shutdown())
+            except LlamatermError:
+                pass
             self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
@@ -166,29 +227,31 @@ class EngineProcess:
     def _read(self) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message: StepOutput = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(message, Ack):
-                self._acks.pop(message.request_id).put(message.error)
-                continue
-            self._stats = message.stats  # a Tick
-            for update in message.updates:
-                handle = self._handles.get(update.request_id)
-                if handle is None:
+            now = time.perf_counter()
+            self._stats = message.stats
+            for request_id, cached in message.cached:
+                if (handle := self._handles.get(request_id)) is not None:
+                    handle.cached_tokens = cached
+            for request_id, token, reason, error in message.records:
+                if (handle := self._handles.get(request_id)) is None:  # finished here by a stop string
                     continue
-                handle.latest = update.stats
-                for event in update.events:
-                    handle.events_queue.put(event)
-                if update.events and update.events[-1].finished:
-                    del self._handles[update.request_id]
+                finished, stopped = handle.push(token, reason, error, now)
+                if finished:
+                    del self._handles[request_id]
+                if stopped:
+                    try:
+                        self._send(Cancel(request_id))
+                    except LlamatermError:
+                        pass
         # the child is gone: whatever was in flight ends with an error rather than hanging its reader
         for request_id, handle in list(self._handles.items()):
+            handle.end = time.perf_counter()
             handle.events_queue.put(
                 Event(request_id, finished=True, finish_reason="error", error="the engine process exited")
             )
-        for ack in self._acks.values():
-            ack.put(LlamatermError("the engine process has exited"))
 
 
 def start_with_real_stderr(process) -> None:
@@ -202,34 +265,58 @@ def start_with_real_stderr(process) -> None:
         sys.stderr = saved
 
 
-def serve(conn, config: EngineConfig) -> None:
-    """The child: load the engine, then forward events and stats each tick until told to stop."""
-    from llamaterm.engine.serving.engine import Engine
+def serve(conn, config: EngineConfig, load: Load) -> None:
+    """The child: load the engine, take requests from the parent, send each step's tokens back."""
+    outbox: deque[tuple[list, list]] = deque()
+    ready = threading.Condition()
+    stopped = False
+
+    def sink(records: list, cached: list) -> None:  # the engine loop's thread: never blocks on the pipe
+        with ready:
+            outbox.append((records, cached))
+            ready.notify()
 
     try:
-        engine = Engine.from_model(config)
+        engine = load(config, sink)
     except Exception as e:
         conn.send(LoadFailed(e if isinstance(e, LlamatermError) else LlamatermError(f"{type(e).__name__}: {e}")))
         return
-    conn.send(Ready(engine.model_name, engine.device, engine.max_context))
-    handles: dict[int, object] = {}  # parent's request id -> the engine's handle
-    send_lock = threading.Lock()
-    stopped = threading.Event()
+    from llamaterm.engine.bench import weight_bytes
+
+    info = {
+        "startup_s": engine.startup_s,
+        "weight_bytes": weight_bytes(engine.model),
+        "cuda_graphs": engine.runner.graphs is not None,
+        "dense_weight_bytes": engine.dense_weight_bytes,
+    }
+    conn.send(
+        Ready(
+            engine.model_name,
+            engine.device,
+            engine.max_context,
+            engine.sequence_limit(),
+            engine.model.config.vocab_size,
+            info,
+        )
+    )
 
     def forward() -> None:
-        last = 0.0
-        while not stopped.wait(TICK_S):
-            updates = []
-            for request_id, handle in list(handles.items()):
-                events = handle.poll()
-                if events:
-                    updates.append(RequestUpdate(request_id, events, handle.stats()))
-                    if events[-1].finished:
-                        del handles[request_id]
+        last, done = 0.0, False
+        while not done:
+            with ready:
+                if not outbox and not stopped:
+                    ready.wait(IDLE_TICK_S)
+                batch = list(outbox)
+                outbox.clear()
+                done = stopped
             now = time.perf_counter()
-            if updates or now - last >= IDLE_TICK_S:
-                with send_lock:
-                    conn.send(Tick(updates, engine.stats()))
+            if batch or now - last >= IDLE_TICK_S:
+                records = [r for part, _ in batch for r in part]
+                cached = [c for _, part in batch for c in part]
+                try:
+                    conn.send(StepOutput(records, cached, engine.stats()))
+                except (BrokenPipeError, OSError):  # the parent is gone
+                    return
                 last = now
 
     forwarder = threading.Thread(target=forward, name="llamaterm-forward", daemon=True)
@@ -243,19 +330,14 @@ def serve(conn, config: EngineConfig) -> None:
             if isinstance(message, Shutdown):
                 break
             if isinstance(message, Cancel):
-                if (handle := handles.get(message.request_id)) is not None:
-                    engine.cancel(handle)
+                engine.cancel(message.request_id)
                 continue
             try:
-                handles[message.request_id] = engine.submit(
-                    message.prompt, message.params, raw=message.raw, enable_thinking=message.enable_thinking
-                )
-                error = None
-            except LlamatermError as e:
-                error = e
-            except Exception as e:  # a request the engine fails on in a way not foreseen: refuse it, keep serving
-                error = LlamatermError(f"the engine could not take the request ({type(e).__name__}: {e})")
-            with send_lock:
-                conn.send(Ack(message.request_id, error))
-        stopped.set()
-        forwarder.join()
+                engine.submit(None, message.params, prompt_ids=message.prompt_ids, request_id=message.request_id)
+            except Exception as e:  # the parent checked the prompt: a refusal here is unforeseen; keep serving
+                error = e if isinstance(e, LlamatermError) else f"{type(e).__name__}: {e}"
+                sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})")], [])
+    with ready:  # the engine has stopped, its last records are queued: send them and end
+        stopped = True
+        ready.notify()
+    forwarder.join()
