@@ -42,6 +42,8 @@ class LaunchedStep:
     sampling: list[Sequence]
     tokens: HostTokens
     start: float  # when it was scheduled
+    decode_rows: int  # its chunks of one token, and
+    prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
 
 
 class ModelRunner:
@@ -93,7 +95,9 @@ class ModelRunner:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
         self._host_turn ^= 1
-        self._last = LaunchedStep(sampling, HostTokens(tokens, self._host_tokens[self._host_turn]), start)
+        prefill = sum(c.length for c in chunks if c.length > 1)
+        host = HostTokens(tokens, self._host_tokens[self._host_turn])
+        self._last = LaunchedStep(sampling, host, start, len(chunks) - sum(c.length > 1 for c in chunks), prefill)
         return self._last
 
     def complete(self, step: LaunchedStep) -> list[tuple[Sequence, int]]:

@@ -5,6 +5,10 @@ Each step packs, under a token budget, one decode token for every running sequen
 of blocks, the newest running sequence is preempted: its blocks are freed and it is recomputed later (its prefix
 may still be cached). Sequences join and leave between steps.
 
+Prefill tokens ride beside decode rows only as far as keeps the step's time within PACE times a decode step's
+(`Pace`, from the measured times of the steps so far), so a long prompt arriving costs the sessions already
+streaming a steady, small slowdown rather than a stall: a session's gap between two tokens stays near the median.
+
 Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
 admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
 """
@@ -28,11 +32,44 @@ class ScheduledChunk:
         return self.start + self.length == len(self.seq.token_ids)
 
 
+PACE = 2.0  # a step that carries prefill tokens takes at most this many times a decode step of every session
+MIN_PREFILL = 32  # the smallest chunk, so a prompt always moves on
+EWMA = 0.1  # weight of the newest step in the running averages
+
+
+class Pace:
+    """How many prefill tokens may ride in a step, from the step times the engine measured: a decode step's time
+    per row (its recent average) and a prefill token's share of a mixed step's time. The step may take PACE times
+    the decode step of every session there is, decoding or waiting (scaled by rows from the decode steps seen: no
+    less than it will take, as a step's fixed costs shrink per row when rows are added), so a batch that is filling
+    up fills fast and a full one keeps its pace. Until both are known, no limit."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.row_s: float | None = None  # a decode step's time over its rows
+        self.token_s: float | None = None
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        average = lambda old, new: new if old is None else old + EWMA * (new - old)
+        if prefill_tokens == 0 and decode_rows:
+            self.row_s = average(self.row_s, seconds / decode_rows)
+        elif self.row_s is not None and prefill_tokens >= MIN_PREFILL:
+            share = max(seconds - self.row_s * decode_rows, 0.0) / prefill_tokens
+            self.token_s = average(self.token_s, share)
+
+    def prefill_tokens(self, decode_rows: int, sessions: int) -> int:
+        if self.row_s is None or not self.token_s:
+            return self.max_tokens
+        room = self.row_s * (PACE * sessions - decode_rows)
+        return int(min(self.max_tokens, max(MIN_PREFILL, room / self.token_s)))
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_running: int):
         self.blocks = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        self.pace = Pace(max_batch_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
         self.free_slots = list(range(max_running - 1, -1, -1))
@@ -45,14 +82,19 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_batch_tokens
+        prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
         # Running sequences first, decodes before prefill chunks, so no session waits on a new prompt.
         for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
-            if budget == 0:
-                break
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
             n = min(seq.num_to_compute, budget)
+            prefilling = seq.num_to_compute > 1
+            if prefilling:
+                prefill = self._prefill_left(prefill, chunks)
+                n = min(n, prefill)
+            if n == 0:
+                break
             while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -64,6 +106,8 @@ class Scheduler:
             self.blocks.allocate(seq.table, seq.num_computed + n)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+            if prefilling:
+                prefill = self._prefill_left(prefill, chunks) - n
         budget = self.max_batch_tokens - sum(c.length for c in chunks)
         # Then admit waiting sequences while tokens, blocks and sampler slots remain (a preempted one has its own).
         while self.waiting and budget > 0:
@@ -72,12 +116,15 @@ class Scheduler:
                 break
             if seq.sampler_slot is None and not self.free_slots:
                 break
+            prefill = self._prefill_left(prefill, chunks)
+            if prefill <= 0:
+                break
             if seq.num_computed == 0 and not seq.table.block_ids:
                 cached = self.blocks.match_prefix(seq.token_ids, seq.table)
                 seq.num_computed = cached
                 if seq.first_token_time is None:
                     seq.num_cached = cached
-            n = min(seq.num_to_compute, budget)
+            n = min(seq.num_to_compute, budget, prefill)
             # The engine rejects requests larger than the pool, so a sequence always fits once others finish.
             if not self.blocks.can_allocate(seq.table, seq.num_computed + n):
                 # give the matched prefix back (it stays cached): waiting sequences that hold blocks could
@@ -93,7 +140,17 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+            prefill -= n
         return chunks
+
+    def _prefill_left(self, prefill: int | None, chunks: list[ScheduledChunk]) -> int:
+        """The step's prefill allowance: paced beside decode rows (chunks placed so far), whole without them."""
+        if prefill is not None:
+            return prefill
+        if not chunks:
+            return self.max_batch_tokens
+        sessions = min(self.max_running, len(self.running) + len(self.waiting))
+        return self.pace.prefill_tokens(len(chunks), sessions)
 
     def advance(self, chunks: list[ScheduledChunk]) -> None:
         """After a step's launch: its tokens are computed, and the blocks they fill hold known tokens once the

@@ -1,0 +1,44 @@
+"""The scheduler's pacing (engine/serving/scheduler.py): prefill tokens beside decode rows are held to what keeps
+a step within PACE decode steps, from the step times it is told; a prompt alone gets the whole budget."""
+
+from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.block_manager import BlockManager
+from llamaterm.engine.serving.scheduler import MIN_PREFILL, PACE, Pace, Scheduler
+from llamaterm.engine.serving.sequence import Sequence
+
+
+def sequence(i: int, prompt: int) -> Sequence:
+    """Prompts of their own tokens: no prefix shared with another's."""
+    return Sequence(i, [1000 * i + t for t in range(prompt)], prompt, SamplingParams(max_tokens=50), 50)
+
+
+def test_pace_learns_the_prefill_allowance():
+    pace = Pace(2048)
+    assert pace.prefill_tokens(8, 8) == 2048  # nothing measured yet
+    for _ in range(50):
+        pace.observe(32, 0, 0.0064)  # decode steps of 32 rows: 0.2 ms a row
+        pace.observe(32, 400, 0.0064 + 0.04)  # 400 prefill tokens beside them: 0.1 ms a token
+    # all 32 sessions decoding: a step may take PACE decode steps
+    assert abs(pace.prefill_tokens(32, 32) - (PACE - 1) * 0.0064 / 0.0001) <= 3
+    # 8 decoding while 24 wait: the step may take PACE times the step of all 32, so more tokens ride
+    assert abs(pace.prefill_tokens(8, 32) - (PACE * 32 - 8) * 0.0002 / 0.0001) <= 3
+    for _ in range(200):
+        pace.observe(32, 400, 10.0)  # prefill turned very slow: prompts still move on
+    assert pace.prefill_tokens(32, 32) == MIN_PREFILL
+
+
+def test_prompts_beside_decodes_are_paced_and_alone_take_the_budget():
+    s = Scheduler(BlockManager(1000, 16), max_batch_tokens=512, max_running=8)
+    for _ in range(10):
+        s.pace.observe(1, 0, 0.005)
+        s.pace.observe(1, 300, 0.035)  # 0.1 ms a token: (2 * 2 - 1) * 5 ms / 0.1 ms = 150 tokens beside a decode
+    first = sequence(1, 900)
+    s.add(first)
+    chunks = s.schedule()  # alone: the whole step budget
+    assert [(c.seq.id, c.length) for c in chunks] == [(1, 512)]
+    s.advance(chunks)
+    s.advance(s.schedule())  # the rest of the prompt
+    first.token_ids.append(5)  # its first sampled token: it decodes now
+    s.add(sequence(2, 600))
+    chunks = s.schedule()
+    assert [(c.seq.id, c.length) for c in chunks] == [(1, 1), (2, 150)]  # one decode, then a paced chunk
