@@ -51,5 +51,7 @@ fuzz: setup
 bench-cpu: setup
 	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1
 
+# What CI checks before the tests: ruff's lints, and that the code is as ruff format leaves it
 lint: setup
 	$(BIN)/ruff check app engine kernels tests
+	$(BIN)/ruff format --check app engine kernels tests

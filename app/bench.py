@@ -10,6 +10,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
@@ -39,6 +40,12 @@ class Progress:
             sys.stderr.flush()
 
 
+WORKLOADS = {  # --workload: prompts, sampling, engine
+    "chat": ("chat", "filters", "process"),  # what users send: chat messages, every filter on, the engine process
+    "ids": ("ids", "greedy", "inline"),  # the engine alone: token-id prompts, greedy, in this process
+}
+
+
 def bench(
     model: Annotated[
         str | None,
@@ -52,13 +59,43 @@ def bench(
         ),
     ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="chat: chat messages through the engine process `chat` and `serve` use, sampled with every filter "
+            "on (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition penalty 1.1). ids: token-id prompts, "
+            "greedy, the engine in this process."
+        ),
+    ] = "chat",
+    sampling: Annotated[str | None, typer.Option(help="filters or greedy, in place of the workload's own.")] = None,
+    engine_kind: Annotated[
+        str | None,
+        typer.Option("--engine", help="process (the engine in its own process) or inline, in place of the workload's."),
+    ] = None,
+    prompt_mix: Annotated[
+        str,
+        typer.Option(
+            help="fixed: --prompt tokens, replies of 64-448 tokens in the closed loop. chat: prompts of 16-256 (70%), "
+            "256-1024 (25%) and 1024-2000 tokens (5%), replies of 32-512."
+        ),
+    ] = "fixed",
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve",
+            help="Drive `llamaterm serve` (started for the run, or the one at --url) with streaming clients of the "
+            "openai package over --processes processes, as many as the largest --sessions count, instead of the "
+            "engine.",
+        ),
+    ] = False,
+    url: Annotated[
+        str | None, typer.Option(help="With --serve: the server's base URL, e.g. http://host:8000/v1.")
+    ] = None,
+    processes: Annotated[int, typer.Option(min=1, help="Client processes for --serve.")] = 8,
     sessions: Annotated[
         str | None, typer.Option(help="Session counts, e.g. 1,8,64 (default: 1,8,64; with --scaling 1,2,4,8,16,32,64).")
     ] = None,
-    scaling: Annotated[
-        bool,
-        typer.Option("--scaling", help="Static batch vs sessions that come and go (a closed loop), per session count."),
-    ] = False,
+    scaling: Annotated[bool, typer.Option("--scaling", help="Every power of two of sessions up to 64.")] = False,
     grid: Annotated[
         bool,
         typer.Option(
@@ -69,25 +106,44 @@ def bench(
         str | None, typer.Option(help="hf: Hugging Face transformers on the same model, one session, three runs each.")
     ] = None,
     tokens: Annotated[int, typer.Option(min=2, help="New tokens per session in static batches.")] = 128,
-    prompt: Annotated[int, typer.Option(min=1, help="Prompt tokens per session.")] = 128,
+    prompt: Annotated[
+        int, typer.Option(min=1, help="Prompt tokens per session (chat: words, about a token each).")
+    ] = 128,
     window: Annotated[float, typer.Option(min=0.1, help="Seconds the closed loop is measured for.")] = 10.0,
     warmup: Annotated[float, typer.Option(min=0.0, help="Seconds the closed loop runs before that.")] = 3.0,
     eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs: launch every kernel.")] = False,
     kv_tokens: Annotated[int | None, typer.Option(min=16, help="KV cache pool size in tokens.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
-    """Measure decode tok/s by sessions, TTFT, start-up and launches per step, against the weight-read limit.
+    """Measure decode tok/s by sessions, a session's gap between tokens, TTFT and start-up, against the weight-read
+    limit, on the path users take: chat messages, sampled, through the engine process.
 
     Examples:
 
-      llamaterm bench --model synthetic:llama3-8b --scaling
+      llamaterm bench --model synthetic:llama3-8b --prompt-mix chat
+
+      llamaterm bench --workload ids --scaling
+
+      llamaterm bench --serve --sessions 64
 
       llamaterm bench --device cpu --peer hf --sessions 1
     """
     from llamaterm.app.cli import fail
 
-    if peer not in (None, "hf"):
-        fail(f"unknown peer {peer!r}: the one peer is hf (Hugging Face transformers)", 2)
+    if workload not in WORKLOADS:
+        fail(f"unknown workload {workload!r}: chat or ids", 2)
+    prompts, sampler, kind = WORKLOADS[workload]
+    sampler, kind = sampling or sampler, engine_kind or kind
+    for name, value, choices in (
+        ("--sampling", sampler, ("filters", "greedy")),
+        ("--engine", kind, ("process", "inline")),
+        ("--prompt-mix", prompt_mix, ("fixed", "chat")),
+        ("--peer", peer or "hf", ("hf",)),
+    ):
+        if value not in choices:
+            fail(f"unknown {name} {value!r}: {' or '.join(choices)}", 2)
+    if (peer or grid) and kind != "inline":
+        fail("--peer and --grid measure the engine in this process: add --engine inline (or --workload ids)", 2)
     try:
         counts = [int(s) for s in (sessions or ("1,2,4,8,16,32,64" if scaling else "1,8,64")).split(",")]
     except ValueError:
@@ -96,11 +152,75 @@ def bench(
         fail("--sessions counts must be at least 1", 2)
     if grid and model is None:
         model = "synthetic:llama2-7b:fp16"
-    result = run_bench(model, device, counts, scaling, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens)
+    from llamaterm.engine.workload import FILTERS, GREEDY, PromptMix
+
+    mix = PromptMix.chat() if prompt_mix == "chat" else PromptMix.fixed(prompt, (64, 448))
+    if url and not serve:
+        fail("--url is the server --serve drives: add --serve", 2)
+    if serve:
+        from llamaterm.app.serve_load import format_serve_load, run_serve_load
+
+        result = run_serve_load(
+            url,
+            model=model,
+            device=device,
+            clients=max(counts),
+            processes=processes,
+            warmup_s=warmup,
+            window_s=window,
+            sampling=FILTERS if sampler == "filters" else GREEDY,
+            prompts=mix,
+        )
+        typer.echo(json.dumps(result, indent=1) if as_json else format_serve_load(result))
+        return
+    what = Workload(prompts == "chat", FILTERS if sampler == "filters" else GREEDY, kind == "process", mix)
+    result = run_bench(model, device, counts, what, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens)
     typer.echo(json.dumps(result, indent=1) if as_json else format_tables(result))
 
 
-def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens) -> dict:
+@dataclass(frozen=True)
+class Workload:
+    chat: bool  # chat messages, else token-id prompts
+    sampling: dict  # engine/workload.py's FILTERS or GREEDY
+    process: bool  # the engine process, else the engine in this process
+    mix: object  # engine/workload.py's PromptMix, for the closed loop
+
+    def describe(self) -> str:
+        sampled = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.sampling.items() if k != "temperature")
+        sampling = "greedy" if not self.sampling.get("temperature") else f"temperature {self.sampling['temperature']}"
+        return (
+            ("chat messages" if self.chat else "token-id prompts")
+            + f", {sampling}{', ' + sampled if sampled and sampling != 'greedy' else ''}, "
+            + ("through the engine process" if self.process else "the engine in this process")
+        )
+
+
+def open_client(model, device, config, process: bool):
+    """(client, label, info): the engine in this process (engine/bench.py's Bench) or in its own, and what the
+    tables need of it: weight bytes per step, start-up, CUDA graphs."""
+    from llamaterm.engine import bench as wl
+
+    if not process:
+        b = wl.open_engine(model, device, config)
+        e = b.engine
+        info = {
+            "startup_s": e.startup_s,
+            "weight_bytes": wl.weight_bytes(e.model),
+            "cuda_graphs": e.runner.graphs is not None,
+            "dense_weight_bytes": e.dense_weight_bytes,
+        }
+        return b, b.label, info
+    from dataclasses import replace
+
+    from llamaterm.engine.serving.process import EngineProcess
+
+    client = EngineProcess(replace(config, model=model, device=device))
+    return client, client.model_name, client.info
+
+
+def run_bench(
+    model, device, counts, what: Workload, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens
+) -> dict:
     from llamaterm.app.cli import interrupts_held
 
     t = time.perf_counter()
@@ -109,85 +229,92 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
 
         from llamaterm.engine import bench as wl
         from llamaterm.engine.api import EngineConfig
+        from llamaterm.engine.serving.device import resolve_device
     imports = time.perf_counter() - t
 
-    progress = Progress(3 + len(counts) * (1 + scaling) + scaling + (peer is not None) + len(GRID) * grid)
+    progress = Progress(3 + 2 * len(counts) + (peer is not None) + len(GRID) * grid)
     progress.step("loading the model")
     max_running = max(64, *counts) if not grid else 64
     kv = kv_tokens or (max(b for _, _, b in GRID) * (1024 + 256) if grid else None)
     config = EngineConfig(kv_tokens=kv, max_running=max_running, cuda_graphs=not eager)
+    dev = resolve_device(device)
+    bw = wl.copy_bandwidth(dev)  # before the engine takes the memory
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    t = time.perf_counter()
     try:
-        b = wl.open_engine(model, device, config)
+        opened, label, info = open_client(model, device, config, what.process)
     except BaseException:
         progress.close()
         raise
-    engine = b.engine
+    ready = time.perf_counter() - t
+    inline = opened if not what.process else None
+    client = inline.engine if inline else opened
     try:
-        dev = engine.model.device
-        ctx = engine.max_context
-        prompts = wl.Prompts(engine.model.config.vocab_size)
+        ctx = client.max_context
+        vocab = client.model.config.vocab_size if inline else client.vocab_size
+        sessions = wl.Sessions(client, what.chat, what.sampling, vocab)
         t = time.perf_counter()
-        engine.generate(None, wl.SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=prompts(8))
+        list(sessions.start(8, 1).events())
         first = time.perf_counter() - t
-        read, bw = wl.weight_bytes(engine.model), wl.copy_bandwidth(dev)
+        read = info["weight_bytes"]
         out = {
-            "model": b.label,
+            "model": label,
             "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
-            "cuda_graphs": engine.runner.graphs is not None,
-            "dense_weight_bytes": engine.dense_weight_bytes,
-            "startup_s": {"imports": imports, **engine.startup_s, "first request": first},
+            "workload": {
+                "description": what.describe(),
+                "chat": what.chat,
+                "sampling": what.sampling,
+                "engine": "process" if what.process else "inline",
+                "prompt_mix": what.mix.__dict__,
+            },
+            "cuda_graphs": info["cuda_graphs"],
+            "dense_weight_bytes": info["dense_weight_bytes"],
+            "startup_s": {"imports": imports, **info["startup_s"], "first request": first},
+            "ready_s": ready,
             "limit": {"weight_bytes_per_step": read, "copy_bandwidth_bytes_s": bw, "steps_per_s": bw / read},
         }
         # the limit counts the step's weight bytes at the copy rate (anchors.md's convention)
 
         progress.step("TTFT")
         ttft_len = min(512, ctx - 2)
-        out["ttft"] = {"prompt_tokens": ttft_len, "ms": 1e3 * wl.ttft(engine, ttft_len, prompts)}
+        out["ttft"] = {"prompt_tokens": ttft_len, "ms": 1e3 * wl.ttft(sessions, ttft_len)}
 
-        progress.step("launches per step")
-        out["launches"] = {
-            "decode": wl.launches_per_step(engine, 1, 16, prompts),
-            f"{prompt_len}-token prefill": wl.launches_per_step(engine, prompt_len, 1, prompts),
-        }
+        if inline:
+            progress.step("launches per step")
+            prompts = wl.Prompts(vocab)
+            out["launches"] = {
+                "decode": wl.launches_per_step(client, 1, 16, prompts),
+                f"{prompt_len}-token prefill": wl.launches_per_step(client, prompt_len, 1, prompts),
+            }
 
         base, rows = None, []
+        limit = out["limit"]["steps_per_s"]
         for n in counts:
             progress.step(f"static batch, {n} sessions")
-            static = wl.static_rate(engine, n, min(prompt_len, ctx - tokens - 1), tokens, prompts)
+            static = wl.static_rate(sessions, n, min(prompt_len, ctx - tokens - 1), tokens)
             base = base or static / counts[0]
-            row = {
-                "sessions": n,
-                "static_tok_s": static,
-                "vs_one_session": static / base if base else None,
-                "static_pct_of_limit": 100 * static / n / out["limit"]["steps_per_s"],
-            }
-            if scaling:
-                progress.step(f"closed loop, {n} sessions ({warmup + window:.0f} s)")
-                p = min(prompt_len, ctx - 449)
-                dynamic, max_step = wl.closed_loop_rate(engine, n, (p, p), warmup, window, prompts)
-                row |= {
-                    "dynamic_tok_s": dynamic,
-                    "dynamic_vs_static": dynamic / static if static else None,
-                    "dynamic_pct_of_limit": 100 * dynamic / n / out["limit"]["steps_per_s"],
-                    "dynamic_max_step_ms": 1e3 * max_step,
+            progress.step(f"closed loop, {n} sessions ({warmup + window:.0f} s)")
+            loop = wl.closed_loop(sessions, n, what.mix, warmup, window)
+            rows.append(
+                {
+                    "sessions": n,
+                    "static_tok_s": static,
+                    "vs_one_session": static / base if base else None,
+                    "static_pct_of_limit": 100 * static / n / limit,
+                    "dynamic_tok_s": loop["tok_s"],
+                    "dynamic_vs_static": loop["tok_s"] / static if static else None,
+                    "dynamic_pct_of_limit": 100 * loop["tok_s"] / n / limit,
+                    **{k: v for k, v in loop.items() if k != "tok_s"},
                 }
-            rows.append(row)
+            )
         out["decode"] = rows
-        if scaling:  # the longest step when prompts of any length arrive: a compile would show here
-            n, longest = counts[min(1, len(counts) - 1)], min(2000, ctx - 449)
-            progress.step(f"closed loop, {n} sessions, prompts of 1-{longest} tokens")
-            dynamic, max_step = wl.closed_loop_rate(engine, n, (1, longest), warmup, window, prompts)
-            out["varied_prompts"] = {
-                "sessions": n,
-                "prompt_tokens": [1, longest],
-                "dynamic_tok_s": dynamic,
-                "max_step_ms": 1e3 * max_step,
-            }
 
         if peer == "hf":
             progress.step("Hugging Face transformers, one session, 3 runs")
+            prompts = wl.Prompts(vocab)
             same = [prompts(min(prompt_len, ctx - tokens - 1)) for _ in range(3)]
-            ours, theirs = wl.our_greedy_runs(b, same, tokens), wl.hf_greedy_runs(b, same, tokens)
+            ours, theirs = wl.our_greedy_runs(inline, same, tokens), wl.hf_greedy_runs(inline, same, tokens)
             median = lambda xs: statistics.median(xs)
             side = lambda r: {
                 "tok_s": median(r.tok_s),
@@ -202,17 +329,18 @@ def run_bench(model, device, counts, scaling, grid, peer, tokens, prompt_len, wi
                 "ours": side(ours),
                 "peer": side(theirs),
                 "speedup": median(ours.tok_s) / median(theirs.tok_s),
-                "same_tokens": ours.tokens == theirs.tokens if b.path else None,
+                "same_tokens": ours.tokens == theirs.tokens if inline.path else None,
             }
         if grid:
             cells = []
+            prompts = wl.Prompts(vocab)
             for i, o, n in GRID:
                 progress.step(f"grid: input {i}, output {o}, batch {n}")
-                cells.append(wl.grid_cell(engine, n, i, o, prompts))
+                cells.append(wl.grid_cell(client, n, i, o, prompts))
             out["grid"] = cells
     finally:
         progress.close()
-        engine.shutdown()
+        client.shutdown()
     return out
 
 
@@ -221,45 +349,44 @@ def format_tables(r: dict) -> str:
     lines = [
         f"llamaterm bench: {r['model']} on {r['device']}"
         + (", no CUDA graphs" if r["device"].startswith("cuda") and not r["cuda_graphs"] else ""),
+        f"workload: {r['workload']['description']}",
         f"weights read per step {lim['weight_bytes_per_step'] / 1e9:.3f} GB; copy bandwidth "
         f"{lim['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s (read + write): at most {lim['steps_per_s']:,.0f} "
         "decode steps/s",
         "",
         "start-up: "
         + ", ".join(f"{k} {v:.2f} s" for k, v in r["startup_s"].items())
-        + f" (total {sum(r['startup_s'].values()):.2f} s)",
+        + f" (total {sum(r['startup_s'].values()):.2f} s; the engine was ready {r['ready_s']:.2f} s after the "
+        "imports)",
         f"TTFT, {r['ttft']['prompt_tokens']}-token prompt: {r['ttft']['ms']:.1f} ms",
     ]
-    for kind, la in r["launches"].items():
+    for kind, la in r.get("launches", {}).items():
         if la:
             lines.append(
                 f"per {kind} step: {la['launches_per_step']:.1f} launches, {la['kernels_per_step']:.0f} "
                 f"kernels ({la['steps']} steps profiled)"
             )
     lines.append("")
-    dynamic = "dynamic_tok_s" in r["decode"][0]
-    head = f"{'sessions':>8} {'static tok/s':>13} {'vs 1':>6} {'% limit':>8}"
-    if dynamic:
-        head += f" {'dynamic tok/s':>14} {'dyn/static':>11} {'% limit':>8} {'max step ms':>12}"
-    lines.append(head)
+    lines.append(
+        f"{'sessions':>8} {'static tok/s':>13} {'vs 1':>6} {'% limit':>8} {'dynamic tok/s':>14} {'dyn/static':>11} "
+        f"{'gap p50 ms':>11} {'p99':>6} {'max':>6} {'steps/s':>8} {'host ms':>8}"
+    )
     for row in r["decode"]:
         vs_one = "    -" if row["vs_one_session"] is None else f"{row['vs_one_session']:5.2f}"  # no tokens seen
-        line = f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {vs_one}x {row['static_pct_of_limit']:7.0f}%"
-        if dynamic:
-            ratio = "         -" if row["dynamic_vs_static"] is None else f"{100 * row['dynamic_vs_static']:10.0f}"
-            line += (
-                f" {row['dynamic_tok_s']:14,.1f} {ratio}% "
-                f"{row['dynamic_pct_of_limit']:7.0f}% {row['dynamic_max_step_ms']:12.1f}"
-            )
-        lines.append(line)
-    if dynamic:
-        lines.append("dynamic: a closed loop, each session ends after 64-448 tokens and a new one takes its place")
-        v = r["varied_prompts"]
+        ratio = "         -" if row["dynamic_vs_static"] is None else f"{100 * row['dynamic_vs_static']:10.0f}"
+        gap = row["gap_ms"]
+        per_step = f" {row['steps_per_s']:8,.0f} {row['host_ms_per_step']:8.2f}" if "steps_per_s" in row else ""
         lines.append(
-            f"closed loop of {v['sessions']} sessions, prompts of {v['prompt_tokens'][0]}-"
-            f"{v['prompt_tokens'][1]} tokens: {v['dynamic_tok_s']:,.1f} tok/s, longest step "
-            f"{v['max_step_ms']:.1f} ms"
+            f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {vs_one}x {row['static_pct_of_limit']:7.0f}% "
+            f"{row['dynamic_tok_s']:14,.1f} {ratio}% {gap['p50']:11.1f} {gap['p99']:6.1f} {gap['max']:6.1f}" + per_step
         )
+    mix = r["workload"]["prompt_mix"]
+    spans = ", ".join(f"{lo}-{hi} ({100 * w:.0f}%)" if lo != hi else f"{lo}" for w, lo, hi in mix["prompts"])
+    lines.append(
+        f"dynamic: a closed loop, prompts of {spans} {'words' if r['workload']['chat'] else 'tokens'}, each session "
+        f"ends after {mix['outputs'][0]}-{mix['outputs'][1]} tokens and a new one takes its place; gap: a session's "
+        "time between two tokens; host ms: the engine loop's time a step outside its waits for the GPU"
+    )
     if "peer" in r:
         p = r["peer"]
         same = "" if p["same_tokens"] is None else f"; same tokens: {p['same_tokens']}"

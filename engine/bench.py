@@ -14,16 +14,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.api import EngineConfig, EngineStats, RequestStream
 from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.device import resolve_device
-from llamaterm.engine.serving.engine import Engine, RequestHandle
+from llamaterm.engine.serving.engine import Engine, Sink
 from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.process import EngineProcess
+from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
+from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
 from llamaterm.kernels.qweight import QuantWeight
-
-SYNTHETIC_PREFIX = "synthetic:"
 
 
 @dataclass(frozen=True)
@@ -133,21 +134,6 @@ def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
     return Model(config, tensors, device, dtype)
 
 
-class NoText:
-    """A tokenizer stand-in for token-id prompts: no stop tokens, no text out."""
-
-    stop_ids = ()
-
-    def detokenizer(self) -> NoText:
-        return self
-
-    def push(self, token: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
 @dataclass
 class Bench:
     """An engine under test and what is known about it."""
@@ -163,20 +149,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def open_engine(model: str | None, device: str | None, config: EngineConfig) -> Bench:
+def open_engine(model: str | None, device: str | None, config: EngineConfig, sink: Sink | None = None) -> Bench:
     """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`."""
-    if model is None or not model.startswith(SYNTHETIC_PREFIX):
-        engine = Engine.from_model(EngineConfig(**{**config.__dict__, "model": model, "device": device}))
+    if not is_synthetic(model):
+        engine = Engine.from_model(replace(config, model=model, device=device), sink=sink)
         from llamaterm.engine.store.model_store import resolve_model
 
         return Bench(engine, engine.model_name, str(resolve_model(model)), True)
+    assert model is not None
     name, quantized = parse_synthetic(model)
     dev = resolve_device(device)
     t = time.perf_counter()
     m = synthetic_model(name, quantized, dev)
     sync(dev)
     made = time.perf_counter() - t
-    engine = Engine(m, NoText(), config, name=m.config.name)
+    engine = Engine(m, SyntheticTokenizer(m.config.vocab_size), config, name=m.config.name, sink=sink)  # type: ignore[arg-type]
     engine.startup_s = {"make random weights": made, **engine.startup_s}
     fmt = SYNTHETIC[name][1]
     label = f"{m.config.name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
@@ -222,45 +209,84 @@ class Prompts:
         return [self.rng.randrange(min(100, self.vocab // 2), self.vocab) for _ in range(n)]
 
 
+class Sessions:
+    """How a benchmark's sessions are opened: on which engine (in this process, or the engine process `chat` and
+    `serve` use), with chat messages or token-id prompts, sampled how (engine/workload.py). Token counts are
+    forced, so every session makes the tokens it asks for."""
+
+    def __init__(self, client: Engine | EngineProcess, chat: bool, sampling: dict, vocab: int, seed: int = 0):
+        self.client, self.chat, self.sampling = client, chat, sampling
+        self.rng = random.Random(seed)
+        self.prompts = Prompts(vocab, seed)
+
+    def start(self, prompt_len: int, max_tokens: int) -> RequestStream:
+        """A prompt that leaves room for the reply in the context (a word of chat is at most about two tokens)."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **self.sampling)
+        room = self.client.max_context - max_tokens - 16
+        if self.chat:
+            return self.client.submit(chat_message(self.rng, min(prompt_len, room // 2)), params)
+        return self.client.submit(None, params, prompt_ids=self.prompts(min(prompt_len, room)))
+
+    def stats(self) -> EngineStats:
+        return self.client.stats()
+
+
 @dataclass
 class SessionLog:
-    """Token arrival times of a set of sessions, read by one polling thread (the same for every workload)."""
+    """Token arrivals of a set of sessions, read by one polling thread (the same for every workload)."""
 
     token_times: list[float]
     first_token: list[float]  # per finished or open session, when its first token arrived
     finished: list[float]  # when each finished session's last token arrived
+    gaps: list[tuple[float, float]]  # (when, seconds since the session's last token) per token after its first
+    window_stats: list[EngineStats]  # the engine's stats at the start and the end of the measured window
 
 
 def drive(
-    engine: Engine, n: int, start: Callable[[], RequestHandle], replace: bool, seconds: float | None
+    sessions: Sessions,
+    n: int,
+    start: Callable[[], RequestStream],
+    replace: bool,
+    seconds: float | None = None,
+    window: tuple[float, float] | None = None,
 ) -> SessionLog:
     """Keep n sessions open; each finished one is replaced at once when `replace` (a closed loop), else the run
     ends when all have finished. After `seconds`, open sessions are cancelled. Polls every 2 ms from this thread:
-    one reader for any n, so the reader's cost does not grow with the sessions."""
-    log = SessionLog([], [], [])
-    handles = [start() for _ in range(n)]
-    seen = [False] * n
+    one reader for any n, so the reader's cost does not grow with the sessions (gaps are seen to 2 ms; tokens
+    that arrive together share the gap before them). `window` (seconds from the start): when to read the stats."""
+    log = SessionLog([], [], [], [], [])
+    handles: list[RequestStream | None] = [start() for _ in range(n)]
+    last: list[float | None] = [None] * n
     t0 = time.perf_counter()
+    marks = [t0 + w for w in window] if window else []
     while any(handles):
         time.sleep(0.002)
         now = time.perf_counter()
+        if marks and now >= marks[0]:
+            log.window_stats.append(sessions.stats())
+            marks.pop(0)
         for i, h in enumerate(handles):
             if h is None:
                 continue
-            for event in h.poll():
+            events = h.poll()
+            k = sum(len(e.token_ids) for e in events)  # the tokens this poll brought, together
+            if k:
+                if last[i] is None:
+                    log.first_token.append(now)
+                else:
+                    log.gaps += [(now, (now - last[i]) / k)] * k
+                last[i] = now
+                log.token_times += [now] * k
+            for event in events:
                 if event.error:
                     raise LlamatermError(f"benchmark request failed: {event.error}")
-                if event.token_ids and not seen[i]:
-                    seen[i] = True
-                    log.first_token.append(now)
-                log.token_times += [now] * len(event.token_ids)
                 if event.finished:
                     log.finished.append(now)
-                    handles[i], seen[i] = (start(), False) if replace else (None, False)
+                    handles[i], last[i] = (start() if replace else None), None
         if seconds is not None and now - t0 >= seconds:
             for h in handles:
                 if h is not None:
-                    engine.cancel(h)
+                    sessions.client.cancel(h)
                     list(h.events())
             break
     return log
@@ -270,36 +296,52 @@ def rate(times: list[float], lo: float, hi: float) -> float:
     return sum(lo < t <= hi for t in times) / (hi - lo) if hi > lo else 0.0
 
 
-def static_rate(engine: Engine, n: int, prompt_len: int, tokens: int, prompts: Prompts) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def static_rate(sessions: Sessions, n: int, prompt_len: int, tokens: int) -> float:
     """n sessions submitted at once; decode tok/s from the moment all have their first token to the first finish."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    log = drive(engine, n, lambda: engine.submit(None, params, prompt_ids=prompts(prompt_len)), False, None)
+    log = drive(sessions, n, lambda: sessions.start(prompt_len, tokens), False)
     return rate(log.token_times, max(log.first_token), min(log.finished))
 
 
-def closed_loop_rate(
-    engine: Engine, n: int, prompt_lens: tuple[int, int], warmup_s: float, window_s: float, prompts: Prompts
-) -> tuple[float, float]:
-    """anchors.md's dynamic sessions: n always open, each ending after a random 64-448 tokens and replaced at once
-    by a new session with a new prompt (of prompt_lens[0] to prompt_lens[1] tokens). Returns decode tok/s over
-    `window_s` after `warmup_s`, and the longest engine step in that time."""
+def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, window_s: float) -> dict:
+    """anchors.md's dynamic sessions: n always open, each replaced at once by a new session with a new prompt when
+    it ends; prompt and output lengths from `mix`. Over `window_s` after `warmup_s`: decode tok/s, a session's gap
+    between two tokens (median, p99, max, in ms), and the engine's steps and host time per step."""
     rng = random.Random(1)
-
-    def start() -> RequestHandle:
-        params = SamplingParams(max_tokens=rng.randint(64, 448), ignore_eos=True)
-        return engine.submit(None, params, prompt_ids=prompts(rng.randint(*prompt_lens)))
-
+    client = sessions.client
+    if isinstance(client, Engine):
+        client.max_step_s = 0.0
     t0 = time.perf_counter()
-    engine.max_step_s = 0.0
-    log = drive(engine, n, start, True, warmup_s + window_s)
-    return rate(log.token_times, t0 + warmup_s, t0 + warmup_s + window_s), engine.max_step_s
+    lo, hi = t0 + warmup_s, t0 + warmup_s + window_s
+    log = drive(
+        sessions, n, lambda: sessions.start(*mix.draw(rng)), True, warmup_s + window_s, (warmup_s, warmup_s + window_s)
+    )
+    gaps = [g for t, g in log.gaps if lo < t <= hi]
+    out = {
+        "tok_s": rate(log.token_times, lo, hi),
+        "gap_ms": {
+            "p50": 1e3 * percentile(gaps, 0.5),
+            "p99": 1e3 * percentile(gaps, 0.99),
+            "max": 1e3 * max(gaps, default=0.0),
+        },
+        "max_step_ms": 1e3 * client.max_step_s if isinstance(client, Engine) else None,
+    }
+    if len(log.window_stats) == 2:
+        a, b = log.window_stats
+        steps = b.steps - a.steps
+        out |= {"steps_per_s": steps / window_s, "host_ms_per_step": 1e3 * (b.host_s - a.host_s) / max(1, steps)}
+    return out
 
 
-def ttft(engine: Engine, prompt_len: int, prompts: Prompts, repeats: int = 5) -> float:
+def ttft(sessions: Sessions, prompt_len: int, repeats: int = 5) -> float:
     """Median seconds from submit to the first token of one prompt on an idle engine."""
     out = []
     for _ in range(repeats):
-        h = engine.submit(None, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=prompts(prompt_len))
+        h = sessions.start(prompt_len, 1)
         list(h.events())
         out.append(h.stats().ttft_s)
     return statistics.median(out)
@@ -417,13 +459,15 @@ def linear_params(model: Model) -> tuple[int, int]:
 
 
 def grid_cell(engine: Engine, batch: int, prompt_len: int, out_len: int, prompts: Prompts) -> dict:
-    """The ColossalAI / vLLM table's cell: a static batch, prompt_len in and out_len out, timed whole."""
+    """The ColossalAI / vLLM table's cell: a static batch of token-id prompts, greedy, prompt_len in and out_len out,
+    timed whole."""
     dev = engine.model.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    sessions = Sessions(engine, False, GREEDY, engine.model.config.vocab_size)
+    sessions.prompts = prompts
     t = time.perf_counter()
-    drive(engine, batch, lambda: engine.submit(None, params, prompt_ids=prompts(prompt_len)), False, None)
+    drive(sessions, batch, lambda: sessions.start(prompt_len, out_len), False)
     elapsed = time.perf_counter() - t
     c = engine.model.config
     blocks, head = linear_params(engine.model)

@@ -5,17 +5,19 @@ import json
 from tests.test_cli import llamaterm
 
 
-def test_bench_scaling_json_on_cpu():
+def bench_json(*args: str) -> dict:
+    out = llamaterm("bench", "--model", "synthetic:tiny", "--device", "cpu", "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_bench_token_ids_in_process_json_on_cpu():
     # 32 tokens: enough that the 2 ms poll sees the static window's span on a fast machine
-    out = llamaterm(
-        "bench",
-        "--model",
-        "synthetic:tiny",
-        "--device",
-        "cpu",
+    r = bench_json(
+        "--workload",
+        "ids",
         "--sessions",
         "1,2",
-        "--scaling",
         "--window",
         "0.3",
         "--warmup",
@@ -24,11 +26,10 @@ def test_bench_scaling_json_on_cpu():
         "32",
         "--prompt",
         "16",
-        "--json",
     )
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
     assert r["model"].startswith("tiny test shapes") and r["device"] == "cpu"
+    assert r["workload"]["engine"] == "inline" and not r["workload"]["chat"]
+    assert r["workload"]["sampling"] == {"temperature": 0.0}
     # the tiny shapes (engine/bench.py): hidden 256, 8 heads of 32 (2 for K/V), ffn 512, vocab 512, 2 layers,
     # 4-bit group 32 with fp16 scales, read packed on the CPU too (9/16 of a byte per weight); fp32 norms; the
     # lm_head, not the embedding
@@ -41,21 +42,51 @@ def test_bench_scaling_json_on_cpu():
     assert [row["sessions"] for row in r["decode"]] == [1, 2]
     assert r["decode"][0]["vs_one_session"] == 1.0
     for row in r["decode"]:
-        assert row["static_tok_s"] > 0 and row["dynamic_tok_s"] > 0 and row["dynamic_max_step_ms"] > 0
-    varied = r["varied_prompts"]
-    assert varied["sessions"] == 2 and varied["prompt_tokens"] == [1, 1024 - 449] and varied["max_step_ms"] > 0
+        assert row["static_tok_s"] > 0 and row["dynamic_tok_s"] > 0 and row["max_step_ms"] > 0
+        assert 0 < row["gap_ms"]["p50"] <= row["gap_ms"]["p99"] <= row["gap_ms"]["max"]
+
+
+def test_bench_chat_through_the_engine_process_json_on_cpu():
+    """The default workload: chat messages, every filter on, the engine process; the chat prompt mix."""
+    r = bench_json("--sessions", "2", "--window", "0.5", "--warmup", "0.1", "--tokens", "16", "--prompt-mix", "chat")
+    w = r["workload"]
+    assert w["engine"] == "process" and w["chat"] and w["sampling"]["top_k"] == 40
+    assert w["prompt_mix"]["prompts"] == [[0.7, 16, 255], [0.25, 256, 1023], [0.05, 1024, 2000]]
+    assert "launches" not in r  # counted in this process only
+    row = r["decode"][0]
+    assert row["static_tok_s"] > 0 and row["dynamic_tok_s"] > 0 and row["max_step_ms"] is None
+    assert row["steps_per_s"] > 0 and row["host_ms_per_step"] > 0  # the child's own figures
 
 
 def test_bench_table_and_bad_input():
     out = llamaterm(
-        "bench", "--model", "synthetic:tiny", "--device", "cpu", "--sessions", "1", "--tokens", "32", "--prompt", "8"
+        "bench",
+        "--model",
+        "synthetic:tiny",
+        "--device",
+        "cpu",
+        "--sessions",
+        "1",
+        "--tokens",
+        "32",
+        "--prompt",
+        "8",
+        "--window",
+        "0.5",
+        "--warmup",
+        "0.1",
     )  # enough tokens that the 2 ms poll sees the decode span
     assert out.returncode == 0, out.stderr
-    assert "static tok/s" in out.stdout and "TTFT, 512-token prompt" in out.stdout
+    assert "static tok/s" in out.stdout and "TTFT, 512-token prompt" in out.stdout and "gap p50 ms" in out.stdout
+    assert "workload: chat messages, temperature 0.8" in out.stdout
     bad = llamaterm("bench", "--model", "synthetic:nope", "--device", "cpu")
     assert bad.returncode == 1 and bad.stderr.startswith("llamaterm: unknown model 'synthetic:nope'")
     bad = llamaterm("bench", "--sessions", "one")
     assert bad.returncode == 2 and "--sessions takes counts" in bad.stderr
+    bad = llamaterm("bench", "--workload", "poems")
+    assert bad.returncode == 2 and "unknown workload 'poems'" in bad.stderr
+    bad = llamaterm("bench", "--peer", "hf")  # the default workload runs the engine process
+    assert bad.returncode == 2 and "--engine inline" in bad.stderr
 
 
 def test_bench_beside_transformers_on_cpu():
@@ -74,6 +105,12 @@ def test_bench_beside_transformers_on_cpu():
         "8",
         "--peer",
         "hf",
+        "--workload",
+        "ids",
+        "--window",
+        "0.3",
+        "--warmup",
+        "0.1",
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -36,11 +36,11 @@ def main() -> None:
     for name in args.models.split(","):
         bench = wl.open_engine(wl.SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
         engine = bench.engine
-        prompts = wl.Prompts(engine.model.config.vocab_size)
+        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)
         try:
             gb = wl.weight_bytes(engine.model) / 1e9
-            one = wl.static_rate(engine, 1, 128, 128, prompts)
-            many = wl.static_rate(engine, 64, 128, 128, prompts)
+            one = wl.static_rate(sessions, 1, 128, 128)
+            many = wl.static_rate(sessions, 64, 128, 128)
             graph = engine.runner.graphs.graphs[1][0]
             kernels = kernel_table(graph, rows=0)[0].split()[0]
             print(

@@ -52,10 +52,10 @@ def main() -> None:
     args = parser.parse_args()
     bench = wl.open_engine(args.model, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
     engine = bench.engine
-    prompts = wl.Prompts(engine.model.config.vocab_size)
+    sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)
     try:
         for n in map(int, args.sessions.split(",")):
-            rate = wl.static_rate(engine, n, 128, 128, prompts)
+            rate = wl.static_rate(sessions, n, 128, 128)
             graph = engine.runner.graphs.graphs[n][0]  # decode buckets are captured at start-up
             gpu = replay_ms(graph)
             print(

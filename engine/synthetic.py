@@ -1,0 +1,51 @@
+"""Models with random weights in real models' shapes (engine/bench.py makes them), by name: `synthetic:NAME`. What
+the engine process's parent needs of them, without torch: the name's test and the tokenizer."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+def is_synthetic(model: str | None) -> bool:
+    return model is not None and model.startswith(SYNTHETIC_PREFIX)
+
+
+class SyntheticTokenizer:
+    """The tokenizer of a model with random weights: prompts encode with the default model's tokenizer (its ids
+    lie inside every synthetic vocabulary but the tiny one's), and replies, whatever the random weights pick, read
+    as their token ids (" #123"). No stop tokens: token counts are what the benchmark asks for. Given the model's
+    vocabulary, ids past it wrap into it (the tiny shapes have 512 tokens)."""
+
+    stop_ids: frozenset[int] = frozenset()
+
+    def __init__(self, vocab: int | None = None):
+        self.vocab = vocab
+
+    @cached_property
+    def _text(self):  # read at the first text prompt: token-id prompts need no model file
+        from llamaterm.engine.store.loader import load_tokenizer
+
+        return load_tokenizer(None)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return self._fold(self._text.encode(text, **kwargs))
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return self._fold(self._text.encode_chat(messages, **kwargs))
+
+    def _fold(self, ids: list[int]) -> list[int]:
+        return ids if self.vocab is None else [i % self.vocab for i in ids]
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return "".join(f" #{i}" for i in ids)
+
+    def detokenizer(self) -> SyntheticTokenizer:
+        return self
+
+    def push(self, token: int) -> str:
+        return f" #{token}"
+
+    def flush(self) -> str:
+        return ""
