@@ -240,34 +240,44 @@ def receive(out, procs: list, timeout_s: float | None):
 
 
 def client_process(job: Job, out, go) -> None:
-    """One process: `job.clients` asyncio tasks on one AsyncOpenAI; its records go back on `out`."""
+    """One process: `job.clients` asyncio tasks on one AsyncOpenAI; its records go back on `out`. The client is
+    built before the process says it is ready: building it (an SSL context, an HTTP pool) can take seconds, which
+    must not come out of the warm-up and the window."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to take: it ends these processes
-    import openai  # noqa: F401  (before saying ready: the import is most of a process's start-up)
-
+    client = make_client(job)
     out.put(job.first_client)
     deadline = go.get()
-    out.put(asyncio.run(run_clients(job, deadline)))
+    out.put(asyncio.run(run_clients(job, client, deadline)))
 
 
-async def run_clients(job: Job, deadline: float) -> list[Record]:
+def make_client(job: Job):
     import httpx2
     import openai
 
     # as many connections as clients: a request waiting for a pooled connection would count as server latency
     limits = httpx2.Limits(max_connections=job.clients, max_keepalive_connections=job.clients)
-    records: list[Record] = []
-    async with openai.AsyncOpenAI(
+    return openai.AsyncOpenAI(
         base_url=job.url,
         api_key=job.api_key or "none",
         max_retries=0,  # a retry would hide an error and count its time as latency
         timeout=httpx2.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
         http_client=openai.DefaultAsyncHttpxClient(limits=limits),
-    ) as client:
+    )
+
+
+async def run_clients(job: Job, client, deadline: float) -> list[Record]:
+    records: list[Record] = []
+    async with client:
         loops = [
             client_loop(client, job, random.Random(f"{job.seed}/{job.first_client + i}"), deadline, records)
             for i in range(job.clients)
         ]
         await asyncio.gather(*loops)
+    if not records:  # never silent: a process that asked nothing says so
+        late = time.time() - deadline
+        records.append(
+            Record(deadline, None, time.time(), None, f"no request was sent before the deadline ({late:.1f} s late)")
+        )
     return records
 
 

@@ -4,6 +4,7 @@ streaming openai clients in two processes; an unreachable server; the chat promp
 import os
 import random
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,14 @@ def test_the_figures_are_of_the_window():
     assert figures["requests"] == 2 and figures["tok_s"] == 15
     assert figures["ttft_ms"]["p50"] == pytest.approx(10) and figures["ttft_ms"]["max"] == pytest.approx(20)
     assert figures["errors"] == 2 and figures["error_samples"] == ["APIConnectionError: Connection error."]
+
+
+def test_a_client_process_that_sends_nothing_says_so():
+    """On the H200 a run ended with no request and no error; a process whose clients never asked now reports it."""
+    import asyncio
+
+    from llamaterm.app.serve_load import Job, make_client, run_clients
+
+    job = Job("http://127.0.0.1:9/v1", "m", None, 2, 0, 1, {}, PromptMix.fixed(4, (4, 4)))
+    records = asyncio.run(run_clients(job, make_client(job), time.time() - 5))
+    assert len(records) == 1 and "no request was sent before the deadline" in records[0].error
