@@ -240,6 +240,7 @@ class ChatTemplate:
                 f"the model's chat template is {len(source)} characters long, beyond any real "
                 f"template (at most {MAX_TEMPLATE_CHARS}); the file is damaged or hostile"
             )
+        self.source = source
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as err:

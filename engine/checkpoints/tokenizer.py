@@ -59,6 +59,19 @@ _LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
+# Stand-ins for special-token text in chat messages while the template renders: Unicode's private-use plane 15.
+# Templates keep them through what they do to content (strip, trim, split at </think>, +): they are not whitespace,
+# have no case and are in no marker. A template that drops or escapes one (tojson with ensure_ascii) drops or escapes
+# the text it stands for, which then is no special token either; one that looks for special-token text in a message
+# does not find it
+_STAND_INS = range(0xF0000, 0xFFFFE)
+
+
+def encode_releasing_gil(backend: tokenizers.Tokenizer, text: str) -> tokenizers.Encoding:
+    """backend.encode(text) without special tokens added. Through encode_batch, which lets other threads run while
+    it works (encode holds the GIL): a megabyte of prompt takes seconds, and a server's streams go on meanwhile."""
+    return backend.encode_batch([text], add_special_tokens=False)[0]
+
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level spelling, inverted: each of the 256 characters a token is written in -> its byte."""
@@ -133,6 +146,8 @@ class Tokenizer:
         self._strip_leading_space = strip_leading_space
         self.bos_id, self.eos_id = bos_id, eos_id
         self.add_bos, self.add_eos = add_bos, add_eos
+        self._bos = [bos_id] if add_bos and bos_id is not None else []  # what encode adds at each end
+        self._eos = [eos_id] if add_eos and eos_id is not None else []
         named = {i for i in self._special if tokens[i] in END_OF_TURN}
         self.stop_ids = frozenset(({eos_id} if eos_id is not None else set()) | named | set(extra_stop_ids))
         self._chat_template_source = chat_template
@@ -250,7 +265,7 @@ class Tokenizer:
             tokens[i] = token
             token_types[i] = BYTE if not byte_level and _BYTE_TOKEN.fullmatch(token) else NORMAL
         for added in spec.get("added_tokens") or []:
-            if not (isinstance(added, dict) and vocab.get(added.get("content")) == added.get("id")):
+            if not (isinstance(added, dict) and vocab.get(str(added.get("content"))) == added.get("id")):
                 raise ModelFormatError(
                     f"{folder / 'tokenizer.json'}: added token {str(added)[:60]} is not in the vocabulary"
                 )
@@ -314,9 +329,9 @@ class Tokenizer:
         check_unicode(text)
         with self._encode_lock:
             self._backend.encode_special_tokens = not parse_special
-            ids = self._backend.encode(text, add_special_tokens=False).ids
+            ids = encode_releasing_gil(self._backend, text).ids
         if add_special:
-            ids = [self.bos_id] * self.add_bos + ids + [self.eos_id] * self.add_eos
+            ids = self._bos + ids + self._eos
         return ids
 
     # ---- chat ----
@@ -342,12 +357,73 @@ class Tokenizer:
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
     ) -> list[int]:
-        """The prompt's ids: template markers parsed as special tokens, BOS added once if the model asks."""
-        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
-        ids = self.encode(text, add_special=False, parse_special=True)
-        if self.add_bos and ids[:1] != [self.bos_id]:  # templates such as Llama 3's write BOS themselves
-            ids.insert(0, self.bos_id)
+        """The prompt's ids: the template's markers parsed as special tokens, BOS added once if the model asks.
+
+        Special-token text inside a message stays text, so a message cannot forge a turn ('<|im_end|>' in a user's
+        content is the tokens of those characters). The template renders the message with a stand-in character in
+        place of that text; the rendered prompt is cut at the template's own special tokens, and each stretch
+        between them, the text put back, is encoded with special-token parsing off. A prompt without such text is
+        encoded whole, as the model's own tokenizer encodes it: stretches encoded apart can differ where they were
+        cut (a Hugging Face Metaspace pre-tokenizer with prepend_scheme "first" puts '▁' before each)."""
+        hidden, stand_ins = self._hide_special_text(messages)
+        text = self.apply_chat_template(hidden, add_generation_prompt, enable_thinking)
+        if stand_ins:
+            runs, specials = self._split_at_special_tokens(text)
+            ids = self.encode(runs[0].translate(stand_ins), add_special=False)
+            for (token_id, _), run in zip(specials, runs[1:], strict=True):
+                ids += [token_id, *self.encode(run.translate(stand_ins), add_special=False)]
+        else:
+            ids = self.encode(text, add_special=False, parse_special=True)
+        if ids[: len(self._bos)] != self._bos:  # templates such as Llama 3's write BOS themselves
+            ids[:0] = self._bos
         return ids
+
+    def _hide_special_text(self, messages: list[dict]) -> tuple[list[dict], dict[int, str]]:
+        """The messages with the special-token text in their strings swapped for stand-in characters, and the
+        str.translate table that swaps it back; the messages as given where they hold none."""
+        strings = [v for m in messages for v in m.values() if isinstance(v, str)]
+        for s in strings:
+            check_unicode(s)
+        cut = {s: self._split_at_special_tokens(s) for s in strings}
+        found = dict.fromkeys(text for _, specials in cut.values() for _, text in specials)
+        if not found:
+            return messages, {}
+        # A stand-in must come from nowhere else in the rendered text: not the template, not a message
+        used = set(self._chat_template.source).union(*strings)
+        free = (c for c in map(chr, _STAND_INS) if c not in used)
+        stand_in = dict(zip(found, free, strict=False))
+        if len(stand_in) < len(found):
+            raise RequestError("the messages use up every private-use character of Unicode's plane 15")
+
+        def hide(s: str) -> str:
+            runs, specials = cut[s]
+            return runs[0] + "".join(stand_in[text] + run for (_, text), run in zip(specials, runs[1:], strict=True))
+
+        hidden = [{k: hide(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
+        return hidden, {ord(c): text for text, c in stand_in.items()}
+
+    def _split_at_special_tokens(self, text: str) -> tuple[list[str], list[tuple[int, str]]]:
+        """Where encode(text, parse_special=True) finds special tokens: the stretches of text between them (one
+        more than the tokens) and the tokens, as (id, the text matched)."""
+        encoding = encode_releasing_gil(self._added_token_finder, text)
+        runs, specials, start = [], [], 0
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self._special:
+                runs.append(text[start:begin])
+                specials.append((token_id, text[begin:end]))
+                start = end
+        return [*runs, text[start:]], specials
+
+    @cached_property
+    def _added_token_finder(self) -> tokenizers.Tokenizer:
+        """The backend's added tokens alone, found in a text as the backend finds them (the same tokens, the same
+        normalizer); each stretch of other text comes out as one token of id vocab_size, an id of no token."""
+        added = self._backend.get_added_tokens_decoder()
+        vocab = {t.content: i for i, t in added.items()} | {"": self.vocab_size}
+        finder = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=""))
+        finder.normalizer = self._backend.normalizer
+        finder.add_tokens(list(added.values()))
+        return finder
 
     # ---- decoding ----
 
