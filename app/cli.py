@@ -9,7 +9,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -41,7 +41,7 @@ KvTokensOpt = Annotated[
 ]
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     typer.echo(f"llamaterm: {message}", err=True)
     raise typer.Exit(code)
 
@@ -314,7 +314,7 @@ def chat(
     messages = [{"role": "system", "content": system}] if system else []
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
-    with load_engine((models or [None])[0], device, kv_tokens, server, api_key) as engine:
+    with load_engine(models[0] if models else None, device, kv_tokens, server, api_key) as engine:
         typer.echo(
             f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True
         )
@@ -351,19 +351,29 @@ def serve(
         str | None,
         typer.Option(
             envvar="LLAMATERM_API_KEY",
-            help="Refuse /v1 requests without this key (sent as 'Authorization: Bearer KEY').",
+            help="Refuse /v1 requests and /metrics without this key (sent as 'Authorization: Bearer KEY').",
         ),
     ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="On SIGTERM or Ctrl-C, how long the requests in flight may finish (new ones get 503) before they "
+            "end with an error.",
+        ),
+    ] = 10,
 ):
     """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models,
     /health and /metrics. Requests from every client are batched by the one engine.
 
     Example: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1
     """
+    if api_key == "":  # not a key at all: serving without one must be asked for by leaving the option out
+        fail("--api-key is empty: give a key, or leave the option out to serve without one", 2)
     with interrupts_held():
-        from llamaterm.app.serve import check_port
+        from llamaterm.app.serve import LOOPBACK, EngineSupervisor, check_port
         from llamaterm.app.serve import serve as serve_http
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess
@@ -371,16 +381,18 @@ def serve(
     problem = check_port(host, port)
     if problem:
         fail(f"cannot listen on {host}:{port}: {problem}: choose another --port or --host", 2)
-    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+    if api_key is None and host not in LOOPBACK:
         typer.echo(
             f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
         )
-    with EngineProcess(EngineConfig(model=model, device=device, kv_tokens=kv_tokens)) as engine:
+    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens)
+    with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
+        engine = supervisor.engine
         typer.echo(
             f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 (Ctrl-C stops)",
             err=True,
         )
-        serve_http(engine, host, port, api_key)
+        serve_http(supervisor, host, port, api_key, shutdown_timeout)
 
 
 @app.command()

@@ -6,6 +6,10 @@
 The engine's events arrive on thread-safe queues. One pump task moves them onto asyncio queues every PUMP_S, so a
 waiting stream holds no thread and the event loop never blocks; submits (tokenizing, a pipe round trip) run in
 the thread pool. A client that disconnects cancels its request, which frees its KV blocks.
+
+The server guards the engine and itself: a supervisor restarts an engine process that dies (and stops the server
+after MAX_FAILURES in FAILURE_WINDOW_S); a SIGTERM or SIGINT drains the requests in flight for a bounded time;
+requests are bounded in time (headers, body) and size (body, prompt bytes, stop strings) before any tokenizing.
 """
 
 from __future__ import annotations
@@ -14,18 +18,23 @@ import asyncio
 import json
 import logging
 import secrets
+import signal
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
@@ -33,6 +42,21 @@ from llamaterm.engine.sampling_params import SamplingParams
 
 PUMP_S = 0.01  # how often the live requests' events are collected (the engine process sends one message per step)
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
+WATCH_S = 0.05  # how often the supervisor looks for an engine that exited
+MAX_FAILURES, FAILURE_WINDOW_S = 3, 600  # this many engine failures in the window stop the server
+HEADERS_TIMEOUT_S = 10  # a request's line and headers must arrive within this of the connection or the last response
+BODY_TIMEOUT_S = 30  # and its body within this of its headers
+KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this
+SHUTDOWN_GRACE_S = 2  # once a drain has ended the requests, how long their last bytes may take to go out
+MAX_HEADER_BYTES = 16 * 1024  # a request line and headers longer than this get 400
+MAX_STOPS = 4  # stop strings a request may give, as OpenAI's API
+MAX_STOP_CHARS = 256  # a stop string's length: the text a stream holds back until no stop string can begin in it
+PROMPT_BYTES_PER_TOKEN = 16  # a prompt of more UTF-8 bytes than this per token of context cannot fit: refused unread
+BODY_SLACK_BYTES = 1 << 20  # a body may hold this much besides its prompt, which JSON's escapes make 6 bytes a byte
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # --host values that take connections from this machine only
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}  # the names a request to them gives in its Host header
+DONE = "data: [DONE]\n\n"
+log = logging.getLogger("uvicorn.error")  # uvicorn prints it
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Request fields beyond the sampling ones. OpenAI's own that change nothing here are ignored; those asking for
 # what the engine lacks are accepted only at their default; any other name is refused, as the OpenAI API does.
@@ -48,7 +72,7 @@ IGNORED = {
     "service_tier",
     "chat_template_kwargs",
 }
-ONLY_DEFAULT = {
+ONLY_DEFAULT: dict[str, tuple] = {
     "n": (1,),
     "best_of": (1,),
     "logprobs": (None, False),
@@ -74,12 +98,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        close: bool = False,  # the body was not read: the connection cannot take another request
     ):
         super().__init__(message)
         self.status, self.body = status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        self.headers = {"Connection": "close"} if close else None
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
 @dataclass(frozen=True)
@@ -94,7 +120,41 @@ class Completion:
     enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
 
 
-# ---- request parsing: pure functions of the JSON body ----
+# ---- request parsing: pure functions of the body ----
+
+
+def body_limit(max_context: int) -> int:
+    """The most bytes a request body may take: the longest prompt that can fit, every byte of it escaped."""
+    return BODY_SLACK_BYTES + 6 * PROMPT_BYTES_PER_TOKEN * max_context
+
+
+def parse_json(body: bytes) -> object:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8, or an int past Python's 4,300 digits
+        detail = "it is nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise APIError(400, f"We could not parse the JSON body of your request ({detail}): send valid JSON") from None
+    check_text(value)
+    return value
+
+
+def check_text(value: object) -> None:
+    """Refuse strings, keys too, that are not Unicode text (a lone surrogate, JSON's "\\ud800"): they can be
+    neither tokenized nor written back in a reply."""
+    todo = [value]
+    while todo:  # not recursive: JSON may nest as deep as the parser allows
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError as e:
+                raise APIError(
+                    400, f"the request holds text that is not valid Unicode ({item[e.start]!r}): send UTF-8 text"
+                ) from None
+        elif isinstance(item, dict):
+            todo += [*item, *item.values()]
+        elif isinstance(item, list):
+            todo += item
 
 
 def parse_request(body: object, model_name: str, max_context: int, chat: bool) -> Completion:
@@ -108,6 +168,7 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
             404, f"the model '{model}' does not exist: this server has '{model_name}'", "model", "model_not_found"
         )
     prompt = parse_messages(body.get("messages")) if chat else parse_prompt(body.get("prompt"))
+    check_prompt_bytes(prompt, max_context, "messages" if chat else "prompt")
     stream = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
@@ -140,13 +201,27 @@ def parse_thinking(kwargs: object, chat: bool) -> bool | None:
     return kwargs.get("enable_thinking")
 
 
+def check_prompt_bytes(prompt: list[dict] | str, max_context: int, param: str) -> None:
+    """Refuse, before it is tokenized, a prompt too long to fit in any tokenizing."""
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    size, limit = sum(len(t.encode()) for t in texts), PROMPT_BYTES_PER_TOKEN * max_context
+    if size > limit:
+        raise APIError(
+            400,
+            f"the prompt is {size} bytes, more than the {limit} that can fit in the model's {max_context}-token "
+            f"context ({PROMPT_BYTES_PER_TOKEN} bytes a token at most): shorten the prompt",
+            param,
+            "context_length_exceeded",
+        )
+
+
 def parse_messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty array of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise APIError(
                 400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}", f"messages[{i}].role"
             )
@@ -209,6 +284,10 @@ def parse_params(body: dict, max_context: int) -> SamplingParams:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise APIError(400, "stop must be a string or an array of strings", "stop")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(
+            400, f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each", "stop"
+        )
     if not isinstance(body.get("ignore_eos", False), bool):
         raise APIError(400, "ignore_eos must be true or false", "ignore_eos")
     try:
@@ -226,11 +305,23 @@ class EventPump:
     def __init__(self):
         self.live: dict[RequestStream, asyncio.Queue[list[Event]]] = {}
         self.wake = asyncio.Event()
+        self.closed = False  # the server is stopping: its last requests have ended
 
     def watch(self, stream: RequestStream) -> asyncio.Queue[list[Event]]:
+        if self.closed:
+            raise APIError(
+                503, "the server is shutting down: send the request to a running server", kind="server_error"
+            )
         queue = self.live[stream] = asyncio.Queue()
         self.wake.set()
         return queue
+
+    def end_all(self) -> None:
+        """Ends every live request now, as cancelled by the server's stop, and watches no more."""
+        self.closed = True
+        for stream, queue in self.live.items():
+            queue.put_nowait([Event(stream.id, finished=True, finish_reason="cancelled")])
+        self.live.clear()
 
     async def run(self) -> None:
         while True:
@@ -244,6 +335,107 @@ class EventPump:
                     if events[-1].finished:
                         del self.live[stream]
             await asyncio.sleep(PUMP_S)
+
+
+# ---- the engine's supervision, and the server's stop ----
+
+
+class SupervisedEngine(EngineClient, Protocol):
+    """An engine whose end a server can see (engine/serving/process.py's EngineProcess)."""
+
+    exited: threading.Event  # set once it has exited and its requests have ended with an error event
+
+    @property
+    def exitcode(self) -> int | None: ...  # once shut down
+
+
+def cancel(engine: EngineClient, stream: RequestStream) -> None:
+    try:
+        engine.cancel(stream)
+    except LlamatermError:  # the engine has exited: the request ended with it
+        pass
+
+
+def exit_text(code: int | None) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+
+
+class EngineSupervisor:
+    """The server's engine, kept running. When it exits (its requests have then ended with an error event), the
+    child is reaped and `start` builds another with the same config; the MAX_FAILURES-th failure (an exit, or a
+    start that failed) within FAILURE_WINDOW_S gives up, and the server exits."""
+
+    def __init__(self, start: Callable[[], SupervisedEngine]):
+        self.start = start
+        self.engine = start()
+        self.restarting = False
+        self.gave_up: str | None = None  # why the server must stop
+        self.failures: list[float] = []  # their times, within the window
+
+    @property
+    def alive(self) -> bool:
+        return not self.restarting and not self.engine.exited.is_set()
+
+    async def watch(self) -> None:
+        while self.gave_up is None:
+            if self.engine.exited.is_set():
+                await self.restart()
+            await asyncio.sleep(WATCH_S)
+
+    async def restart(self) -> None:
+        self.restarting = True
+        await run_in_threadpool(self.engine.shutdown)  # reaps the child: no zombie
+        problem = f"the engine process exited ({exit_text(self.engine.exitcode)})"
+        while not self.too_many_failures(problem):
+            log.warning("llamaterm serve: %s: starting it again", problem)
+            try:
+                self.engine = await run_in_threadpool(self.start)
+            except Exception as e:  # the server keeps supervising, whatever the start raised
+                problem = f"the engine did not start again ({e})"
+                continue
+            self.restarting = False
+            return
+
+    def too_many_failures(self, problem: str) -> bool:
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t < FAILURE_WINDOW_S] + [now]
+        if len(self.failures) < MAX_FAILURES:
+            return False
+        self.gave_up = (
+            f"the engine failed {MAX_FAILURES} times in {FAILURE_WINDOW_S // 60} minutes, last: {problem}: "
+            "the server stops; see the log above"
+        )
+        return True
+
+    def __enter__(self) -> EngineSupervisor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.shutdown()
+
+
+class Service:
+    """What the routes share with the server's stop: the engine's supervisor, the live requests' events, and
+    whether the server drains (refuses new requests while those in flight finish)."""
+
+    def __init__(self, supervisor: EngineSupervisor):
+        self.supervisor = supervisor
+        self.pump = EventPump()
+        self.draining = False
+
+    def status(self) -> str:
+        if self.draining:
+            return "draining"
+        if self.supervisor.alive:
+            return "ok"
+        return "failed" if self.supervisor.gave_up else "restarting"
+
+    def stop(self) -> None:
+        """Ends every request in flight with an error, and takes no more."""
+        self.draining = True
+        for stream in self.pump.live:
+            cancel(self.supervisor.engine, stream)
+        self.pump.end_all()
 
 
 # ---- responses ----
@@ -293,7 +485,7 @@ class Responder:
             usage=usage,
         )
 
-    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False, **extra) -> dict:
+    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False, **extra: object) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -325,30 +517,76 @@ class EngineStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             if not self.stream.stats().finished:
-                self.engine.cancel(self.stream)
+                cancel(self.engine, self.stream)
 
 
-def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
-    """The ASGI app over `engine` (which the caller owns and shuts down)."""
-    pump = EventPump()
+def bearer_token(authorization: str) -> str | None:
+    """The token of an 'Authorization: Bearer TOKEN' header (the scheme in any case), or None."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, without its port: 'localhost:8000' -> 'localhost', '[::1]:8000' -> '[::1]'."""
+    host = host.lower()
+    return host[: host.find("]") + 1] if host.startswith("[") else host.partition(":")[0]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    if int(request.headers.get("content-length") or 0) > limit:  # h11 has checked it is a number
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the request body is over {limit} bytes, more than any prompt that fits: shorten it", close=True
+    )
+
+
+def create_app(service: Service, api_key: str | None = None, host: str = "127.0.0.1") -> Starlette:
+    """The ASGI app over the service's engine (which the caller owns and shuts down), for a server on `host`."""
+    pump, supervisor = service.pump, service.supervisor
+    # a web page's script can reach a keyless server on loopback under a name of the page's own (DNS rebinding):
+    # such a server answers only requests that name loopback
+    check_host = api_key is None and host in LOOPBACK
 
     @asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(pump.run())
+        tasks = [asyncio.create_task(pump.run()), asyncio.create_task(supervisor.watch())]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
+    def authorize(request: Request, key: bool = True) -> None:
+        if check_host and host_name(request.headers.get("host", "")) not in LOOPBACK_HOSTS:
+            raise APIError(
+                403,
+                f"this server answers requests for {', '.join(sorted(LOOPBACK_HOSTS))} only, not for "
+                f"{request.headers.get('host', 'no host')!r}: use one of those, or serve with --api-key",
+                code="host_not_allowed",
+            )
+        if not key or api_key is None:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        given = bearer_token(request.headers.get("authorization", "")) or ""
         if not secrets.compare_digest(given.encode(), api_key.encode()):
             raise APIError(
                 401, "Incorrect API key provided: give the server's key as a bearer token", code="invalid_api_key"
             )
 
+    def check_engine() -> None:
+        if not supervisor.alive:
+            raise APIError(503, "the engine is restarting after a failure: retry in a few seconds", kind="server_error")
+
     async def models(request: Request) -> Response:
-        check_key(request)
+        authorize(request)
+        engine = supervisor.engine
         card = {
             "id": engine.model_name,
             "object": "model",
@@ -359,12 +597,20 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def complete(request: Request, chat: bool) -> Response:
-        check_key(request)
+        authorize(request)
+        if service.draining:
+            raise APIError(
+                503, "the server is shutting down: send the request to a running server", kind="server_error"
+            )
+        check_engine()
+        engine = supervisor.engine
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "We could not parse the JSON body of your request: send valid JSON") from None
-        req = parse_request(body, engine.model_name, engine.max_context, chat)
+            body = await asyncio.wait_for(read_body(request, body_limit(engine.max_context)), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {BODY_TIMEOUT_S} s: send it whole", close=True
+            ) from None
+        req = parse_request(parse_json(body), engine.model_name, engine.max_context, chat)
         try:
             stream = await run_in_threadpool(
                 engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
@@ -374,14 +620,18 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             raise APIError(400, str(e), "messages" if chat else "prompt", code) from None
         except LlamatermError as e:
             raise APIError(503, str(e), kind="server_error") from None
-        queue = pump.watch(stream)
+        try:
+            queue = pump.watch(stream)
+        except APIError:
+            cancel(engine, stream)
+            raise
         responder = Responder(engine.model_name, chat)
         if req.stream:
             return EngineStreamResponse(stream_events(queue, stream, responder, req.include_usage), engine, stream)
-        return await whole_reply(request, queue, stream, responder)
+        return await whole_reply(request, engine, queue, stream, responder)
 
     async def stream_events(queue, stream, responder: Responder, include_usage: bool) -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null in every chunk but the last
         yield sse(responder.chunk("", role=True, **extra))
         while True:
             events = await queue.get()
@@ -392,24 +642,24 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             if last.finished:
                 error = failure(last)
                 if error is not None:
-                    yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body)
+                    yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body) + DONE
                     return
                 out = [sse(responder.chunk(text + last.text, last.finish_reason, **extra))]
                 if include_usage:
                     out.append(sse(responder.envelope(responder.chunk_kind, [], usage=usage(stream))))
-                yield "".join(out) + "data: [DONE]\n\n"
+                yield "".join(out) + DONE
                 return
             if text + last.text:
                 yield sse(responder.chunk(text + last.text, **extra))
 
-    async def whole_reply(request: Request, queue, stream, responder: Responder) -> Response:
+    async def whole_reply(request: Request, engine, queue, stream, responder: Responder) -> Response:
         text = []
         while True:
             try:
                 events = await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
             except TimeoutError:
                 if await request.is_disconnected():
-                    engine.cancel(stream)
+                    cancel(engine, stream)
                     return Response(status_code=499)
                 continue
             text += [e.text for e in events]
@@ -424,8 +674,10 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             return await complete(request, chat)
         except APIError:
             raise
+        except ClientDisconnect:  # it left before its body arrived: no one to answer
+            return Response(status_code=499)
         except Exception as e:  # not foreseen: still an error object, on a connection that stays open
-            logging.getLogger("uvicorn.error").exception("a request failed")
+            log.exception("a request failed")
             raise APIError(
                 500, f"the server failed on this request ({type(e).__name__}: {e})", kind="server_error"
             ) from e
@@ -437,10 +689,16 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
         return await answer(request, chat=False)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": engine.model_name})
+        authorize(request, key=False)
+        status = service.status()
+        return JSONResponse(
+            {"status": status, "model": supervisor.engine.model_name}, status_code=200 if status == "ok" else 503
+        )
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(metrics_text(engine.stats()), media_type="text/plain; version=0.0.4")
+        authorize(request)
+        check_engine()  # a dead engine's last numbers would pass for live ones
+        return PlainTextResponse(metrics_text(supervisor.engine.stats()), media_type="text/plain; version=0.0.4")
 
     async def api_error(request: Request, exc: Exception) -> Response:
         return exc.response()  # type: ignore[attr-defined]
@@ -495,8 +753,84 @@ def check_port(host: str, port: int) -> str | None:
     return None
 
 
-def serve(engine: EngineClient, host: str, port: int, api_key: str | None) -> None:
-    """Serve until interrupted (Ctrl-C)."""
-    import uvicorn
+class HeadersDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers. uvicorn times out only a connection idle
+    after a response, and the next request's first byte stops that clock: a connection that sent nothing, or
+    headers a byte at a time, stayed open without end. Here the headers must be whole HEADERS_TIMEOUT_S after the
+    connection opens or the last response ends, or the connection closes. (The body's deadline is the app's.)"""
 
-    uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level="warning")
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.arm()
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:  # a request's headers arrived
+            self.disarm()
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        super().on_response_complete()
+        if self.cycle is cycle:  # no pipelined request began
+            self.arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm()
+        super().connection_lost(exc)
+
+    def arm(self) -> None:
+        self.disarm()
+        self.deadline = self.loop.call_later(HEADERS_TIMEOUT_S, self.transport.close)
+
+    def disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server on the service, with a bounded drain. uvicorn's own stop closes the socket at the first
+    SIGTERM or SIGINT and waits for every response without limit; a second signal cuts them mid-body. Here the
+    first starts a drain: new requests get 503 while those in flight may finish for `shutdown_timeout` seconds;
+    then, or at a second signal, the rest end with an error event and [DONE], and the server exits. It exits too
+    when the supervisor gives up on the engine."""
+
+    def __init__(self, service: Service, host: str, port: int, api_key: str | None, shutdown_timeout: float = 10):
+        config = uvicorn.Config(
+            create_app(service, api_key, host),
+            host=host,
+            port=port,
+            http=HeadersDeadline,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
+        super().__init__(config)
+        self.service, self.shutdown_timeout = service, shutdown_timeout
+        self.drain_until: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.drain_until is None:
+            self.service.draining = True
+            self.drain_until = time.monotonic() + self.shutdown_timeout
+        else:
+            self.drain_until = 0.0
+
+    async def on_tick(self, counter: int) -> bool:
+        drained = self.drain_until is not None and (not self.service.pump.live or time.monotonic() > self.drain_until)
+        if drained or self.service.supervisor.gave_up:
+            self.service.stop()
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(supervisor: EngineSupervisor, host: str, port: int, api_key: str | None, shutdown_timeout: float) -> None:
+    """Serve until a SIGTERM or SIGINT (Ctrl-C) has drained the server; raises LlamatermError if the engine failed
+    too often."""
+    Server(Service(supervisor), host, port, api_key, shutdown_timeout).run()
+    if supervisor.gave_up:
+        raise LlamatermError(supervisor.gave_up)

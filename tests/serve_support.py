@@ -1,20 +1,21 @@
-"""Start `llamaterm serve` (a subprocess of the installed script) or the ASGI app on a test's engine, both on
-127.0.0.1 at a free port, and read the server's /metrics."""
+"""Start `llamaterm serve` (a subprocess of the installed script) or the server on a test's engine in a thread,
+both on 127.0.0.1 at a free port, and read the server's /metrics."""
 
 import contextlib
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
-import uvicorn
 
-from llamaterm.app.serve import create_app
+from llamaterm.app.serve import EngineSupervisor, Server, Service
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
 
@@ -25,37 +26,73 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Served:
+    """A running `llamaterm serve`: its base URL (.../v1), its process, the file its stderr goes to, and how long
+    it took from its start to its first healthy /health."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    startup_s: float = 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@contextlib.contextmanager
+def served(*args: str, timeout: float = 300) -> Iterator[Served]:
+    """`llamaterm serve ARGS` on a free loopback port until the block ends (then SIGTERM, and its exit awaited)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        log_path, start = Path(folder) / "stderr", time.monotonic()
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                [LLAMATERM, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        server = Served(f"http://127.0.0.1:{port}/v1", process, log_path)
+        try:
+            while not healthy(port):
+                if process.poll() is not None:
+                    raise AssertionError(f"llamaterm serve exited: {server.log()}")
+                if time.monotonic() > start + timeout:
+                    raise AssertionError("llamaterm serve did not start in time")
+                time.sleep(0.1)
+            server.startup_s = time.monotonic() - start
+            yield server
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
 @contextlib.contextmanager
 def llamaterm_serve(*args: str, timeout: float = 300) -> Iterator[str]:
     """`llamaterm serve ARGS` on a free loopback port until the block ends; yields its base URL (.../v1)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [LLAMATERM, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while not healthy(port):
-            if process.poll() is not None:
-                raise AssertionError(f"llamaterm serve exited: {process.stderr.read()}")
-            if time.monotonic() > deadline:
-                raise AssertionError("llamaterm serve did not start in time")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with served(*args, timeout=timeout) as server:
+        yield server.url
+
+
+class NeverExits:
+    """A test's engine (a fake, or one in this process) as the server's supervisor sees an engine process: one
+    that never exits."""
+
+    exitcode = None
+
+    def __init__(self, engine):
+        self.engine, self.exited = engine, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
 
 
 @contextlib.contextmanager
 def app_server(engine, api_key: str | None = None) -> Iterator[str]:
-    """The server's ASGI app on `engine` (the test's), in a thread of this process; yields its base URL."""
+    """The server on `engine` (the test's, which it shuts down), in a thread of this process; yields its base
+    URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, api_key), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = Server(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, api_key)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -74,7 +111,8 @@ def healthy(port: int) -> bool:
         return False
 
 
-def metrics(base_url: str) -> dict[str, float]:
+def metrics(base_url: str, api_key: str | None = None) -> dict[str, float]:
     """/metrics as {name: value} (Prometheus text: one gauge per line, after the # HELP and # TYPE lines)."""
-    text = httpx2.get(base_url.removesuffix("/v1") + "/metrics", timeout=5).text
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx2.get(base_url.removesuffix("/v1") + "/metrics", headers=headers, timeout=5).text
     return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+)\{[^}]*\} (\S+)$", text, re.M)}

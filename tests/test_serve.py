@@ -99,7 +99,7 @@ def test_eight_concurrent_streams_are_batched(server, client, model):
 
     def watch() -> None:
         while not done.is_set():
-            seen_batch.append(metrics(server)["llamaterm_batch_size"])
+            seen_batch.append(metrics(server, KEY)["llamaterm_batch_size"])
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
@@ -122,12 +122,12 @@ def test_a_client_that_disconnects_frees_its_blocks(server, client, model):
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
-    busy = metrics(server)
+    busy = metrics(server, KEY)
     assert busy["llamaterm_requests_running"] == 1 and busy["llamaterm_kv_blocks_used"] > 0
     stream.close()
     # 4000 tokens would take minutes on the CPU: only a cancel frees the blocks this soon
     deadline = time.monotonic() + 30
-    while (m := metrics(server))["llamaterm_kv_blocks_used"] or m["llamaterm_requests_running"]:
+    while (m := metrics(server, KEY))["llamaterm_kv_blocks_used"] or m["llamaterm_requests_running"]:
         assert time.monotonic() < deadline, f"blocks still held: {m}"
         time.sleep(0.1)
 

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from llamaterm.engine.api import ArrivalStats, EngineConfig, EngineStats, Event, EventStream, RequestStream
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -28,6 +29,9 @@ from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
+
+if TYPE_CHECKING:  # the parent never imports the engine (nor torch)
+    from llamaterm.engine.serving.engine import Engine, Sink
 
 IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
 
@@ -117,10 +121,10 @@ class ProcessHandle(ArrivalStats, EventStream):
         return True, stopped
 
 
-Load = Callable[..., object]  # (EngineConfig, sink) -> Engine, run in the child
+Load = Callable[[EngineConfig, "Sink"], "Engine"]  # run in the child
 
 
-def load_engine(config: EngineConfig, sink):
+def load_engine(config: EngineConfig, sink: Sink) -> Engine:
     """The model config names, or random weights in a model's shapes (synthetic:NAME, engine/bench.py)."""
     from llamaterm.engine.bench import open_engine
 
@@ -143,7 +147,9 @@ class EngineProcess:
             if tokenizer is None:  # read while the child loads the weights
                 from llamaterm.engine.store.loader import load_tokenizer
 
-                tokenizer = SyntheticTokenizer() if is_synthetic(config.model) else load_tokenizer(config.model)
+                # a synthetic model's tokenizer has the methods prompts and replies use (engine/synthetic.py)
+                synthetic = cast(Tokenizer, SyntheticTokenizer())
+                tokenizer = synthetic if is_synthetic(config.model) else load_tokenizer(config.model)
             reply = self._conn.recv()
         except EOFError:
             raise LlamatermError("the engine process exited while loading the model") from None
@@ -164,6 +170,9 @@ class EngineProcess:
         self._handles: dict[int, ProcessHandle] = {}
         self._stats = EngineStats(model=self.model_name, device=self.device)
         self._ids = itertools.count(1)
+        # set by the reader once the child is gone (its pipe closed) and every request in flight has ended with an
+        # error: a server watches it to restart the engine
+        self.exited = threading.Event()
         self._reader = threading.Thread(target=self._read, name="llamaterm-engine-reader", daemon=True)
         self._reader.start()
 
@@ -199,6 +208,11 @@ class EngineProcess:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def exitcode(self) -> int | None:
+        """The child's exit code once it has been reaped (shutdown() reaps it), negative for a signal's number."""
+        return self._process.exitcode
 
     def shutdown(self) -> None:
         if self._process.is_alive():
@@ -252,6 +266,7 @@ class EngineProcess:
             handle.events_queue.put(
                 Event(request_id, finished=True, finish_reason="error", error="the engine process exited")
             )
+        self.exited.set()
 
 
 def start_with_real_stderr(process) -> None:
