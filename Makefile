@@ -51,7 +51,9 @@ fuzz: setup
 bench-cpu: setup
 	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1
 
-# What CI checks before the tests: ruff's lints, and that the code is as ruff format leaves it
+# What CI checks before the tests: ruff's lints, that the code is as ruff format leaves it, and mypy over the
+# whole llamaterm package (tests/typing/check.py)
 lint: setup
 	$(BIN)/ruff check app engine kernels tests
 	$(BIN)/ruff format --check app engine kernels tests
+	$(BIN)/python -m tests.typing.check

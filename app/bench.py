@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from llamaterm.engine.workload import PromptMix
+
 GRID = [(i, o, b) for i in (128, 512, 1024) for o in (128, 256) for b in (16, 32, 64)]
 
 
@@ -152,7 +154,7 @@ def bench(
         fail("--sessions counts must be at least 1", 2)
     if grid and model is None:
         model = "synthetic:llama2-7b:fp16"
-    from llamaterm.engine.workload import FILTERS, GREEDY, PromptMix
+    from llamaterm.engine.workload import FILTERS, GREEDY
 
     mix = PromptMix.chat() if prompt_mix == "chat" else PromptMix.fixed(prompt, (64, 448))
     if url and not serve:
@@ -183,7 +185,7 @@ class Workload:
     chat: bool  # chat messages, else token-id prompts
     sampling: dict  # engine/workload.py's FILTERS or GREEDY
     process: bool  # the engine process, else the engine in this process
-    mix: object  # engine/workload.py's PromptMix, for the closed loop
+    mix: PromptMix  # for the closed loop
 
     def describe(self) -> str:
         sampled = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.sampling.items() if k != "temperature")
@@ -311,6 +313,7 @@ def run_bench(
         out["decode"] = rows
 
         if peer == "hf":
+            assert inline is not None  # bench() sends --peer to the engine in this process
             progress.step("Hugging Face transformers, one session, 3 runs")
             prompts = wl.Prompts(vocab)
             same = [prompts(min(prompt_len, ctx - tokens - 1)) for _ in range(3)]

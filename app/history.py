@@ -156,6 +156,7 @@ class History:
                 (conversation_id, role, content, finish_reason, _dumps(stats), now),
             )
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+            assert cur.lastrowid is not None  # an INSERT always sets it
             return cur.lastrowid
 
         return self._write(work)

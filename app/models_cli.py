@@ -6,7 +6,7 @@ app/cli.py calls register(app). Heavy modules (huggingface_hub, gguf, torch) loa
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -72,7 +72,7 @@ def ls(
     models, damaged = scan_store()
     for d in damaged:
         say(f"llamaterm: {d.name} is not a model llamaterm can read ({d.reason}): `llamaterm rm {d.name}` removes it")
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "name": m.name,
             "format": m.manifest.get("format"),
@@ -129,6 +129,7 @@ def rm(
     with interrupts_held():
         from llamaterm.engine.store.model_store import (
             DamagedModel,
+            StoredModel,
             find_model,
             folder_size,
             format_size,
@@ -136,6 +137,7 @@ def rm(
             remove_model,
         )
 
+    model: StoredModel | DamagedModel
     try:
         model = find_model(name)
     except DamagedModel as damaged:  # a folder of that name, but no model in it: removed all the same
@@ -172,7 +174,7 @@ def info(
         model = find_model(name)
         name, manifest, checkpoint, size = model.name, model.manifest, model.checkpoint, model.size_on_disk()
         ci = read_checkpoint(checkpoint)
-    data = {
+    data: dict[str, Any] = {
         "name": name,
         "path": str(checkpoint),
         "format": ci.format,

@@ -333,7 +333,7 @@ def summarize(records: list[Record], lo: float, hi: float) -> dict:
     errors = [r.error for r in records if r.error is not None]
     return {
         "requests": len(ended),
-        "tok_s": sum(r.tokens for r in ended) / (hi - lo),
+        "tok_s": sum(r.tokens or 0 for r in ended) / (hi - lo),  # an ended request without error has its count
         "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "max": ttft[-1] if ttft else None},
         "errors": len(errors),
         "error_samples": list(dict.fromkeys(errors))[:5],

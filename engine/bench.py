@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine, Sink
-from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.model import Model, Weight
 from llamaterm.engine.serving.process import EngineProcess
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
@@ -115,7 +116,7 @@ def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
     dtype = torch.float32 if device.type == "cpu" else torch.float16
     g = torch.Generator(device=device).manual_seed(0)
 
-    def matrix(n: int, k: int, bits: int):
+    def matrix(n: int, k: int, bits: int) -> Weight:
         if not quantized:
             return torch.randn(n, k, generator=g, device=device, dtype=dtype) * 0.02
         q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8, device=device)
@@ -123,14 +124,15 @@ def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
         offsets = -scales * (1 << (bits - 1)) if fmt.affine and bits == 4 else None
         return QuantWeight.from_values(q, scales, offsets, bits, fmt.group)
 
-    tensors = {}
+    tensors: dict[str, Weight] = {}
     for name_, shape in tensor_shapes(config).items():
         if name_ == "output.weight" and config.tie_word_embeddings:
             continue
         if len(shape) == 1:
             tensors[name_] = torch.ones(shape, device=device)
         else:
-            tensors[name_] = matrix(*shape, fmt.embd_bits if name_ == "token_embd.weight" else fmt.bits)
+            n, k = shape
+            tensors[name_] = matrix(n, k, fmt.embd_bits if name_ == "token_embd.weight" else fmt.bits)
     return Model(config, tensors, device, dtype)
 
 
@@ -271,10 +273,11 @@ def drive(
             events = h.poll()
             k = sum(len(e.token_ids) for e in events)  # the tokens this poll brought, together
             if k:
-                if last[i] is None:
+                previous = last[i]
+                if previous is None:
                     log.first_token.append(now)
                 else:
-                    log.gaps += [(now, (now - last[i]) / k)] * k
+                    log.gaps += [(now, (now - previous) / k)] * k
                 last[i] = now
                 log.token_times += [now] * k
             for event in events:
@@ -343,7 +346,9 @@ def ttft(sessions: Sessions, prompt_len: int, repeats: int = 5) -> float:
     for _ in range(repeats):
         h = sessions.start(prompt_len, 1)
         list(h.events())
-        out.append(h.stats().ttft_s)
+        ttft_s = h.stats().ttft_s
+        assert ttft_s is not None  # its one token arrived
+        out.append(ttft_s)
     return statistics.median(out)
 
 
@@ -390,12 +395,15 @@ def our_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Gree
     runs = GreedyRuns(sum(engine.startup_s.values()), [], [], [])
     for prompt in prompts:
         handle = engine.submit(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompt)
-        times, out = [], []
+        times: list[float] = []
+        out: list[int] = []
         for event in handle.events():
             times += [time.perf_counter()] * len(event.token_ids)
             out += event.token_ids
         runs.tok_s.append((len(times) - 1) / (times[-1] - times[0]))
-        runs.ttft_s.append(handle.stats().ttft_s)
+        ttft_s = handle.stats().ttft_s
+        assert ttft_s is not None  # its tokens arrived
+        runs.ttft_s.append(ttft_s)
         runs.tokens.append(out)
     return runs
 
@@ -408,6 +416,7 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
     engine = bench.engine
     dev, dtype = engine.model.device, engine.model.dtype
     t = time.perf_counter()
+    hf: Any  # transformers' own stubs type .to(dtype) and the config's fields loosely
     if bench.path is not None and bench.path.endswith(".gguf"):
         from pathlib import Path
 
@@ -417,20 +426,20 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
         hf = transformers.AutoModelForCausalLM.from_pretrained(bench.path, dtype=dtype)
     else:
         c = engine.model.config
-        hf = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=c.vocab_size,
-                hidden_size=c.hidden_size,
-                intermediate_size=c.intermediate_size,
-                num_hidden_layers=c.n_layers,
-                num_attention_heads=c.n_heads,
-                num_key_value_heads=c.n_kv_heads,
-                head_dim=c.head_dim,
-                max_position_embeddings=c.context_length,
-                rope_theta=c.rope_theta,
-                tie_word_embeddings=c.tie_word_embeddings,
-            )
-        ).to(dtype)
+        shapes: dict[str, Any] = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.n_layers,
+            num_attention_heads=c.n_heads,
+            num_key_value_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            max_position_embeddings=c.context_length,
+            rope_theta=c.rope_theta,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
+        hf = hf.to(dtype)
     hf = hf.to(dev).eval()
     sync(dev)
     runs = GreedyRuns(time.perf_counter() - t, [], [], [])

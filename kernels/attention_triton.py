@@ -110,7 +110,8 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # tl.cast, not seq.to(): mypy takes seq for an int (from lo = 0), where Triton traces a tensor
+        table = block_tables_ptr + tl.cast(seq, tl.int64) * stride_bt
         for start in range(kv_lo, kv_hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             t_mask = t < kv_hi

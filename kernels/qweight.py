@@ -106,9 +106,10 @@ class QuantWeight:
         )
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        mv = lambda t: None if t is None else t.to(device)
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        perm = None if self.perm is None else self.perm.to(device)
         return QuantWeight(
-            mv(self.packed), mv(self.scales), mv(self.offsets), self.bits, self.group_size, self.shape, mv(self.perm)
+            self.packed.to(device), self.scales.to(device), offsets, self.bits, self.group_size, self.shape, perm
         )
 
     @staticmethod
@@ -122,7 +123,9 @@ class QuantWeight:
         )
         if not same:
             raise ValueError("cannot concatenate quantized weights of different formats")
-        offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
+        offsets = None
+        if first.offsets is not None:  # then every part has offsets: `same` checked it
+            offsets = torch.cat([w.offsets for w in weights if w.offsets is not None])
         return QuantWeight(
             torch.cat([w.packed for w in weights]),
             torch.cat([w.scales for w in weights]),

@@ -238,7 +238,7 @@ def _thresholds(row_ptr, vocab, m, temperature, keys, e, top_k, top_p, z, FROM_R
 def _race_row(row_ptr, vocab, m, temperature, lowest, key, BLOCK: tl.constexpr):
     """The race over every token of the row whose y has an ordered key >= lowest."""
     best = _NEG_INF
-    winner = 0
+    winner = tl.zeros((), tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab

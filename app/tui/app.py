@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from importlib.resources import files
 from itertools import cycle
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from llamaterm.app.history import History
 from llamaterm.app.tui.backends import Backend, open_engine
 from llamaterm.app.tui.screens.chat import MAX_PANES, ChatScreen
 from llamaterm.app.tui.session import ChatSettings, Session
+from llamaterm.engine.api import EngineClient
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = Path(str(files("llamaterm.assets")))  # the styles, wherever the package is installed
 
 
 class ChatApp(App):
@@ -30,7 +32,7 @@ class ChatApp(App):
 
     def __init__(
         self,
-        load_engine: Callable[[Backend, float], object],
+        load_engine: Callable[[Backend, float], EngineClient],
         sessions: int = 1,
         system: str | None = None,
         backends: list[Backend] | None = None,
@@ -51,7 +53,7 @@ class ChatApp(App):
         self.session_count = sessions
         self.settings = ChatSettings(system=system or "")
         self.initial_backends = backends or [Backend()]
-        self.history: History | None = None
+        # self.history and self.chat are made in get_default_screen, which Textual calls before on_mount
 
     def get_default_screen(self) -> Screen:
         self.history = History.open()
@@ -91,7 +93,7 @@ class ChatApp(App):
         except RuntimeError:  # the app quit while the model loaded
             engine.shutdown()
 
-    def load_local(self, backend: Backend):
+    def load_local(self, backend: Backend) -> EngineClient:
         try:
             with self.local_load:
                 with self.waiting_lock:
@@ -102,7 +104,7 @@ class ChatApp(App):
                 self.local_loads_waiting -= 1
 
     @work(thread=True, exit_on_error=False, group="engine")
-    def stop_engine(self, engine) -> None:
+    def stop_engine(self, engine: EngineClient) -> None:
         engine.shutdown()
 
     def on_unmount(self) -> None:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 from llamaterm.app.history import Conversation, History
 from llamaterm.app.tui.backends import Backend
-from llamaterm.engine.api import RequestStats
+from llamaterm.engine.api import EngineClient, RequestStats, RequestStream
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -71,8 +71,8 @@ class Session:
         self.topic = ""  # the first prompt, the title of an unnamed conversation
         self.conversation_id: int | None = None
         self.messages: list[ChatMessage] = []
-        self.handle = None  # the engine's RequestHandle while a reply streams
-        self.engine = None  # the engine that took the request, to cancel it
+        self.handle: RequestStream | None = None  # the engine's stream while a reply streams
+        self.engine: EngineClient | None = None  # the engine that took the request, to cancel it
         self.queued = False  # asked before the engine was ready; submitted once it is
         self.stats: RequestStats | None = None
         self._saved_at = 0.0
@@ -120,7 +120,7 @@ class Session:
         self.queued, self.stats = True, None
         return prompt, reply
 
-    def submit(self, engine) -> None:
+    def submit(self, engine: EngineClient) -> None:
         """Send the queued request. One the engine refuses (too long for the context) ends with its reason."""
         self.queued, self.engine = False, engine
         try:
@@ -131,15 +131,18 @@ class Session:
             self._end_reply("error", str(e))
 
     def poll(self) -> tuple[str, bool]:
-        """Drain the engine's events (never blocks): (new text, whether the reply ended)."""
-        events = self.handle.poll()
+        """Drain the engine's events (never blocks): (new text, whether the reply ended). Only while a reply
+        streams (handle set)."""
+        handle = self.handle
+        assert handle is not None  # the screen polls only the sessions with a request in flight
+        events = handle.poll()
         if not events:
             return "", False
         text = "".join(e.text for e in events)
         self.messages[-1].content += text
         last = events[-1]
         if last.finished:
-            self.stats, self.handle = self.handle.stats(), None
+            self.stats, self.handle = handle.stats(), None
             self._end_reply(last.finish_reason, last.error)
             return text, True
         if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
@@ -158,7 +161,7 @@ class Session:
     def stop(self) -> None:
         """Stop the reply; the engine's "cancelled" event ends it (or at once, if it was never sent)."""
         if self.handle is not None:
-            self.engine.cancel(self.handle)
+            self._cancel(self.handle)
         elif self.queued:
             self.queued = False
             self._end_reply("cancelled", None)
@@ -166,8 +169,10 @@ class Session:
     def rewind(self) -> str:
         """Forget the last prompt and all after it (here and in the history); returns its text to send again."""
         prompt = self.last_prompt()
+        # callers rewind only a session with a prompt, which ask() saved (or the history gave back) with its id
+        assert prompt is not None and prompt.id is not None and self.conversation_id is not None
         if self.handle is not None:
-            self.engine.cancel(self.handle)
+            self._cancel(self.handle)
         self.handle, self.queued, self.stats = None, False, None
         self.messages = self.messages[: self.messages.index(prompt)]
         self.history.delete_messages_from(self.conversation_id, prompt.id)
@@ -189,9 +194,13 @@ class Session:
         if not self.busy:
             return
         if self.handle is not None:
-            self.engine.cancel(self.handle)
+            self._cancel(self.handle)
         self.handle, self.queued = None, False
         self._end_reply("cancelled", None)
+
+    def _cancel(self, handle: RequestStream) -> None:
+        assert self.engine is not None  # submit() set it along with the handle
+        self.engine.cancel(handle)
 
     def _end_reply(self, reason: str | None, error: str | None) -> None:
         reply = self.messages[-1]
@@ -204,6 +213,7 @@ class Session:
         if reply.id is not None:
             self.history.update_message(reply.id, reply.content, reply.finish_reason, stats)
         elif reply.content:  # an empty reply (stopped or refused before any text) is not worth a row
+            assert self.conversation_id is not None  # ask() made the conversation before this reply
             reply.id = self.history.add_message(
                 self.conversation_id, "assistant", reply.content, reply.finish_reason, stats
             )

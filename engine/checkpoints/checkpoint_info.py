@@ -114,6 +114,7 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
     group = next(iter((get(qconfig, "config_groups", dict) or {}).values()), None)
     weights = (get(group, "weights", dict) if isinstance(group, dict) else None) or {}
     bits = get(qconfig, "bits", int) or get(qconfig, "w_bit", int) or get(weights, "num_bits", int)
+    quant: str | None
     if (method := get(qconfig, "quant_method", str)) and bits:
         quant = f"{method.upper()}-{bits}bit"
     else:

@@ -98,15 +98,20 @@ class ModelConfig:
         """The window of one layer's attention, or None for full attention. A window spanning the whole context
         is full attention, and runs as such."""
         window = self.sliding_window
-        if not self.is_sliding(layer) or window >= self.context_length:
+        if window is None or not self.is_sliding(layer) or window >= self.context_length:
             return None
         return window
 
     def kv_window(self) -> int | None:
         """The trailing tokens that every layer still reads, so KV blocks before them can be freed; None when some
         layer reads the whole context."""
-        windows = [self.layer_window(i) for i in range(self.n_layers)]
-        return None if None in windows else max(windows)
+        windows: list[int] = []
+        for i in range(self.n_layers):
+            window = self.layer_window(i)
+            if window is None:
+                return None
+            windows.append(window)
+        return max(windows)
 
     @property
     def rotary_dim(self) -> int:
@@ -116,8 +121,9 @@ class ModelConfig:
         """RoPE inverse frequencies [head_dim // 2] (the long ones of LongRoPE; a sliding layer's, with a base of its
         own), computed the way Hugging Face does (fp32) so logits match it closely. Past the rotated dims they are 0:
         see rotary_order."""
-        dim, own_base = self.rotary_dim, sliding and self.rope_theta_sliding is not None
-        theta = self.rope_theta_sliding if own_base else self.rope_theta
+        dim, sliding_theta = self.rotary_dim, self.rope_theta_sliding if sliding else None
+        own_base = sliding_theta is not None
+        theta = sliding_theta if sliding_theta is not None else self.rope_theta
         inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         factors = None if own_base else self.rope_long_factors if long else self.rope_freq_factors
         if factors is not None:

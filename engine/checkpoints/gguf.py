@@ -36,7 +36,7 @@ from llamaterm.kernels.qweight import QuantWeight
 REDOWNLOAD = "Re-download it (or re-convert it with a current llama.cpp)."
 
 _V = GGUFValueType
-_SCALAR_FORMATS = {
+_SCALAR_FORMATS: dict[int, str] = {  # keyed by int: the type ids read from the file are plain ints
     _V.UINT8: "<B",
     _V.INT8: "<b",
     _V.UINT16: "<H",
@@ -82,7 +82,8 @@ class _Reader:
     """A cursor over the mapped file; every read is checked against the end of the file."""
 
     def __init__(self, path: Path, buf: np.ndarray):
-        self.path, self.mv, self.pos = path, memoryview(buf), 0
+        # buf.data, not memoryview(buf): numpy types an array as a buffer from Python 3.12 only
+        self.path, self.mv, self.pos = path, buf.data, 0
 
     def take(self, n: int, what: str) -> memoryview:
         if self.pos + n > len(self.mv):
@@ -415,7 +416,7 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
     freqs, short, long = map(factors, ROPE_FACTORS)
     if (short is None) != (long is None):
         raise _bad(f.path, "it has one of rope_factors_short and rope_factors_long but not the other")
-    if long is not None:
+    if short is not None and long is not None:  # both or neither: checked above
         # llama.cpp's defaults: the original context is the trained one, the attention factor 1
         return dict(
             rope_freq_factors=tuple(short),
@@ -573,8 +574,10 @@ def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
     rows, cols = t.shape
     block_size, type_size = GGML_QUANT_SIZES[t.type]
     q, scales, offsets, bits, group = _UNPACK[t.type](t.data.reshape(rows, cols // block_size, type_size))
-    as_rows = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x).reshape(rows, -1))
-    return QuantWeight.from_values(as_rows(q), as_rows(scales), as_rows(offsets), bits, group)
+    as_rows = lambda x: torch.from_numpy(np.ascontiguousarray(x).reshape(rows, -1))
+    return QuantWeight.from_values(
+        as_rows(q), as_rows(scales), None if offsets is None else as_rows(offsets), bits, group
+    )
 
 
 def hf_row_order(n_rows: int, n_head: int) -> np.ndarray:

@@ -477,9 +477,10 @@ def convert_tensors(
             convert = {"gptq": gptq_weight, "awq": awq_weight, "compressed-tensors": packed_weight}[scheme.method]
             tensors[f"{module}.weight"] = convert(parts, shape, scheme, hf_module)
         elif set(parts) == {"weight"}:
-            tensors[f"{module}.weight"] = dense(parts["weight"], shape, f"{hf_module}.weight")
+            weight = dense(parts["weight"], shape, f"{hf_module}.weight")
             if config.arch == "gemma3" and module.endswith("norm"):  # Gemma3RMSNorm scales by 1 + weight, in fp32
-                tensors[f"{module}.weight"] = tensors[f"{module}.weight"].float() + 1
+                weight = weight.float() + 1
+            tensors[f"{module}.weight"] = weight
         else:
             raise ModelFormatError(f"unexpected tensors for {hf_module}: {sorted(parts)}")
     return tensors

@@ -100,6 +100,7 @@ class BlockManager:
         table.num_freed = self.first_needed_block(matched * bs)
         table.block_ids.extend([FREED] * table.num_freed)
         for block_id in found[table.num_freed : matched]:
+            assert block_id is not None  # found up to `matched`
             self._ref(block_id)
             table.block_ids.append(block_id)
         table.num_hashed = matched

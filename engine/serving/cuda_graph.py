@@ -20,6 +20,7 @@ them all before the first request, and later starts find them in Triton's cache.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ class StepGraphs:
         self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
         self.flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None  # the graphs share one memory pool: they never run at the same time
+        self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
         self._stream = torch.cuda.Stream(device)  # captures record on a side stream
         self._ran_eagerly: set[int] = set()
         if compile_all:

@@ -68,14 +68,22 @@ class DeviceStep:
 
 def fuse(parts: list[Weight]) -> list[Weight]:
     """Concatenate same-format weights along the output dim so q/k/v (gate/up) run as one matmul."""
-    if all(isinstance(p, QuantWeight) for p in parts):
+    quantized = [p for p in parts if isinstance(p, QuantWeight)]
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(quantized) == len(parts):
         try:
-            return [QuantWeight.cat(parts)]
+            return [QuantWeight.cat(quantized)]
         except ValueError:
             return parts
-    if all(isinstance(p, torch.Tensor) and p.dtype == parts[0].dtype for p in parts):
-        return [torch.cat(parts)]
+    if len(dense) == len(parts) and all(p.dtype == dense[0].dtype for p in dense):
+        return [torch.cat(dense)]
     return parts
+
+
+def dense_only(w: Weight) -> torch.Tensor:
+    """Norms and biases, which every format stores dense."""
+    assert isinstance(w, torch.Tensor), "norms and biases are dense"
+    return w
 
 
 def linear_parts(x: torch.Tensor, parts: list[Weight]) -> torch.Tensor:
@@ -98,7 +106,9 @@ def take_rows(parts: list[Weight], index: torch.Tensor) -> list[Weight]:
 
 def rotary_rows(c: ModelConfig) -> torch.Tensor:
     """For partial rotary, the q/k/v rows with each q and k head in ModelConfig.rotary_order."""
-    heads = lambda n: (torch.arange(n)[:, None] * c.head_dim + c.rotary_order()).flatten()
+    order = c.rotary_order()
+    assert order is not None  # called for partial rotary only
+    heads = lambda n: (torch.arange(n)[:, None] * c.head_dim + order).flatten()
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     return torch.cat([heads(c.n_heads), q + heads(c.n_kv_heads), torch.arange(q + kv, q + 2 * kv)])
 
@@ -111,32 +121,32 @@ def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
 class Layer:
     def __init__(self, c: ModelConfig, t: dict[str, Weight], i: int, device, dtype):
         get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
+        vector = lambda name, part="weight": dense_only(get(name, part))  # a norm or a bias
         self.window = c.layer_window(i)  # sliding-window attention's keys per query; None: the whole context
         self.sliding_rope = c.rope_theta_sliding is not None and c.is_sliding(i)  # Gemma 3's local RoPE base
-        self.attn_norm = get("attn_norm")
-        self.ffn_norm = get("ffn_norm")
+        self.attn_norm = vector("attn_norm")
+        self.ffn_norm = vector("ffn_norm")
         if c.fused_projections:
             self.qkv, self.gate_up = [get("attn_qkv")], [get("ffn_up")]
         else:
             self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
             self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
-        self.qkv_bias = torch.cat([get(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
+        self.qkv_bias = torch.cat([vector(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
         if c.rotary_order() is not None:
             self.qkv = take_rows(self.qkv, rotary_rows(c))
-            self.qkv_bias = None if self.qkv_bias is None else take_rows([self.qkv_bias], rotary_rows(c))[0]
-        self.qk_norm = (get("attn_q_norm"), get("attn_k_norm")) if c.qk_norm else None
+            self.qkv_bias = None if self.qkv_bias is None else self.qkv_bias[rotary_rows(c).to(self.qkv_bias.device)]
+        self.qk_norm = (vector("attn_q_norm"), vector("attn_k_norm")) if c.qk_norm else None
         self.o = get("attn_output")
         self.down = get("ffn_down")
-        self.post_attn_norm, self.post_ffn_norm = (
-            (get("post_attention_norm"), get("post_ffw_norm")) if c.post_norms else (None, None)
-        )
+        self.post_attn_norm: torch.Tensor | None = vector("post_attention_norm") if c.post_norms else None
+        self.post_ffn_norm: torch.Tensor | None = vector("post_ffw_norm") if c.post_norms else None
 
 
 class Model:
     def __init__(self, config: ModelConfig, tensors: dict[str, Weight], device: torch.device, dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
         self.token_embd = to_device(tensors["token_embd.weight"], device, dtype)
-        self.output_norm = to_device(tensors["output_norm.weight"], device, dtype)
+        self.output_norm = dense_only(to_device(tensors["output_norm.weight"], device, dtype))
         self.lm_head = (
             self.token_embd if config.tie_word_embeddings else to_device(tensors["output.weight"], device, dtype)
         )
@@ -145,7 +155,8 @@ class Model:
         self.long_inv_freq = None if config.rope_long_factors is None else config.inv_freq(long=True).to(device)
         self.sliding_inv_freq = config.inv_freq(sliding=True).to(device)
         self.scale = config.attention_scale or config.head_dim**-0.5
-        self.q_scale = None  # LongRoPE's attention factor on the rotated dims of q and k, squared onto q's alone
+        # LongRoPE's attention factor on the rotated dims of q and k, squared onto q's alone
+        self.q_scale: torch.Tensor | None = None
         if config.rope_attention_factor != 1:
             rotated = self.inv_freq.repeat(2) != 0
             self.q_scale = torch.where(rotated, config.rope_attention_factor**2, 1.0).to(dtype)
@@ -191,8 +202,10 @@ class Model:
             h = h * c.embedding_scale
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None:  # LongRoPE: from the original context on, the long factors
+            assert c.rope_long_from is not None
             inv_freq = torch.where((step.positions >= c.rope_long_from)[:, None], self.long_inv_freq, inv_freq)
-        residual = post_norm = None  # post_norm: Gemma's norm of the last sublayer's output, fused into the next
+        residual: torch.Tensor | None = None
+        post_norm: torch.Tensor | None = None  # Gemma's norm of the last sublayer's output, fused into the next
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = rms_norm(h, layer.attn_norm, c.rms_norm_eps, residual, post_norm)
             qkv = linear_parts(x, layer.qkv)
@@ -223,6 +236,7 @@ class Model:
             h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
             post_norm = layer.post_ffn_norm
         last = step.logits_indices
+        assert residual is not None  # a model has layers
         x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last], post_norm)
         logits = linear(x, self.lm_head).float()
         if c.final_logit_softcap is not None:

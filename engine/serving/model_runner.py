@@ -144,10 +144,11 @@ def drop_pending(seq: Sequence) -> None:
 def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
     """Write the tokens the last launched step sampled into this step's inputs that wait for them, on the device.
     A row that sampled -1 (not finite) feeds token 0: its request is ended when that -1 reaches the host."""
+    rows, source = device_step.pending_rows, device_step.pending_from
     if step.pending_rows:
-        assert last is not None
-        tokens = last.tokens.device_tokens.index_select(0, device_step.pending_from).clamp_(min=0)
-        device_step.inputs.input_ids.index_copy_(0, device_step.pending_rows, tokens)
+        assert last is not None and rows is not None and source is not None
+        tokens = last.tokens.device_tokens.index_select(0, source).clamp_(min=0)
+        device_step.inputs.input_ids.index_copy_(0, rows, tokens)
 
 
 def compiled_marker(model: Model, max_running: int, max_batch_tokens: int) -> Path:
@@ -219,6 +220,7 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
         qsl.append(qsl[-1] + c.length)
         if end == known:  # the chunk samples (ScheduledChunk.samples)
             rows.append(qsl[-1] - 1)
+            assert seq.sampler_slot is not None  # admitted
             sampler_slots.append(seq.sampler_slot)
             sample_positions.append(end)
     return StepLists(

@@ -405,6 +405,7 @@ def _stream(url: str, out, headers: dict[str, str], bar, remote: RemoteFile) -> 
 
 
 def _verify(part: Path, remote: RemoteFile) -> None:
+    expected: str | None  # the Hub's listing may lack a blob id
     if remote.sha256:
         kind, expected, actual = "sha256", remote.sha256, file_hash(part)
     else:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from textual import on
 from textual.app import ComposeResult, SystemCommand
@@ -36,7 +37,11 @@ from llamaterm.app.tui.session import Session
 from llamaterm.app.tui.widgets.chat_pane import ChatPane
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.app.tui.widgets.transcript import CopyRequested
+from llamaterm.engine.api import EngineClient
 from llamaterm.engine.thinking import split_reply
+
+if TYPE_CHECKING:
+    from llamaterm.app.tui.app import ChatApp  # which imports this module
 
 MAX_PANES = 8
 TICK_HZ = 20
@@ -50,7 +55,8 @@ RENDER_MAX_WAIT_S = 4.0
 
 class ChatScreen(Screen):
     AUTO_FOCUS = "#prompt"
-    BINDINGS = [
+    # typed as Binding (Textual's BINDINGS may also hold tuples): the help and the palette read their tooltips
+    KEY_BINDINGS: ClassVar[list[Binding]] = [
         Binding("f1,question_mark", "help", "Help", tooltip="Every key and what it does"),
         Binding("escape", "stop", "Stop", tooltip="Stop the reply (from the broadcast input: every selected pane)"),
         Binding("ctrl+n", "new_pane", "New pane", tooltip="Open a pane with the active pane's settings"),
@@ -98,6 +104,7 @@ class ChatScreen(Screen):
         Binding("ctrl+l", "clear", "Clear", show=False, tooltip="Start a new conversation in the active pane"),
         Binding("ctrl+o", "history", "History", tooltip="Search past conversations and reopen one"),
     ]
+    BINDINGS = [*KEY_BINDINGS]
     PALETTE_ONLY = [
         ("Export pane as Markdown", "Write the active pane's conversation to a .md file", "export('md')"),
         ("Export pane as JSON", "Write the active pane's conversation to a .json file", "export('json')"),
@@ -108,8 +115,8 @@ class ChatScreen(Screen):
         super().__init__()
         self.history = history
         self.initial_sessions = sessions
-        self.engines: dict[Backend, object] = {}  # the loaded ones
-        self.loading: set[Backend] = set()
+        self.engines: dict[Backend, EngineClient] = {}  # the loaded ones
+        self.loading_backends: set[Backend] = set()  # not `loading`: Widget.loading is Textual's reactive
         self.failed: dict[Backend, str] = {}  # why it did not load
         self.zoomed = False
         self.render_budget = RenderBudget(RENDER_SHARE, max_wait_s=RENDER_MAX_WAIT_S)
@@ -144,18 +151,23 @@ class ChatScreen(Screen):
         return [p for p in self.query_one("#panes", Grid).query_children(ChatPane) if not p.closing]
 
     @property
+    def chat_app(self) -> ChatApp:
+        """The app, as the ChatApp that runs this screen (Textual types `app` as any App)."""
+        return cast("ChatApp", self.app)
+
+    @property
     def active(self) -> ChatPane:
         return self.query_one("ChatPane.-active", ChatPane)
 
     # ---- the engines ----
 
     @property
-    def engine(self):
+    def engine(self) -> EngineClient | None:
         """The active pane's engine; None while it loads (or before the panes are mounted)."""
         active = self.query("ChatPane.-active")
-        return self.engine_for(active.first()) if active else None
+        return self.engine_for(active.first(ChatPane)) if active else None
 
-    def engine_for(self, pane: ChatPane):
+    def engine_for(self, pane: ChatPane) -> EngineClient | None:
         return self.engines.get(pane.session.settings.backend)
 
     def backends(self) -> list[Backend]:
@@ -167,28 +179,29 @@ class ChatScreen(Screen):
         no pane uses. Local models loaded together split the device's free memory evenly (ChatApp.load_local)."""
         wanted = self.backends()
         for backend in wanted:
-            if backend not in self.engines and backend not in self.loading:
-                self.loading.add(backend)
+            if backend not in self.engines and backend not in self.loading_backends:
+                self.loading_backends.add(backend)
                 self.failed.pop(backend, None)
-                self.app.start_engine(backend)
+                self.chat_app.start_engine(backend)
         in_flight = {id(p.session.engine) for p in self.panes if p.session.handle is not None}
         for backend in [b for b in self.engines if b not in wanted and id(self.engines[b]) not in in_flight]:
-            self.app.stop_engine(self.engines.pop(backend))
+            self.chat_app.stop_engine(self.engines.pop(backend))
         self.show_backends()
 
-    async def engine_ready(self, backend: Backend, engine) -> None:
-        self.loading.discard(backend)
+    def engine_ready(self, backend: Backend, engine: EngineClient) -> None:
+        # a plain method (it awaits nothing): mypy cannot take a coroutine function for call_from_thread's callback
+        self.loading_backends.discard(backend)
         self.engines[backend] = engine
         for pane in self.panes:
             if pane.session.queued and pane.session.settings.backend == backend:
-                await pane.submit(engine)
+                pane.submit(engine)
         self.load_backends()  # a pane may have moved on while it loaded
         self.refresh_stats()
 
     def engine_failed(self, backend: Backend, message: str) -> None:
         """Shown in the status bar and in each pane waiting on that backend (drawn by the next tick), not in the
         others."""
-        self.loading.discard(backend)
+        self.loading_backends.discard(backend)
         self.failed[backend] = message
         for pane in self.panes:
             if pane.session.queued and pane.session.settings.backend == backend:
@@ -484,15 +497,15 @@ class ChatScreen(Screen):
             ("Enter", "Send: from the broadcast input to every selected pane, from a pane's input to that pane"),
             ("Tab / Shift+Tab", "Move between the inputs"),
             ("Click", "Copy a message, or the code block under the mouse"),
-            *((keys(b), b.tooltip) for b in self.BINDINGS),
+            *((keys(b), b.tooltip) for b in self.KEY_BINDINGS),
             ("^p", "Command palette: every action, and export as Markdown or JSON"),
             ("^q", "Quit"),
         ]
-        history = [(keys(b), b.tooltip) for b in HistoryScreen.BINDINGS]
+        history = [(keys(b), b.tooltip) for b in HistoryScreen.KEY_BINDINGS]
         return [("Chat", chat), ("History list", history)]
 
     def commands(self) -> Iterable[SystemCommand]:
-        for binding in self.BINDINGS:
+        for binding in self.KEY_BINDINGS:
             yield SystemCommand(binding.description, binding.tooltip, partial(self.run_action, binding.action))
         for title, help, action in self.PALETTE_ONLY:
             yield SystemCommand(title, help, partial(self.run_action, action))

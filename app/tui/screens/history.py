@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
@@ -19,13 +20,15 @@ from llamaterm.app.history import History, export_file
 class HistoryScreen(ModalScreen[int | None]):
     """Dismisses with the id of the conversation to reopen, or None."""
 
-    BINDINGS = [
+    # typed as Binding (Textual's BINDINGS may also hold tuples): the chat's help reads their tooltips
+    KEY_BINDINGS: ClassVar[list[Binding]] = [
         Binding("escape", "dismiss(None)", "Close", tooltip="Back to the chat"),
         Binding("enter", "open", "Open", tooltip="Reopen the highlighted conversation"),
         Binding("m", "export('md')", "Markdown", tooltip="Export the highlighted conversation as Markdown"),
         Binding("j", "export('json')", "JSON", tooltip="Export the highlighted conversation as JSON"),
         Binding("down", "focus_list", show=False, tooltip="From the search box to the list"),
     ]
+    BINDINGS = [*KEY_BINDINGS]
 
     def __init__(self, history: History):
         super().__init__()
@@ -59,7 +62,9 @@ class HistoryScreen(ModalScreen[int | None]):
         options = self.query_one("#conversations", OptionList)
         if options.highlighted is None:
             return None
-        return int(options.get_option_at_index(options.highlighted).id)
+        option_id = options.get_option_at_index(options.highlighted).id
+        assert option_id is not None  # show_matches gives every option its conversation's id
+        return int(option_id)
 
     @on(Input.Submitted, "#search")
     @on(OptionList.OptionSelected)

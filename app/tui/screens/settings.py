@@ -3,6 +3,8 @@ own rules before saving."""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -15,7 +17,7 @@ from llamaterm.app.tui.session import ChatSettings
 from llamaterm.engine.errors import LlamatermError, RequestError
 
 # (field, label, Input type, hint); the model, the server and the seed may be left blank
-FIELDS = [
+FIELDS: list[tuple[str, str, Literal["integer", "number", "text"], str]] = [
     ("model", "Model", "text", "store name or path; blank = default (a server's: its first)"),
     ("server", "Server", "text", "blank = this machine, or http://host:port/v1"),
     ("temperature", "Temperature", "number", "0 = greedy"),
@@ -67,11 +69,13 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
     @on(Input.Submitted)
     def action_save(self) -> None:
         try:
-            values = {
+            values: dict[str, Any] = {  # each ChatSettings field's own type, which ChatSettings checks
                 name: parse(label, kind, self.query_one(f"#{name}", Input).value, name in OPTIONAL)
                 for name, label, kind, _ in FIELDS
             }
-            thinking = {str(value): value for _, value in THINKING}[self.query_one("#thinking", Select).value]
+            choice = self.query_one("#thinking", Select).value
+            assert isinstance(choice, str)  # allow_blank=False: always one of the options
+            thinking = {str(value): value for _, value in THINKING}[choice]
             settings = ChatSettings(
                 system=self.query_one("#system", TextArea).text.strip(), thinking=thinking, **values
             )

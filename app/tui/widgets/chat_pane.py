@@ -14,7 +14,8 @@ from textual.widgets import Input
 
 from llamaterm.app.tui.session import Session
 from llamaterm.app.tui.widgets.stats import PaneStats
-from llamaterm.app.tui.widgets.transcript import ReplyMessage, message_view
+from llamaterm.app.tui.widgets.transcript import ReplyMessage, UserMessage, message_view
+from llamaterm.engine.api import EngineClient
 
 
 class ChatPane(Vertical):
@@ -66,7 +67,7 @@ class ChatPane(Vertical):
     def show_stats(self) -> None:
         self.query_one(PaneStats).show(self.session.stats, self.session.queued)
 
-    def ask(self, text: str, engine) -> None:
+    def ask(self, text: str, engine: EngineClient | None) -> None:
         """Save the prompt and send it if the engine is ready (else it stays queued). No drawing here: with a
         broadcast, every pane's request reaches the engine before any pane spends time on widgets."""
         self.session.ask(text)
@@ -82,7 +83,7 @@ class ChatPane(Vertical):
         self.show_submitted()
         self.show_title()
 
-    async def submit(self, engine) -> None:
+    def submit(self, engine: EngineClient) -> None:
         """Send a prompt that was queued while the model loaded."""
         self.session.submit(engine)
         self.show_submitted()
@@ -109,6 +110,7 @@ class ChatPane(Vertical):
     async def draw(self) -> None:
         """The reply's new text in one batch; its final form once it ended (refused and stopped ones too)."""
         view = self.reply_view
+        assert view is not None  # the screen draws only panes with undrawn text, which have a reply view
         ending = view.message.finish_reason is not None
         await view.draw()
         if ending:
@@ -127,4 +129,6 @@ class ChatPane(Vertical):
     async def drop_forgotten(self) -> None:
         """Remove the views of messages the session rewound."""
         kept = set(map(id, self.session.messages))
-        await self.transcript.remove_children([w for w in self.transcript.children if id(w.message) not in kept])
+        # the transcript holds only message views (message_view)
+        views = [w for w in self.transcript.children if isinstance(w, UserMessage | ReplyMessage)]
+        await self.transcript.remove_children([w for w in views if id(w.message) not in kept])

@@ -14,7 +14,7 @@ from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStrea
 from llamaterm.app.tui.session import ChatMessage
 from llamaterm.engine.thinking import ThinkingSplitter
 
-NOTES = {"cancelled": "⏹ stopped", "length": "… max tokens reached"}
+NOTES: dict[str | None, str] = {"cancelled": "⏹ stopped", "length": "… max tokens reached"}
 
 
 class CopyRequested(Message):
@@ -128,10 +128,12 @@ class ReplyMessage(Vertical):
         return [fence.code for fence in self.query(MarkdownFence)]
 
     def on_click(self, event: events.Click) -> None:
-        fence = next((w for w in event.widget.ancestors_with_self if isinstance(w, MarkdownFence)), None)
+        widget = event.widget
+        assert widget is not None  # a click reaching this view was on one of its widgets
+        fence = next((w for w in widget.ancestors_with_self if isinstance(w, MarkdownFence)), None)
         if fence is not None:
             self.post_message(CopyRequested(fence.code, "code block"))
-        elif event.widget.has_class("thinking"):
+        elif widget.has_class("thinking"):
             self.show_thinking(not self.thinking_shown)
         else:
             self.post_message(CopyRequested(self.answer, "reply"))
