@@ -36,8 +36,9 @@ from llamaterm.kernels.triton_util import arith_dtype, num_sms
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
-# Above this many rows, a kept dense copy: fp16 cuBLAS 155-164 µs per 8B block against ours 177.7 at M = 128.
-DENSE_M_KEPT = 128
+# Above this many rows, a kept dense copy: fp16 cuBLAS 155-164 µs per 8B block against ours 107.6 at M = 64 and
+# 177.7 at M = 128 (a mixed step's token bucket, engine/serving/cuda_graph.py).
+DENSE_M_KEPT = 96
 
 
 @dataclass(frozen=True)
