@@ -3,7 +3,7 @@ the engine process's parent needs of them, without torch: the name's test and th
 
 from __future__ import annotations
 
-from functools import cached_property
+import threading
 
 SYNTHETIC_PREFIX = "synthetic:"
 
@@ -22,12 +22,20 @@ class SyntheticTokenizer:
 
     def __init__(self, vocab: int | None = None):
         self.vocab = vocab
+        self._loaded = None
+        self._lock = threading.Lock()
 
-    @cached_property
-    def _text(self):  # read at the first text prompt: token-id prompts need no model file
-        from llamaterm.engine.store.loader import load_tokenizer
+    @property
+    def _text(self):
+        """Read at the first text prompt (token-id prompts need no model file), once: a server's first requests
+        arrive together, on threads of their own (functools.cached_property does not lock from Python 3.12: 64
+        threads each read the file, and the first tokens came 10-17 s late)."""
+        with self._lock:
+            if self._loaded is None:
+                from llamaterm.engine.store.loader import load_tokenizer
 
-        return load_tokenizer(None)
+                self._loaded = load_tokenizer(None)
+            return self._loaded
 
     def encode(self, text: str, **kwargs) -> list[int]:
         return self._fold(self._text.encode(text, **kwargs))
