@@ -5,6 +5,10 @@ request streams from /v1/chat/completions (or /v1/completions for raw prompts) i
 the server-sent chunks into events. Its stats are measured here, from the stream: TTFT from the submit to the first
 text, tokens/s from the chunks' arrival times (a chunk per token, as these servers send them), and the token counts
 from the usage the server sends at the end. Nothing a server sends ends anything but its own request.
+
+Every read from a server is bounded: in time (no byte for READ_TIMEOUT_S, or bytes but no reply text for as
+long: keep-alive comments and empty chunks are no progress), in size (a line of the stream, the /models reply)
+and in depth (JSON nested deeper than Python's parser goes is a reply not in OpenAI's shape).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import httpx2
@@ -24,6 +29,9 @@ from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 300.0  # a long prompt queued behind a full batch on a busy server still answers within this
+MAX_LINE_BYTES = 1 << 20  # one server-sent event's line: a chunk of a few tokens, with logprobs, is a few kB
+MAX_MODELS_BYTES = 1 << 20  # the /models reply
 RATE_WINDOW_S = 2.0  # as the engine's aggregate rate
 RATE_TOKENS = 32  # as the engine's per-request rate: over the last 32 tokens
 
@@ -68,7 +76,7 @@ class RemoteEngine:
         self.base_url = api_base(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx2.Client(
-            base_url=self.base_url, headers=headers, timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=None)
+            base_url=self.base_url, headers=headers, timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
         )
         cards = self._models()
         card = cards[0] if model is None else next((c for c in cards if c.get("id") == model), None)
@@ -139,19 +147,22 @@ class RemoteEngine:
 
     def _models(self) -> list[dict]:
         where = f"the server at {self.base_url}"
-        try:
-            reply = self.http.get("/models", timeout=CONNECT_TIMEOUT_S)  # one that never answers is not a server
+        try:  # one that never answers is not a server
+            with self.http.stream("GET", "/models", timeout=CONNECT_TIMEOUT_S) as reply:
+                body = read_at_most(reply, MAX_MODELS_BYTES)
         except httpx2.HTTPError as e:
             raise LlamatermError(
                 f"cannot reach {where} ({type(e).__name__}: {e}): is it running, and is the URL right?"
             ) from None
+        except ServerError as e:
+            raise LlamatermError(f"{where} is not an OpenAI-compatible server ({e}): check the URL") from None
         if reply.status_code == 401:
             raise LlamatermError(f"{where} refused the API key: give the right one with --api-key")
         try:
-            cards = reply.json()["data"]
+            cards = json.loads(body or b"null")["data"]
             assert reply.status_code == 200 and isinstance(cards, list) and cards
             assert all(isinstance(c, dict) and "id" in c for c in cards)
-        except (ValueError, KeyError, TypeError, AssertionError):
+        except (ValueError, KeyError, TypeError, AssertionError, RecursionError):
             raise LlamatermError(
                 f"{where} is not an OpenAI-compatible server (GET /models answered "
                 f"{reply.status_code} without a list of models): check the URL"
@@ -167,31 +178,62 @@ class RemoteEngine:
                 if stream.end is not None:  # cancelled while connecting
                     return
                 if reply.status_code != 200:
-                    reply.read()
+                    text = read_at_most(reply, MAX_LINE_BYTES).decode(errors="replace")
                     stream.finish(
-                        "error", f"the server refused the request ({reply.status_code}): {error_message(reply.text)}"
+                        "error", f"the server refused the request ({reply.status_code}): {error_message(text)}"
                     )
                     return
-                for line in reply.iter_lines():
+                progress = time.monotonic()  # when the reply last moved on
+                for line in lines(reply):
                     if stream.end is not None:  # cancelled: leaving closes the connection
                         return
                     data = line.removeprefix("data:").strip() if line.startswith("data:") else None
                     if data == "[DONE]":
                         break
                     if data:
+                        before = stream.generated
                         reason = take_chunk(stream, json.loads(data)) or reason
+                        if stream.generated != before or reason is not None:
+                            progress = time.monotonic()
+                    if time.monotonic() - progress > READ_TIMEOUT_S:
+                        raise ServerError(f"the server sent no text of the reply for {READ_TIMEOUT_S:.0f} s")
             if reason is None:
                 stream.finish("error", "the server closed the stream before the reply ended")
             else:
                 stream.finish(reason)
         except (httpx2.HTTPError, httpx2.StreamError) as e:
             stream.finish("error", f"the connection to the server failed ({type(e).__name__}: {e})")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not in OpenAI's shape
-            stream.finish("error", f"the server's reply is not OpenAI-compatible ({type(e).__name__}: {e})")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # not JSON, not OpenAI's shape
+            problem = "JSON nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+            stream.finish("error", f"the server's reply is not OpenAI-compatible ({problem})")
         except ServerError as e:
             stream.finish("error", str(e))
         finally:
             self._live.pop(stream.id, None)
+
+
+def read_at_most(reply: httpx2.Response, limit: int) -> bytes:
+    """A reply's body; ServerError past `limit` bytes."""
+    body = b""
+    for chunk in reply.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise ServerError(f"the server's reply is over {limit} bytes, more than any OpenAI-compatible reply")
+    return body
+
+
+def lines(reply: httpx2.Response) -> Iterator[str]:
+    """The lines of a server-sent event stream, each at most MAX_LINE_BYTES (ServerError past that)."""
+    pending = b""
+    for chunk in reply.iter_bytes():
+        pending += chunk
+        *whole, pending = pending.split(b"\n")
+        for line in whole:
+            yield line.removesuffix(b"\r").decode()  # not UTF-8: a ValueError, a reply not in OpenAI's shape
+        if len(pending) > MAX_LINE_BYTES:
+            raise ServerError(f"the server sent a line of over {MAX_LINE_BYTES} bytes, more than any reply's chunk")
+    if pending:
+        yield pending.removesuffix(b"\r").decode()
 
 
 def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:

@@ -174,3 +174,87 @@ def test_text_that_is_not_unicode_is_refused_before_it_is_sent():
 def test_urls_that_are_not_servers(url):
     with pytest.raises(LlamatermError, match="not a server URL"):
         api_base(url)
+
+
+def streaming_server(models: bytes, write) -> int:
+    """A server whose completion reply is a chunked event stream that `write(send)` writes, chunk by chunk, for as
+    long as it likes (send raises once the client has gone)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener:
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    request = conn.recv(65536)
+                    if b"/models" in request.split(b"\r\n")[0]:
+                        head = b"content-type: application/json\r\ncontent-length: %d" % len(models)
+                        conn.sendall(b"HTTP/1.1 200 OK\r\n%s\r\nconnection: close\r\n\r\n%s" % (head, models))
+                        continue
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                    )
+                    try:
+                        write(lambda data, conn=conn: conn.sendall(b"%x\r\n%s\r\n" % (len(data), data)))
+                        time.sleep(2)  # the connection stays open: what was sent is read, not reset
+                    except OSError:  # the client closed the connection
+                        pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+HELLO = b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+
+
+def endless(piece: bytes):
+    def write(send) -> None:
+        send(HELLO)
+        while True:
+            send(piece)
+            time.sleep(0.01)
+
+    return write
+
+
+def forever_silent(send) -> None:
+    send(HELLO)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize(
+    "write, words",
+    [
+        (endless(b": ping\n\n"), "no text of the reply for 1 s"),  # comments forever
+        (endless(b'data: {"choices": []}\n\n'), "no text of the reply for 1 s"),  # empty chunks forever
+        (endless(b'data: {"choices": [{"index": 0, "delta": {"content": ""}}]}\n\n'), "no text of the reply"),
+        (forever_silent, "ReadTimeout"),  # the reply stops mid-way, the connection open
+        (lambda send: send(HELLO + b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n"), "JSON nested too deeply"),
+        (lambda send: [send(HELLO)] + [send(b"x" * 65536) for _ in range(40)], "a line of over 1048576 bytes"),
+    ],
+    ids=["pings", "empty-chunks", "empty-text", "silent", "deep-json", "long-line"],
+)
+def test_a_server_that_never_finishes_its_reply_ends_it_with_an_error(monkeypatch, write, words):
+    """Each of these hung `llamaterm run --server` (and a pane) for ever, or killed the reader thread."""
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 1.0)
+    port = streaming_server(MODELS, write)
+    with RemoteEngine(f"http://127.0.0.1:{port}") as engine:
+        events = within(10, lambda: list(engine.submit("hi").events()))
+    assert "".join(e.text for e in events) == "Hi"
+    assert events[-1].finish_reason == "error" and words in events[-1].error, events[-1].error
+
+
+@pytest.mark.parametrize(
+    "models",
+    [b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b'{"data": [{"id": "' + b"m" * (2 << 20) + b'"}]}'],
+    ids=["deep", "huge"],
+)
+def test_a_models_reply_too_deep_or_too_big_is_no_server(models):
+    port = scripted_server(models)
+
+    def connect():
+        with pytest.raises(LlamatermError, match="is not an OpenAI-compatible server") as err:
+            RemoteEngine(f"http://127.0.0.1:{port}")
+        return err
+
+    within(10, connect)
