@@ -14,6 +14,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from llamaterm.app import bench, models_cli
+from llamaterm.app.terminal import TerminalStream, shown
 
 app = typer.Typer(
     name="llamaterm",
@@ -42,8 +43,13 @@ KvTokensOpt = Annotated[
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    typer.echo(f"llamaterm: {message}", err=True)
+    say(f"llamaterm: {message}")
     raise typer.Exit(code)
+
+
+def say(message: str) -> None:
+    """A line to stderr. Messages quote what models, files and servers hold: on a terminal, only as text."""
+    typer.echo(shown(message, sys.stderr), err=True)
 
 
 @contextmanager
@@ -218,7 +224,11 @@ def run(
                 reply = collect(handle, hide_thinking=hide_thinking)
                 if reply.thinking and not as_json:
                     show_thinking(reply.thinking + "\n")
-                typer.echo(json.dumps(result_json(engine.model_name, reply, handle)) if as_json else reply.text)
+                typer.echo(
+                    json.dumps(result_json(engine.model_name, reply, handle))
+                    if as_json
+                    else shown(reply.text, sys.stdout)
+                )
             return
         handle = handles[0]
         if as_json:
@@ -244,16 +254,17 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
     from llamaterm.engine.thinking import ThinkingSplitter
 
     reply, split = Reply("", [], None), ThinkingSplitter()
+    out, thought = TerminalStream(sys.stdout), TerminalStream(sys.stderr)
 
     def take(thinking: str, answer: str) -> None:
         if thinking and not hide_thinking:
             reply.thinking = (reply.thinking or "") + thinking
             if echo:
-                show_thinking(thinking)
+                show_thinking(thought.push(thinking))
         if answer and echo:
             if reply.thinking and not reply.text:
                 show_thinking("\n")  # the answer starts on a line of its own
-            sys.stdout.write(answer)
+            sys.stdout.write(out.push(answer))
             sys.stdout.flush()
         reply.text += answer
 
@@ -265,14 +276,16 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
         reply.finish_reason = event.finish_reason
     take(*split.finish())
     if echo:
-        sys.stdout.write("\n")
+        show_thinking(thought.flush())
+        sys.stdout.write(out.flush() + "\n")
     return reply
 
 
 def show_thinking(text: str) -> None:
     """Thinking goes to stderr, dimmed on a terminal."""
-    sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if sys.stderr.isatty() else text)
-    sys.stderr.flush()
+    if text:
+        sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if sys.stderr.isatty() else text)
+        sys.stderr.flush()
 
 
 def report(handle) -> None:
@@ -315,9 +328,7 @@ def chat(
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
     with load_engine(models[0] if models else None, device, kv_tokens, server, api_key) as engine:
-        typer.echo(
-            f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.", err=True
-        )
+        say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
         while True:
             try:
                 line = input("> ")
@@ -333,7 +344,7 @@ def chat(
             try:
                 handle = engine.submit(messages + [{"role": "user", "content": line}], params)
             except RequestError as e:
-                typer.echo(f"llamaterm: {e}", err=True)
+                say(f"llamaterm: {e}")
                 continue
             reply = collect(handle, echo=True).text
             messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
@@ -425,7 +436,7 @@ def main() -> None:
     try:
         app()
     except LlamatermError as e:
-        typer.echo(f"llamaterm: {e}", err=True)
+        say(f"llamaterm: {e}")
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -5,14 +5,23 @@ app/cli.py calls register(app). Heavy modules (huggingface_hub, gguf, torch) loa
 """
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from llamaterm.app.terminal import shown
+
+
+def echo(line: str) -> None:
+    """A line of a table to stdout; its cells are what model files hold: on a terminal, only as text."""
+    typer.echo(shown(line, sys.stdout))
+
 
 def say(message: str) -> None:
-    typer.echo(message, err=True)
+    """A line to stderr; on a terminal, what it quotes of models and files only as text."""
+    typer.echo(shown(message, sys.stderr), err=True)
 
 
 def pull(
@@ -113,7 +122,7 @@ def ls(
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def rm(
@@ -150,6 +159,12 @@ def rm(
             remove_model(model)
     except Timeout:
         raise LlamatermError(f"{model.name} is being pulled right now; remove it when that finishes") from None
+    except OSError as e:  # a read-only store, or files of another user
+        where = f" {e.filename}" if e.filename else ""
+        raise LlamatermError(
+            f"cannot remove {model.name}: {e.strerror or e}{where}; the store must be writable by you "
+            "(LLAMATERM_HOME picks another)"
+        ) from None
     say(f"Removed {model.name}, freeing {size}.")
 
 
@@ -209,13 +224,13 @@ def info(
         summary["repo"] = f"{data['repo']} @ {data['revision'][:12]}, pulled {data['pulled_at']}"
     summary["tensor types"] = ", ".join(f"{t} x{n}" for t, n in ci.tensor_types.items())
     for key, value in summary.items():
-        typer.echo(f"{key:<14}{value}")
-    typer.echo("\nmetadata")
+        echo(f"{key:<14}{value}")
+    echo("\nmetadata")
     for key, value in ci.metadata.items():
         text = json.dumps(value, default=str) if not isinstance(value, str) else value
-        typer.echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
-    typer.echo("\nchat template")
-    typer.echo(
+        echo(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
+    echo("\nchat template")
+    echo(
         ci.chat_template.rstrip() if ci.chat_template else f"  (none: chats are formatted as ChatML)\n{CHATML_TEMPLATE}"
     )
 
