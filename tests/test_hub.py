@@ -6,6 +6,7 @@ where the command line is the point; other pulls call engine.hub.pull in-process
 per pull.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -561,6 +562,33 @@ def test_rm_confirms_and_frees_the_disk(hub_server, models):
     assert not (home() / "tiny-q4_0").exists()
     assert not any((home() / ".trash").iterdir())
     assert ls() == []
+
+
+def test_rm_on_a_store_it_cannot_write_says_so_in_one_line(hub_server, models, monkeypatch, capsys):
+    """A read-only store (or another user's files): the move into the store's trash fails. It was a traceback."""
+    from llamaterm.app import cli
+
+    hub_server.add_repo("tester/Tiny-GGUF", {"Tiny-Q4_0.gguf": models["Q4_0"]})
+    pull("tester/Tiny-GGUF")
+
+    def read_only(self, target):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "replace", read_only)
+    monkeypatch.setattr(sys, "argv", ["llamaterm", "rm", "tiny-q4_0", "-y"])
+    capsys.readouterr()  # the pull's own output
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    assert exit.value.code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("llamaterm: cannot remove tiny-q4_0: Read-only file system") and "writable" in line
+    assert (home() / "tiny-q4_0").exists()
+
+
+@pytest.mark.parametrize("ref", ["../etc", "a/..", "a/b\x01c", "a--b/c", "owner/name/more", "a/b:", "a/b:q 4"])
+def test_pull_of_what_is_no_repo_is_a_usage_error(hub_server, ref):
+    r = llamaterm("pull", ref)
+    assert r.returncode == 2 and "is not a model reference" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_info(hub_server, models):
