@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 from llamaterm.engine.errors import RequestError
 
+# As OpenAI's API bounds them. A reply's text is held back while a stop string could begin in it: a long stop
+# string would hold back the whole reply, streaming it in one piece at the end
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,6 +36,10 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                len(self.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+                f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
+            ),
             (
                 self.seed is None or 0 <= self.seed < 2**64,
                 "seed must be in [0, 2**64)",

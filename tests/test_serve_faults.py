@@ -1,6 +1,7 @@
 """`llamaterm serve` under faults: an engine that dies, signals, slow and hostile clients, and a soak of 64 clients
 that come and go. The servers run a tiny random model (tests/tiny_models.py) on the CPU."""
 
+import asyncio
 import json
 import logging
 import random
@@ -14,7 +15,7 @@ import httpx2
 import psutil
 import pytest
 from fake_engine import FakeEngine
-from serve_support import LLAMATERM, app_server, served
+from serve_support import LLAMATERM, app_server, metrics, served
 from tiny_models import write_tiny_llama
 
 from llamaterm.app import serve
@@ -336,3 +337,74 @@ def test_a_big_prompt_being_tokenized_does_not_stall_the_streams(tmp_path):
         during = [t for t in stream.times if sent <= t <= done]
         gaps = [b - a for a, b in zip([sent, *during], [*during, done], strict=True)]
         assert max(gaps) < 0.25, f"the stream stalled {max(gaps):.2f} s while {done - sent:.2f} s of tokenizing ran"
+
+
+# ---- a soak ----
+
+SOAK_S = 20
+MALFORMED = [
+    b'{"model": "m", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",  # nested too deeply
+    b'{"messages": [{"role": "user", "content": "hi"}',  # not JSON
+    b'{"messages": "hi"}',  # not messages
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}',
+    b'{"messages": [{"role": "user", "content": "' + b"x" * (3 << 20) + b'"}]}',  # a huge body
+]
+
+
+def server_rss(process: psutil.Process) -> int:
+    """The server's resident memory, its engine process's included."""
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+
+
+async def soak_client(url: str, model: str, rng: random.Random, deadline: float, statuses: list[int]) -> None:
+    """Until the deadline: streamed chat completions, some left after a few chunks, a few whole ones, and now and
+    then a malformed or huge request."""
+    async with httpx2.AsyncClient(base_url=url, timeout=60) as client:
+        while time.monotonic() < deadline:
+            draw = rng.random()
+            if draw < 0.05:
+                body = rng.choice(MALFORMED).replace(b'"model": "m"', b'"model": "%s"' % model.encode())
+                reply = await client.post(
+                    "/chat/completions", content=body, headers={"Content-Type": "application/json"}
+                )
+                statuses.append(reply.status_code)
+                continue
+            request = {"model": model, "messages": HELLO, "max_tokens": rng.randint(4, 48), "ignore_eos": True}
+            if draw < 0.15:
+                statuses.append((await client.post("/chat/completions", json=request)).status_code)
+                continue
+            leave_after = rng.randint(1, 8) if draw < 0.45 else None  # a client that disconnects mid-reply
+            async with client.stream("POST", "/chat/completions", json=request | {"stream": True}) as reply:
+                statuses.append(reply.status_code)
+                lines = 0
+                async for line in reply.aiter_lines():
+                    lines += line.startswith("data: ")
+                    if leave_after is not None and lines >= leave_after:
+                        break
+
+
+def test_a_soak_of_64_clients_that_come_and_go_leaves_no_trace(tiny):
+    with serve_tiny(tiny, "--kv-tokens", "8192") as server:
+        model = model_of(server.url)
+        process = psutil.Process(server.process.pid)
+        for _ in range(3):  # warm: the first requests' allocations are not a leak
+            assert ask(server.url, {"model": model, "messages": HELLO, "max_tokens": 8}).status_code == 200
+        before = server_rss(process)
+        statuses: list[int] = []
+        deadline = time.monotonic() + SOAK_S
+
+        async def soak() -> None:
+            rngs = [random.Random(i) for i in range(64)]
+            await asyncio.gather(*(soak_client(server.url, model, rng, deadline, statuses) for rng in rngs))
+
+        asyncio.run(soak())
+        assert len(statuses) > 500 and {s for s in statuses if s >= 500} == set(), sorted(set(statuses))
+        assert {s for s in statuses if s != 200} <= {400, 413}, sorted(set(statuses))
+        # every request ended, every KV block is back
+        settle = time.monotonic() + 5
+        while (m := metrics(server.url))["llamaterm_kv_blocks_used"] or m["llamaterm_requests_running"]:
+            assert time.monotonic() < settle, m
+            time.sleep(0.1)
+        after = server_rss(process)
+        assert after < 1.1 * before, f"the server held {before / 1e6:.0f} MB before and {after / 1e6:.0f} MB after"
+        assert ask(server.url, {"model": model, "messages": HELLO, "max_tokens": 4}).status_code == 200
