@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from llamaterm.app.console import fail, interrupts_held
 from llamaterm.engine.workload import PromptMix
 
 GRID = [(i, o, b) for i in (128, 512, 1024) for o in (128, 256) for b in (16, 32, 64)]
@@ -130,8 +131,6 @@ def bench(
 
       llamaterm bench --device cpu --peer hf --sessions 1
     """
-    from llamaterm.app.cli import fail
-
     if workload not in WORKLOADS:
         fail(f"unknown workload {workload!r}: chat or ids", 2)
     prompts, sampler, kind = WORKLOADS[workload]
@@ -223,8 +222,6 @@ def open_client(model, device, config, process: bool):
 def run_bench(
     model, device, counts, what: Workload, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens
 ) -> dict:
-    from llamaterm.app.cli import interrupts_held
-
     t = time.perf_counter()
     with interrupts_held():
         import torch

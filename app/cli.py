@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
 from llamaterm.app import bench, models_cli
+from llamaterm.app.console import fail, interrupts_held, say
 from llamaterm.app.terminal import TerminalStream, shown
 
 app = typer.Typer(
@@ -40,35 +39,6 @@ ApiKeyOpt = Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help=
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
 ]
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    say(f"llamaterm: {message}")
-    raise typer.Exit(code)
-
-
-def say(message: str) -> None:
-    """A line to stderr. Messages quote what models, files and servers hold: on a terminal, only as text."""
-    typer.echo(shown(message, sys.stderr), err=True)
-
-
-@contextmanager
-def interrupts_held():
-    """Hold a Ctrl-C back while the engine's libraries import. numpy's import swallows a KeyboardInterrupt raised
-    inside it (the command then ran on to the end and exited 0, or failed later with an AttributeError
-    traceback); taken once the imports are done, it exits 130 like a Ctrl-C at any other point. Where SIGINT is
-    not Python's KeyboardInterrupt (ignored, as in a script's background job), it is left as it is."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    pending = []
-    previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending:
-        raise KeyboardInterrupt
 
 
 def sampling_params(**values):

@@ -5,23 +5,12 @@ app/cli.py calls register(app). Heavy modules (huggingface_hub, gguf, torch) loa
 """
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from llamaterm.app.terminal import shown
-
-
-def echo(line: str) -> None:
-    """A line of a table to stdout; its cells are what model files hold: on a terminal, only as text."""
-    typer.echo(shown(line, sys.stdout))
-
-
-def say(message: str) -> None:
-    """A line to stderr; on a terminal, what it quotes of models and files only as text."""
-    typer.echo(shown(message, sys.stderr), err=True)
+from llamaterm.app.console import echo, interrupts_held, say
 
 
 def pull(
@@ -46,8 +35,6 @@ def pull(
 
       llamaterm pull HuggingFaceTB/SmolLM2-135M-Instruct --name smol
     """
-    from llamaterm.app.cli import interrupts_held
-
     with interrupts_held():
         from llamaterm.engine.store import hub
         from llamaterm.engine.store.model_store import VALID_NAME, format_size
@@ -72,7 +59,6 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ):
     """List the models in the store: name, format, quant, architecture, parameters, context and size on disk."""
-    from llamaterm.app.cli import interrupts_held
     from llamaterm.engine.checkpoints.architectures import family_of
 
     with interrupts_held():
@@ -132,7 +118,6 @@ def rm(
     """Remove a model from the store and free its disk space."""
     from filelock import Timeout
 
-    from llamaterm.app.cli import interrupts_held
     from llamaterm.engine.errors import LlamatermError
 
     with interrupts_held():
@@ -173,8 +158,6 @@ def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Show a model's metadata, tensor types and chat template."""
-    from llamaterm.app.cli import interrupts_held
-
     with interrupts_held():
         from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE
         from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
