@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
+from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_model
 from tests.hub_server import HubServer

@@ -6,7 +6,6 @@ of each *.safetensors file and tokenizer_config.json; nothing here unpickles.
 
 import json
 import math
-import re
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,8 +19,6 @@ from llamaterm.engine.checkpoints.fields import read
 from llamaterm.engine.checkpoints.hf_files import chat_template_source
 from llamaterm.engine.errors import ModelFormatError
 
-# Native GGUF shards: `<prefix>-00001-of-00003.gguf`, numbered from 1 (llama.cpp's gguf-split).
-SPLIT_GGUF = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # Arrays longer than this (token lists, merges) are summarised as "[N items]" in `info`.
 MAX_LISTED_ITEMS = 16
 
@@ -37,12 +34,6 @@ class CheckpointInfo:
     chat_template: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # GGUF key-values or config.json
     family: str | None = None  # the family llamaterm runs it as (architectures.py); None: not supported
-
-
-def is_first_gguf(path: str) -> bool:
-    """A single .gguf file, or the first part of a split one."""
-    m = SPLIT_GGUF.match(path)
-    return path.endswith(".gguf") and (m is None or m["no"] == "00001")
 
 
 def read_gguf(first: Path) -> CheckpointInfo:

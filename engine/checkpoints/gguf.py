@@ -27,9 +27,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
 from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read
+from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
 

@@ -35,7 +35,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from llamaterm.engine.checkpoints.checkpoint_info import SPLIT_GGUF
+from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.store.model_store import (
     VALID_NAME,

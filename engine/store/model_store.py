@@ -21,7 +21,8 @@ from typing import Any
 from filelock import FileLock
 from platformdirs import user_data_dir
 
-from llamaterm.engine.checkpoints.checkpoint_info import is_first_gguf, read_checkpoint
+from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
+from llamaterm.engine.checkpoints.gguf_files import is_first_gguf
 from llamaterm.engine.errors import LlamatermError, ModelFormatError, ModelNotFound
 
 DEFAULT_MODEL = "default"
