@@ -203,14 +203,7 @@ def open_client(model, device, config, process: bool):
 
     if not process:
         b = wl.open_engine(model, device, config)
-        e = b.engine
-        info = {
-            "startup_s": e.startup_s,
-            "weight_bytes": wl.weight_bytes(e.model),
-            "cuda_graphs": e.runner.graphs is not None,
-            "dense_weight_bytes": e.dense_weight_bytes,
-        }
-        return b, b.label, info
+        return b, b.label, wl.engine_info(b.engine)
     from dataclasses import replace
 
     from llamaterm.engine.serving.process import EngineProcess

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,10 +22,12 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine, Sink
 from llamaterm.engine.serving.model import Model, Weight
-from llamaterm.engine.serving.process import EngineProcess
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
 from llamaterm.kernels.qweight import QuantWeight
+
+if TYPE_CHECKING:
+    from llamaterm.engine.serving.process import EngineProcess  # which loads its engine through this module
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,17 @@ def weight_bytes(model: Model) -> int:
         sum(map(size, w._dense.values())) if cpu and w._dense else size(w.packed) + size(w.scales) + size(w.offsets)
     )
     return sum(quant(w) if isinstance(w, QuantWeight) else size(w) for w in parts)
+
+
+def engine_info(engine: Engine) -> dict:
+    """What the bench tables need of an engine: where start-up went, the weight bytes a decode step reads, CUDA
+    graphs or not, the dense copies kept for prefill."""
+    return {
+        "startup_s": engine.startup_s,
+        "weight_bytes": weight_bytes(engine.model),
+        "cuda_graphs": engine.runner.graphs is not None,
+        "dense_weight_bytes": engine.dense_weight_bytes,
+    }
 
 
 def copy_bandwidth(device: torch.device) -> float:

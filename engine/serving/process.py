@@ -296,14 +296,8 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
     except Exception as e:
         conn.send(LoadFailed(e if isinstance(e, LlamatermError) else LlamatermError(f"{type(e).__name__}: {e}")))
         return
-    from llamaterm.engine.bench import weight_bytes
+    from llamaterm.engine.bench import engine_info
 
-    info = {
-        "startup_s": engine.startup_s,
-        "weight_bytes": weight_bytes(engine.model),
-        "cuda_graphs": engine.runner.graphs is not None,
-        "dense_weight_bytes": engine.dense_weight_bytes,
-    }
     conn.send(
         Ready(
             engine.model_name,
@@ -311,7 +305,7 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
             engine.max_context,
             engine.sequence_limit(),
             engine.model.config.vocab_size,
-            info,
+            engine_info(engine),
         )
     )
 
