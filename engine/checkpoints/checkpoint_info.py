@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from llamaterm.engine.checkpoints.architectures import family_of
-from llamaterm.engine.checkpoints.fields import read
+from llamaterm.engine.checkpoints.fields import reader
 from llamaterm.engine.checkpoints.hf_files import chat_template_source
 from llamaterm.engine.errors import ModelFormatError
 
@@ -42,10 +42,10 @@ def read_gguf(first: Path) -> CheckpointInfo:
     from llamaterm.engine.checkpoints.gguf import read_gguf_info
 
     info = read_gguf_info(first)  # the engine's own parser: checked reads, every part of a split file
-    get = lambda key, kind: read(info["metadata"], key, kind, None, where=str(first))
-    arch = get("general.architecture", str)
+    meta, get = info["metadata"], reader(str(first))
+    arch = get(meta, "general.architecture", str)
     try:
-        file_type = LlamaFileType(get("general.file_type", int)).name  # MOSTLY_Q4_K_M, ALL_F32
+        file_type = LlamaFileType(get(meta, "general.file_type", int)).name  # MOSTLY_Q4_K_M, ALL_F32
         quant = file_type.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         quant = None
@@ -54,10 +54,10 @@ def read_gguf(first: Path) -> CheckpointInfo:
         quant=quant,
         architecture=arch,
         parameters=info["n_params"],
-        context_length=get(f"{arch}.context_length", int),
+        context_length=get(meta, f"{arch}.context_length", int),
         tensor_types=info["tensor_types"],
-        chat_template=get("tokenizer.chat_template", str),
-        metadata={key: _shown(value) for key, value in info["metadata"].items() if key != "tokenizer.chat_template"},
+        chat_template=get(meta, "tokenizer.chat_template", str),
+        metadata={key: _shown(value) for key, value in meta.items() if key != "tokenizer.chat_template"},
         family=family_of(arch),
     )
 
@@ -99,7 +99,7 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
         raise ModelFormatError(f"{folder}: not a readable safetensors checkpoint ({e})") from e
     if not isinstance(config, dict):
         raise ModelFormatError(f"{folder / 'config.json'} does not hold a JSON object")
-    get = lambda data, key, kind: read(data, key, kind, None, where=str(folder / "config.json"))
+    get = reader(str(folder / "config.json"))
     qconfig = get(config, "quantization_config", dict) or {}
     # compressed-tensors gives bits per config group: its first group's weights
     group = next(iter((get(qconfig, "config_groups", dict) or {}).values()), None)

@@ -6,7 +6,8 @@ lists of str.
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,16 @@ def read(data: Mapping, key: str, kind, default=MISSING, *, where: str, positive
         f"{where}: {key} = {_shown(value)} is not {expected}; the file is damaged or was "
         "made by a broken converter: re-download the model"
     )
+
+
+def reader(where: str, absent: object = None) -> Callable[..., Any]:
+    """read() for the key-values of one file, named `where` in its errors: get(data, key, kind[, default],
+    positive=False). A key a call gives no default for is optional (absent: None) or, with absent=MISSING, required."""
+
+    def get(data: Mapping, key: str, kind, default: object = absent, *, positive: bool = False):
+        return read(data, key, kind, default, where=where, positive=positive)
+
+    return get
 
 
 def _shown(value) -> str:

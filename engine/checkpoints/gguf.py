@@ -28,7 +28,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
 from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
-from llamaterm.engine.checkpoints.fields import MISSING, read
+from llamaterm.engine.checkpoints.fields import MISSING, read, reader
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.kernels.qweight import QuantWeight
@@ -399,9 +399,7 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
     one factor for all, LongRoPE (Phi-3) has short and long factor tensors. Called once the tensors have been
     checked against the config, which bounds their shapes."""
     arch, half = c.arch, c.rotary_dim // 2
-    get = lambda key, kind, default=None: read(
-        f.metadata, f"{arch}.{key}", kind, default, where=str(f.path), positive=kind is float
-    )
+    meta, get = f.metadata, reader(str(f.path))
 
     def factors(name: str) -> list[float] | None:
         if (t := f.tensors.get(name)) is None:
@@ -421,13 +419,13 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
         return dict(
             rope_freq_factors=tuple(short),
             rope_long_factors=tuple(long),
-            rope_long_from=int(get("rope.scaling.original_context_length", int, c.context_length)),
-            rope_attention_factor=float(get("rope.scaling.attn_factor", float, 1.0)),
+            rope_long_from=int(get(meta, f"{arch}.rope.scaling.original_context_length", int, c.context_length)),
+            rope_attention_factor=float(get(meta, f"{arch}.rope.scaling.attn_factor", float, 1.0, positive=True)),
         )
-    legacy_linear = get("rope.scale_linear", float)  # the old spelling of linear scaling
-    scaling = get("rope.scaling.type", str, "none" if legacy_linear is None else "linear")
+    legacy_linear = get(meta, f"{arch}.rope.scale_linear", float, positive=True)  # the old spelling of linear scaling
+    scaling = get(meta, f"{arch}.rope.scaling.type", str, "none" if legacy_linear is None else "linear")
     if scaling == "linear":
-        factor = get("rope.scaling.factor", float, legacy_linear)
+        factor = get(meta, f"{arch}.rope.scaling.factor", float, legacy_linear, positive=True)
         if factor is None:
             raise _bad(f.path, f"{arch}.rope.scaling.factor is missing for linear RoPE scaling")
         freqs = [x * factor for x in (freqs or [1.0] * half)]

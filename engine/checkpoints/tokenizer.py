@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
-from llamaterm.engine.checkpoints.fields import read
+from llamaterm.engine.checkpoints.fields import read, reader
 from llamaterm.engine.checkpoints.hf_files import chat_template_source, read_json, read_text
 from llamaterm.engine.errors import ModelFormatError, RequestError
 
@@ -158,31 +158,31 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         """From GGUF metadata (every key -> its value: numeric arrays as numpy arrays, string arrays as lists)."""
-        get = lambda key, kind, default=None: read(meta, key, kind, default, where="GGUF metadata")
-        tokens = get("tokenizer.ggml.tokens", "strings")
+        get = reader("GGUF metadata")
+        tokens = get(meta, "tokenizer.ggml.tokens", "strings")
         if not tokens:
             raise ModelFormatError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
         n = len(tokens)
-        token_types = get("tokenizer.ggml.token_type", "ints")
+        token_types = get(meta, "tokenizer.ggml.token_type", "ints")
         if token_types is not None and len(token_types) != n:
             raise ModelFormatError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {n} tokens")
         token_types = [NORMAL] * n if token_types is None else [int(t) for t in token_types]
 
         def token_id(key: str) -> int | None:
-            value = get(f"tokenizer.ggml.{key}", int)
+            value = get(meta, f"tokenizer.ggml.{key}", int)
             if value is not None and not 0 <= value < n:
                 raise ModelFormatError(f"tokenizer.ggml.{key} = {value} is outside the vocabulary of {n} tokens")
             return value
 
-        model = get("tokenizer.ggml.model", str)
+        model = get(meta, "tokenizer.ggml.model", str)
         if model == "gpt2":
-            pre = get("tokenizer.ggml.pre", str, "default")
-            backend = _byte_level_bpe(tokens, get("tokenizer.ggml.merges", "strings"), pre)
+            pre = get(meta, "tokenizer.ggml.pre", str, "default")
+            backend = _byte_level_bpe(tokens, get(meta, "tokenizer.ggml.merges", "strings"), pre)
             add_bos_default, add_space_prefix = pre in _LLAMA3_PRES, False
         elif model == "llama":
-            add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", bool, True))
+            add_space_prefix = bool(get(meta, "tokenizer.ggml.add_space_prefix", bool, True))
             unk_id = token_id("unknown_token_id")
-            scores = get("tokenizer.ggml.scores", "numbers")
+            scores = get(meta, "tokenizer.ggml.scores", "numbers")
             backend = _sentencepiece_bpe(
                 tokens,
                 None if scores is None or len(scores) != n else [float(x) for x in scores],
@@ -211,10 +211,10 @@ class Tokenizer:
             strip_leading_space=add_space_prefix,
             bos_id=bos_id,
             eos_id=token_id("eos_token_id"),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", bool, add_bos_default and bos_id is not None)),
-            add_eos=bool(get("tokenizer.ggml.add_eos_token", bool, False)),
+            add_bos=bool(get(meta, "tokenizer.ggml.add_bos_token", bool, add_bos_default and bos_id is not None)),
+            add_eos=bool(get(meta, "tokenizer.ggml.add_eos_token", bool, False)),
             extra_stop_ids=stops,
-            chat_template=get("tokenizer.chat_template", str),
+            chat_template=get(meta, "tokenizer.chat_template", str),
         )
 
     @classmethod
