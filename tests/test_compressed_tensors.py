@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.checkpoint_info import read_safetensors
-from llamaterm.engine.checkpoints.safetensors_loader import COMPRESSED_TENSORS_SUPPORTED, load_safetensors
+from llamaterm.engine.checkpoints.hf_config import COMPRESSED_TENSORS_SUPPORTED
+from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.kernels.qweight import QuantWeight
