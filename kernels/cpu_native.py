@@ -21,6 +21,8 @@ from pathlib import Path
 
 import platformdirs
 
+from llamaterm.kernels.dispatch import REFERENCES_ONLY
+
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # -fopenmp-simd: only the `omp simd` loop pragmas (sums in vector order), no OpenMP runtime; -fno-math-errno:
 # sqrtf and expf without errno bookkeeping
@@ -74,7 +76,7 @@ def library() -> ctypes.CDLL | None:
 
 def build() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not)."""
-    if os.environ.get("LLAMATERM_KERNELS", "").lower() == "torch":
+    if REFERENCES_ONLY:
         return None, "LLAMATERM_KERNELS=torch"
     missing = [f for f in NEEDED_CPU_FLAGS if f not in cpu_flags()]
     if missing:

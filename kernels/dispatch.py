@@ -8,8 +8,10 @@ import os
 
 import torch
 
-_force_reference = os.environ.get("LLAMATERM_KERNELS", "").lower() == "torch"
+# LLAMATERM_KERNELS=torch: the torch references everywhere, neither Triton nor the CPU's native kernels
+# (kernels/cpu_native.py asks here too). Read once: use_triton runs at every kernel call.
+REFERENCES_ONLY = os.environ.get("LLAMATERM_KERNELS", "").lower() == "torch"
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and not _force_reference
+    return t.is_cuda and not REFERENCES_ONLY
