@@ -1,11 +1,11 @@
 """Block manager: allocation, ref counts, prefix caching and LRU eviction."""
 
-from llamaterm.engine.serving.block_manager import FREED, BlockManager, BlockTableEntry, chain_hash
+from llamaterm.engine.serving.block_manager import FREED, BlockManager, BlockTable, chain_hash
 
 
 def test_allocate_and_release_returns_every_block():
     bm = BlockManager(num_blocks=8, block_size=4)
-    t = BlockTableEntry()
+    t = BlockTable()
     assert bm.can_allocate(t, 10)
     bm.allocate(t, 10)
     assert len(t.block_ids) == 3 and bm.num_free == 5
@@ -19,25 +19,25 @@ def test_allocate_and_release_returns_every_block():
 def test_prefix_is_shared_and_token_ids_are_compared():
     bm = BlockManager(num_blocks=16, block_size=4)
     prompt = list(range(100, 111))  # 11 tokens: two full blocks, then three more
-    a = BlockTableEntry()
+    a = BlockTable()
     assert bm.match_prefix(prompt, a) == 0
     bm.allocate(a, len(prompt))
     bm.commit_full_blocks(a, prompt, len(prompt))
-    b = BlockTableEntry()
+    b = BlockTable()
     assert bm.match_prefix(prompt + [7, 8], b) == 8  # both full blocks are reused
     assert b.block_ids == a.block_ids[:2]
     assert bm.blocks[a.block_ids[0]].ref_count == 2
-    c = BlockTableEntry()
+    c = BlockTable()
     assert bm.match_prefix([999] + prompt[1:], c) == 0  # a different first block breaks the chain
 
 
 def test_match_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
     prompt = list(range(8))
-    a = BlockTableEntry()
+    a = BlockTable()
     bm.allocate(a, 8)
     bm.commit_full_blocks(a, prompt, 8)
-    b = BlockTableEntry()
+    b = BlockTable()
     assert bm.match_prefix(prompt, b) == 4
 
 
@@ -45,14 +45,14 @@ def test_freed_cached_blocks_are_evicted_least_recent_first():
     bm = BlockManager(num_blocks=4, block_size=2)
     old, new = [1, 2, 3], [5, 6, 7]
     for prompt in (old, new):
-        t = BlockTableEntry()
+        t = BlockTable()
         bm.allocate(t, 3)
         bm.commit_full_blocks(t, prompt, 3)
         bm.release(t)
     assert bm.num_free == 4
-    t = BlockTableEntry()
+    t = BlockTable()
     bm.allocate(t, 6)  # three blocks: the two never-cached partial ones first, then the oldest cached one
-    probe = BlockTableEntry()
+    probe = BlockTable()
     assert bm.match_prefix(old, probe) == 0  # evicted
     assert bm.match_prefix(new, probe) == 2  # the most recently freed prefix survives
     bm.release(probe)
@@ -63,11 +63,11 @@ def test_freed_cached_blocks_are_evicted_least_recent_first():
 # --- sliding windows: blocks no window reaches are given back ----------------------------------------------
 
 
-def held(table: BlockTableEntry) -> list[int]:
+def held(table: BlockTable) -> list[int]:
     return [b for b in table.block_ids if b != FREED]
 
 
-def assert_window_is_held(bm: BlockManager, table: BlockTableEntry, token_ids: list[int], num_computed: int):
+def assert_window_is_held(bm: BlockManager, table: BlockTable, token_ids: list[int], num_computed: int):
     """Every key the next token (at position num_computed) sees is in a held block that holds it."""
     bs, window = bm.block_size, bm.window
     for p in range(max(0, num_computed - window + 1), num_computed):
@@ -79,7 +79,7 @@ def assert_window_is_held(bm: BlockManager, table: BlockTableEntry, token_ids: l
             assert block.token_ids == tuple(token_ids[p // bs * bs : (p // bs + 1) * bs])
 
 
-def run_sequence(bm: BlockManager, token_ids: list[int], table: BlockTableEntry, start: int, chunk: int):
+def run_sequence(bm: BlockManager, token_ids: list[int], table: BlockTable, start: int, chunk: int):
     """Prefill in chunks up to token 20, then decode one token at a time, as the engine does: allocate, compute,
     commit, slide. Returns the most blocks held at once while decoding."""
     most, done = 0, start
@@ -102,7 +102,7 @@ def test_a_long_sequence_holds_at_most_the_window_plus_one_block():
     window, bs = 10, 4
     bm = BlockManager(num_blocks=64, block_size=bs, window=window)
     tokens = list(range(1000, 1200))  # 200 tokens: 50 blocks, far more than the window's 3
-    t = BlockTableEntry()
+    t = BlockTable()
     assert run_sequence(bm, tokens, t, 0, chunk=7) <= -(-window // bs) + 1
     assert bm.num_free == 64 - len(held(t))
     bm.release(t)
@@ -111,7 +111,7 @@ def test_a_long_sequence_holds_at_most_the_window_plus_one_block():
 
 def test_without_a_window_nothing_is_freed():
     bm = BlockManager(num_blocks=64, block_size=4)
-    t = BlockTableEntry()
+    t = BlockTable()
     bm.allocate(t, 100)
     bm.commit_full_blocks(t, list(range(100)), 100)
     bm.slide(t, 100)
@@ -122,11 +122,11 @@ def test_window_prefix_match_takes_only_the_blocks_its_window_reaches():
     window, bs = 10, 4
     bm = BlockManager(num_blocks=64, block_size=bs, window=window)
     first_turn = list(range(500, 560))  # 60 tokens
-    a = BlockTableEntry()
+    a = BlockTable()
     run_sequence(bm, first_turn, a, 0, chunk=16)
     bm.release(a)
     second_turn = first_turn + [7, 8, 9, 10, 11, 12]  # the next turn of the chat resends everything
-    b = BlockTableEntry()
+    b = BlockTable()
     cached = bm.match_prefix(second_turn, b)
     assert cached == 60  # every full block up to the new tokens, though most were freed during the first turn
     assert_window_is_held(bm, b, second_turn, cached)
@@ -138,17 +138,17 @@ def test_window_prefix_match_stops_before_an_evicted_block_inside_the_window():
     window, bs = 10, 4
     bm = BlockManager(num_blocks=40, block_size=bs, window=window)
     prompt = list(range(300, 340))  # 40 tokens: 10 blocks
-    a = BlockTableEntry()
+    a = BlockTable()
     run_sequence(bm, prompt, a, 0, chunk=40)
     bm.release(a)
     # evict block 7 (inside the window of position 36, the first token a full match leaves to compute): make it
     # the least recently used free block, then take one block
     victim = bm.cached[hash_of(prompt, 8, bs)]
     bm.free.move_to_end(victim, last=False)
-    grab = BlockTableEntry()
+    grab = BlockTable()
     bm.allocate(grab, 1)
     assert grab.block_ids == [victim] and hash_of(prompt, 8, bs) not in bm.cached
-    b = BlockTableEntry()
+    b = BlockTable()
     cached = bm.match_prefix(prompt, b)
     assert cached == 7 * bs  # blocks 0..6: the window of position 28 reaches back to block 4, all cached
     assert_window_is_held(bm, b, prompt, cached)

@@ -44,8 +44,9 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 @dataclass
-class BlockTableEntry:
-    """What a sequence owns: its block ids and how many of its leading blocks are hashed (full and cached)."""
+class BlockTable:
+    """A sequence's block table: the ids of the blocks it owns, in order, and how many of the leading ones are hashed
+    (full and cached)."""
 
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0
@@ -73,7 +74,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, token_ids: list[int], table: BlockTableEntry) -> int:
+    def match_prefix(self, token_ids: list[int], table: BlockTable) -> int:
         """Take cached blocks for the longest run of full leading blocks; returns the tokens they cover. With a
         window, the run need only hold the blocks the window of the first token left to compute reaches.
 
@@ -113,7 +114,7 @@ class BlockManager:
             return 0
         return max(0, num_computed - self.window + 1) // self.block_size
 
-    def slide(self, table: BlockTableEntry, num_computed: int) -> None:
+    def slide(self, table: BlockTable, num_computed: int) -> None:
         """Give back the blocks that no window reaches once num_computed tokens are in the cache (after
         commit_full_blocks, so that they stay in the prefix cache)."""
         keep = min(self.first_needed_block(num_computed), len(table.block_ids))
@@ -122,10 +123,10 @@ class BlockManager:
             table.block_ids[i] = FREED
         table.num_freed = max(table.num_freed, keep)
 
-    def can_allocate(self, table: BlockTableEntry, num_tokens: int) -> bool:
+    def can_allocate(self, table: BlockTable, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(table.block_ids) <= self.num_free
 
-    def allocate(self, table: BlockTableEntry, num_tokens: int) -> None:
+    def allocate(self, table: BlockTable, num_tokens: int) -> None:
         """Grow the table to hold num_tokens tokens (the caller checked can_allocate)."""
         for _ in range(self.blocks_needed(num_tokens) - len(table.block_ids)):
             block_id, _ = self.free.popitem(last=False)
@@ -137,7 +138,7 @@ class BlockManager:
             block.ref_count = 1
             table.block_ids.append(block_id)
 
-    def commit_full_blocks(self, table: BlockTableEntry, token_ids: list[int], num_computed: int) -> None:
+    def commit_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
         """Publish blocks whose tokens are all computed, so later sequences can share them."""
         bs = self.block_size
         while table.num_hashed < min(num_computed // bs, len(table.block_ids)):
@@ -151,7 +152,7 @@ class BlockManager:
             table.num_hashed += 1
             table.last_hash = h
 
-    def release(self, table: BlockTableEntry) -> None:
+    def release(self, table: BlockTable) -> None:
         """Drop the sequence's references. Tail blocks go to the front of the LRU so they are evicted first."""
         for block_id in reversed(table.block_ids[table.num_freed :]):
             self._unref(block_id)

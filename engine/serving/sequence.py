@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llamaterm.engine.sampling_params import SamplingParams
-from llamaterm.engine.serving.block_manager import BlockTableEntry
+from llamaterm.engine.serving.block_manager import BlockTable
 
 
 class Status(enum.Enum):
@@ -25,7 +25,7 @@ class Sequence:
     seed: int = 0  # 64 bits: the request's seed, or a random one (kernels/sampling.py keys its draws on it)
     sampler_slot: int | None = None  # its row of the sampler's tables, from first admission to finish
     status: Status = Status.WAITING
-    table: BlockTableEntry = field(default_factory=BlockTableEntry)
+    table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_pending: int = 0  # trailing token_ids still PENDING (sampled by a step in flight: model_runner.py)
