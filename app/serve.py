@@ -248,28 +248,8 @@ def parse_prompt(prompt: object) -> str:
 
 
 def parse_params(body: dict, max_context: int) -> SamplingParams:
-    known = (
-        IGNORED
-        | ONLY_DEFAULT.keys()
-        | set(FLOATS)
-        | set(INTS)
-        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos"}
-    )
-    for name in body:
-        if name not in known:
-            raise APIError(400, f"Unrecognized request argument supplied: {name}", name)
-    for name, defaults in ONLY_DEFAULT.items():
-        if name in body and body[name] not in defaults:
-            raise APIError(400, f"{name} = {body[name]!r} is not supported by this server", name)
-    values: dict = {}
-    for name in FLOATS + INTS:
-        value = body.get(name)
-        if value is None:
-            continue
-        kinds = (int, float) if name in FLOATS else (int,)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise APIError(400, f"{name} must be a {'number' if name in FLOATS else 'whole number'}", name)
-        values[name] = value
+    check_fields(body)
+    values = numbers(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
@@ -291,6 +271,37 @@ def parse_params(body: dict, max_context: int) -> SamplingParams:
         raise APIError(400, str(e)) from None
 
 
+def check_fields(body: dict) -> None:
+    """Refuse a field the API does not know, and one asking for what the engine lacks."""
+    known = (
+        IGNORED
+        | ONLY_DEFAULT.keys()
+        | set(FLOATS)
+        | set(INTS)
+        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos"}
+    )
+    for name in body:
+        if name not in known:
+            raise APIError(400, f"Unrecognized request argument supplied: {name}", name)
+    for name, defaults in ONLY_DEFAULT.items():
+        if name in body and body[name] not in defaults:
+            raise APIError(400, f"{name} = {body[name]!r} is not supported by this server", name)
+
+
+def numbers(body: dict) -> dict:
+    """The sampling numbers the body gives (FLOATS and INTS), each checked to be one."""
+    values = {}
+    for name in FLOATS + INTS:
+        value = body.get(name)
+        if value is None:
+            continue
+        kinds = (int, float) if name in FLOATS else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise APIError(400, f"{name} must be a {'number' if name in FLOATS else 'whole number'}", name)
+        values[name] = value
+    return values
+
+
 # ---- engine events to asyncio ----
 
 
@@ -304,9 +315,7 @@ class EventPump:
 
     def watch(self, stream: RequestStream) -> asyncio.Queue[list[Event]]:
         if self.closed:
-            raise APIError(
-                503, "the server is shutting down: send the request to a running server", kind="server_error"
-            )
+            raise shutting_down()
         queue = self.live[stream] = asyncio.Queue()
         self.wake.set()
         return queue
@@ -553,41 +562,39 @@ def too_large(limit: int) -> APIError:
 
 def create_app(service: Service, api_key: str | None = None, host: str = "127.0.0.1") -> Starlette:
     """The ASGI app over the service's engine (which the caller owns and shuts down), for a server on `host`."""
-    pump, supervisor = service.pump, service.supervisor
-    # a web page's script can reach a keyless server on loopback under a name of the page's own (DNS rebinding):
-    # such a server answers only requests that name loopback
-    check_host = api_key is None and host in LOOPBACK
+    api = Handlers(service, api_key, host)
 
     @asynccontextmanager
     async def lifespan(app):
-        tasks = [asyncio.create_task(pump.run()), asyncio.create_task(supervisor.watch())]
+        tasks = [asyncio.create_task(service.pump.run()), asyncio.create_task(service.supervisor.watch())]
         yield
         for task in tasks:
             task.cancel()
 
-    def authorize(request: Request, key: bool = True) -> None:
-        if check_host and host_name(request.headers.get("host", "")) not in LOOPBACK_HOSTS:
-            raise APIError(
-                403,
-                f"this server answers requests for {', '.join(sorted(LOOPBACK_HOSTS))} only, not for "
-                f"{request.headers.get('host', 'no host')!r}: use one of those, or serve with --api-key",
-                code="host_not_allowed",
-            )
-        if not key or api_key is None:
-            return
-        given = bearer_token(request.headers.get("authorization", "")) or ""
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(
-                401, "Incorrect API key provided: give the server's key as a bearer token", code="invalid_api_key"
-            )
+    routes = [
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={APIError: api_error, HTTPException: http_error}
+    )
 
-    def check_engine() -> None:
-        if not supervisor.alive:
-            raise APIError(503, "the engine is restarting after a failure: retry in a few seconds", kind="server_error")
 
-    async def models(request: Request) -> Response:
-        authorize(request)
-        engine = supervisor.engine
+class Handlers:
+    """The routes' handlers over one service, for a server on `host` that asks for `api_key` (None: no key)."""
+
+    def __init__(self, service: Service, api_key: str | None, host: str):
+        self.service, self.api_key = service, api_key
+        # a web page's script can reach a keyless server on loopback under a name of the page's own (DNS rebinding):
+        # such a server answers only requests that name loopback
+        self.check_host = api_key is None and host in LOOPBACK
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        engine = self.service.supervisor.engine
         card = {
             "id": engine.model_name,
             "object": "model",
@@ -597,82 +604,50 @@ def create_app(service: Service, api_key: str | None = None, host: str = "127.0.
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def complete(request: Request, chat: bool) -> Response:
-        authorize(request)
-        if service.draining:
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.answer(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.answer(request, chat=False)
+
+    async def health(self, request: Request) -> Response:
+        self.authorize(request, key=False)
+        status = self.service.status()
+        return JSONResponse(
+            {"status": status, "model": self.service.supervisor.engine.model_name},
+            status_code=200 if status == "ok" else 503,
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        self.authorize(request)
+        self.check_engine()  # a dead engine's last numbers would pass for live ones
+        stats = self.service.supervisor.engine.stats()
+        return PlainTextResponse(metrics_text(stats), media_type="text/plain; version=0.0.4")
+
+    def authorize(self, request: Request, key: bool = True) -> None:
+        if self.check_host and host_name(request.headers.get("host", "")) not in LOOPBACK_HOSTS:
             raise APIError(
-                503, "the server is shutting down: send the request to a running server", kind="server_error"
+                403,
+                f"this server answers requests for {', '.join(sorted(LOOPBACK_HOSTS))} only, not for "
+                f"{request.headers.get('host', 'no host')!r}: use one of those, or serve with --api-key",
+                code="host_not_allowed",
             )
-        check_engine()
-        engine = supervisor.engine
-        try:
-            body = await asyncio.wait_for(read_body(request, body_limit(engine.max_context)), BODY_TIMEOUT_S)
-        except TimeoutError:
+        if not key or self.api_key is None:
+            return
+        given = bearer_token(request.headers.get("authorization", "")) or ""
+        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
             raise APIError(
-                408, f"the request body did not arrive within {BODY_TIMEOUT_S} s: send it whole", close=True
-            ) from None
-        req = parse_request(parse_json(body), engine.model_name, engine.max_context, chat)
-        try:
-            stream = await run_in_threadpool(
-                engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
+                401, "Incorrect API key provided: give the server's key as a bearer token", code="invalid_api_key"
             )
-        except RequestError as e:
-            code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
-            raise APIError(400, str(e), "messages" if chat else "prompt", code) from None
-        except LlamatermError as e:
-            raise APIError(503, str(e), kind="server_error") from None
+
+    def check_engine(self) -> None:
+        if not self.service.supervisor.alive:
+            raise APIError(503, "the engine is restarting after a failure: retry in a few seconds", kind="server_error")
+
+    async def answer(self, request: Request, chat: bool) -> Response:
+        """A completion, or an error object for whatever failed: the connection stays open."""
         try:
-            queue = pump.watch(stream)
-        except APIError:
-            cancel(engine, stream)
-            raise
-        responder = Responder(engine.model_name, chat)
-        if req.stream:
-            return EngineStreamResponse(stream_events(queue, stream, responder, req.include_usage), engine, stream)
-        return await whole_reply(request, engine, queue, stream, responder)
-
-    async def stream_events(queue, stream, responder: Responder, include_usage: bool) -> AsyncIterator[str]:
-        extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null in every chunk but the last
-        yield sse(responder.chunk("", role=True, **extra))
-        while True:
-            events = await queue.get()
-            last = events[-1]
-            # the tokens that arrived since the last poll go as one chunk: at tens of thousands of tokens a second,
-            # a chunk per token would cost the server more than the engine
-            text = "".join(e.text for e in events[:-1])
-            if last.finished:
-                error = failure(last)
-                if error is not None:
-                    yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body) + DONE
-                    return
-                out = [sse(responder.chunk(text + last.text, last.finish_reason, **extra))]
-                if include_usage:
-                    out.append(sse(responder.envelope(responder.chunk_kind, [], usage=usage(stream))))
-                yield "".join(out) + DONE
-                return
-            if text + last.text:
-                yield sse(responder.chunk(text + last.text, **extra))
-
-    async def whole_reply(request: Request, engine, queue, stream, responder: Responder) -> Response:
-        text = []
-        while True:
-            try:
-                events = await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    cancel(engine, stream)
-                    return Response(status_code=499)
-                continue
-            text += [e.text for e in events]
-            if events[-1].finished:
-                error = failure(events[-1])
-                if error is not None:
-                    raise error
-                return JSONResponse(responder.whole("".join(text), events[-1].finish_reason, usage(stream)))
-
-    async def answer(request: Request, chat: bool) -> Response:
-        try:
-            return await complete(request, chat)
+            return await self.complete(request, chat)
         except APIError:
             raise
         except ClientDisconnect:  # it left before its body arrived: no one to answer
@@ -683,42 +658,110 @@ def create_app(service: Service, api_key: str | None = None, host: str = "127.0.
                 500, f"the server failed on this request ({type(e).__name__}: {e})", kind="server_error"
             ) from e
 
-    async def chat_completions(request: Request) -> Response:
-        return await answer(request, chat=True)
+    async def complete(self, request: Request, chat: bool) -> Response:
+        self.authorize(request)
+        if self.service.draining:
+            raise shutting_down()
+        self.check_engine()
+        engine = self.service.supervisor.engine
+        body = parse_json(await read_body_in_time(request, engine))
+        req = parse_request(body, engine.model_name, engine.max_context, chat)
+        stream = await submit(engine, req, chat)
+        try:
+            queue = self.service.pump.watch(stream)
+        except APIError:
+            cancel(engine, stream)
+            raise
+        responder = Responder(engine.model_name, chat)
+        if req.stream:
+            return EngineStreamResponse(stream_events(queue, stream, responder, req.include_usage), engine, stream)
+        return await whole_reply(request, engine, queue, stream, responder)
 
-    async def completions(request: Request) -> Response:
-        return await answer(request, chat=False)
 
-    async def health(request: Request) -> Response:
-        authorize(request, key=False)
-        status = service.status()
-        return JSONResponse(
-            {"status": status, "model": supervisor.engine.model_name}, status_code=200 if status == "ok" else 503
+async def read_body_in_time(request: Request, engine: EngineClient) -> bytes:
+    """The body, within BODY_TIMEOUT_S and as long as the longest prompt the engine's context can take."""
+    try:
+        return await asyncio.wait_for(read_body(request, body_limit(engine.max_context)), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {BODY_TIMEOUT_S} s: send it whole", close=True
+        ) from None
+
+
+async def submit(engine: EngineClient, req: Completion, chat: bool) -> RequestStream:
+    """The request submitted (tokenized in the thread pool); a refusal as the API's error."""
+    try:
+        return await run_in_threadpool(
+            engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
         )
+    except RequestError as e:
+        code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
+        raise APIError(400, str(e), "messages" if chat else "prompt", code) from None
+    except LlamatermError as e:
+        raise APIError(503, str(e), kind="server_error") from None
 
-    async def metrics(request: Request) -> Response:
-        authorize(request)
-        check_engine()  # a dead engine's last numbers would pass for live ones
-        return PlainTextResponse(metrics_text(supervisor.engine.stats()), media_type="text/plain; version=0.0.4")
 
-    async def api_error(request: Request, exc: Exception) -> Response:
-        return exc.response()  # type: ignore[attr-defined]
+async def stream_events(
+    queue: asyncio.Queue[list[Event]], stream: RequestStream, responder: Responder, include_usage: bool
+) -> AsyncIterator[str]:
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null in every chunk but the last
+    yield sse(responder.chunk("", role=True, **extra))
+    while True:
+        events = await queue.get()
+        last = events[-1]
+        # the tokens that arrived since the last poll go as one chunk: at tens of thousands of tokens a second,
+        # a chunk per token would cost the server more than the engine
+        text = "".join(e.text for e in events[:-1])
+        if last.finished:
+            error = failure(last)
+            if error is not None:
+                yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body) + DONE
+                return
+            out = [sse(responder.chunk(text + last.text, last.finish_reason, **extra))]
+            if include_usage:
+                out.append(sse(responder.envelope(responder.chunk_kind, [], usage=usage(stream))))
+            yield "".join(out) + DONE
+            return
+        if text + last.text:
+            yield sse(responder.chunk(text + last.text, **extra))
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = exc.status_code  # type: ignore[attr-defined]
-        message = {404: f"no such endpoint: {request.url.path}", 405: f"{request.method} is not allowed here"}
-        return APIError(status, message.get(status, str(exc))).response()
 
-    routes = [
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
-    return Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={APIError: api_error, HTTPException: http_error}
-    )
+async def whole_reply(
+    request: Request,
+    engine: EngineClient,
+    queue: asyncio.Queue[list[Event]],
+    stream: RequestStream,
+    responder: Responder,
+) -> Response:
+    text = []
+    while True:
+        try:
+            events = await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                cancel(engine, stream)
+                return Response(status_code=499)
+            continue
+        text += [e.text for e in events]
+        if events[-1].finished:
+            error = failure(events[-1])
+            if error is not None:
+                raise error
+            return JSONResponse(responder.whole("".join(text), events[-1].finish_reason, usage(stream)))
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    return exc.response()  # type: ignore[attr-defined]
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code  # type: ignore[attr-defined]
+    message = {404: f"no such endpoint: {request.url.path}", 405: f"{request.method} is not allowed here"}
+    return APIError(status, message.get(status, str(exc))).response()
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down: send the request to a running server", kind="server_error")
 
 
 METRICS = [  # (name, help, EngineStats field)
