@@ -81,10 +81,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        chunks, prefill = self._schedule_running()
+        self._admit_waiting(chunks, prefill)
+        return chunks
+
+    def _schedule_running(self) -> tuple[list[ScheduledChunk], int | None]:
+        """Running sequences first, decodes before prefill chunks, so no session waits on a new prompt. Returns
+        their chunks and the prefill tokens the step has left (None: no prefill chunk placed yet)."""
         budget = self.max_batch_tokens
         prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
-        # Running sequences first, decodes before prefill chunks, so no session waits on a new prompt.
         for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
@@ -95,12 +101,7 @@ class Scheduler:
                 n = min(n, prefill)
             if n == 0:
                 break
-            while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
-                victim = self.running[-1]
-                self.preempt(victim)
-                chunks = [c for c in chunks if c.seq is not victim]
-                if victim is seq:
-                    break
+            chunks = self._make_room(seq, n, chunks)
             if seq.status is not Status.RUNNING:
                 continue
             self.blocks.allocate(seq.table, seq.num_computed + n)
@@ -108,8 +109,22 @@ class Scheduler:
             budget -= n
             if prefilling:
                 prefill = self._prefill_left(prefill, chunks) - n
+        return chunks, prefill
+
+    def _make_room(self, seq: Sequence, n: int, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Preempts the newest running sequences until seq's next n tokens fit, or seq itself was the newest;
+        returns the chunks without those of the preempted."""
+        while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            chunks = [c for c in chunks if c.seq is not victim]
+            if victim is seq:
+                break
+        return chunks
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], prefill: int | None) -> None:
+        """Admit waiting sequences while tokens, blocks and sampler slots remain (a preempted one has its own)."""
         budget = self.max_batch_tokens - sum(c.length for c in chunks)
-        # Then admit waiting sequences while tokens, blocks and sampler slots remain (a preempted one has its own).
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.done_sampling:  # preempted while its last token is in flight: it finishes when that arrives
@@ -119,11 +134,7 @@ class Scheduler:
             prefill = self._prefill_left(prefill, chunks)
             if prefill <= 0:
                 break
-            if seq.num_computed == 0 and not seq.table.block_ids:
-                cached = self.blocks.match_prefix(seq.token_ids, seq.table)
-                seq.num_computed = cached
-                if seq.first_token_time is None:
-                    seq.num_cached = cached
+            self._take_cached_prefix(seq)
             n = min(seq.num_to_compute, budget, prefill)
             # The engine rejects requests larger than the pool, so a sequence always fits once others finish.
             if not self.blocks.can_allocate(seq.table, seq.num_computed + n):
@@ -132,16 +143,25 @@ class Scheduler:
                 self.blocks.release(seq.table)
                 seq.num_computed = 0
                 break
-            self.waiting.popleft()
-            self.blocks.allocate(seq.table, seq.num_computed + n)
-            if seq.sampler_slot is None:
-                seq.sampler_slot = self.free_slots.pop()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._admit(self.waiting.popleft(), n)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
             prefill -= n
-        return chunks
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """A sequence that holds no blocks starts after the longest prefix of it the cache holds."""
+        if seq.num_computed == 0 and not seq.table.block_ids:
+            cached = self.blocks.match_prefix(seq.token_ids, seq.table)
+            seq.num_computed = cached
+            if seq.first_token_time is None:
+                seq.num_cached = cached
+
+    def _admit(self, seq: Sequence, n: int) -> None:
+        self.blocks.allocate(seq.table, seq.num_computed + n)
+        if seq.sampler_slot is None:
+            seq.sampler_slot = self.free_slots.pop()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def _prefill_left(self, prefill: int | None, chunks: list[ScheduledChunk]) -> int:
         """The step's prefill allowance: paced beside decode rows (chunks placed so far), whole without them."""
