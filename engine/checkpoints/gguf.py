@@ -154,20 +154,46 @@ class _Reader:
 
 def read_gguf_file(path: Path) -> GGUFFile:
     """Parse one GGUF file: metadata and tensor descriptions with byte views of their data (memory mapped)."""
+    buf = _map(path)
+    r = _Reader(path, buf)
+    n_tensors, n_keys = _header(r, buf)
+    metadata: dict[str, object] = {}
+    for i in range(n_keys):
+        key = r.string(f"metadata key {i}")
+        if key in metadata:
+            raise _bad(path, f"metadata key {key!r} appears twice")
+        metadata[key] = r.value(r.scalar("<I", f"the type of {key}"), f"metadata value {key!r}")
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _bad(path, f"general.alignment = {alignment!r} is not a power of two")
+    infos = [_tensor_info(r, i) for i in range(n_tensors)]
+    data_start = -(-r.pos // alignment) * alignment
+    tensors: dict[str, RawTensor] = {}
+    for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise _bad(path, f"tensor {name!r} appears twice")
+        tensors[name] = _tensor(path, buf, name, dims, type_id, data_start + offset, alignment)
+    return GGUFFile(path, metadata, tensors)
+
+
+def _map(path: Path) -> np.ndarray:
+    """The file's bytes, mapped read-only."""
     try:
-        size = path.stat().st_size
-        if size == 0:
+        if path.stat().st_size == 0:
             raise _bad(path, "the file is empty")
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        return np.memmap(path, dtype=np.uint8, mode="r")
     except FileNotFoundError:
         raise _bad(path, "no such file", "Check the path, or download the model again.") from None
     except OSError as err:
         raise ModelFormatError(f"{path}: cannot read it ({err.strerror or err}).") from None
-    r = _Reader(path, buf)
-    magic = bytes(r.take(4, "the magic bytes")) if size >= 4 else b""
+
+
+def _header(r: _Reader, buf: np.ndarray) -> tuple[int, int]:
+    """The magic bytes and a version llamaterm reads -> (tensor count, metadata key count)."""
+    magic = bytes(r.take(4, "the magic bytes")) if len(buf) >= 4 else b""
     if magic != b"GGUF":
         raise _bad(
-            path,
+            r.path,
             f"not a GGUF file (it starts with {bytes(buf[:4])!r}, not b'GGUF')",
             "llamaterm loads llama.cpp GGUF models (*.gguf): check the path, or re-download the file.",
         )
@@ -178,62 +204,51 @@ def read_gguf_file(path: Path) -> GGUFFile:
             if version & 0xFFFF == 0
             else f"GGUF version {version}; llamaterm reads versions 2 and 3"
         )
-        raise _bad(path, problem, "Download a little-endian GGUF of version 3 (current llama.cpp writes it).")
+        raise _bad(r.path, problem, "Download a little-endian GGUF of version 3 (current llama.cpp writes it).")
     n_tensors = r.count(24, "the tensor count")  # a tensor info takes at least 24 bytes
-    n_keys = r.count(13, "the metadata key count")  # a key/value pair takes at least 13 bytes
+    return n_tensors, r.count(13, "the metadata key count")  # a key/value pair takes at least 13 bytes
 
-    metadata: dict[str, object] = {}
-    for i in range(n_keys):
-        key = r.string(f"metadata key {i}")
-        if key in metadata:
-            raise _bad(path, f"metadata key {key!r} appears twice")
-        metadata[key] = r.value(r.scalar("<I", f"the type of {key}"), f"metadata value {key!r}")
 
-    alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise _bad(path, f"general.alignment = {alignment!r} is not a power of two")
+def _tensor_info(r: _Reader, i: int) -> tuple[str, list[int], int, int]:
+    """Tensor i's (name, GGUF dims, type id, offset in the data section)."""
+    name = r.string(f"the name of tensor {i}")
+    n_dims = r.scalar("<I", f"the rank of tensor {name!r}")
+    if not 1 <= n_dims <= 4:
+        raise _bad(r.path, f"tensor {name!r} has {n_dims} dimensions (GGUF allows 1 to 4)")
+    dims = [r.scalar("<Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
+    type_id = r.scalar("<I", f"the type of tensor {name!r}")
+    return name, dims, type_id, r.scalar("<Q", f"the offset of tensor {name!r}")
 
-    infos = []
-    for i in range(n_tensors):
-        name = r.string(f"the name of tensor {i}")
-        n_dims = r.scalar("<I", f"the rank of tensor {name!r}")
-        if not 1 <= n_dims <= 4:
-            raise _bad(path, f"tensor {name!r} has {n_dims} dimensions (GGUF allows 1 to 4)")
-        dims = [r.scalar("<Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
-        type_id = r.scalar("<I", f"the type of tensor {name!r}")
-        infos.append((name, dims, type_id, r.scalar("<Q", f"the offset of tensor {name!r}")))
-    data_start = -(-r.pos // alignment) * alignment
 
-    tensors: dict[str, RawTensor] = {}
-    for name, dims, type_id, offset in infos:
-        if name in tensors:
-            raise _bad(path, f"tensor {name!r} appears twice")
-        if type_id not in GGML_QUANT_SIZES:  # GGML_QUANT_SIZES is keyed by the enum, whose members equal ints
-            raise _bad(
-                path,
-                f"tensor {name!r} has an unknown type id {type_id} (new format or corrupt file)",
-                "Update llamaterm, or download a GGUF quantized with a common type (Q4_K_M, Q8_0).",
-            )
-        ggml_type = GGMLQuantizationType(type_id)
-        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-        if min(dims) == 0:
-            raise _bad(path, f"tensor {name!r} has shape {dims}, with an empty dimension")
-        if dims[0] % block_size:
-            raise _bad(
-                path,
-                f"tensor {name!r} has shape {dims}, whose rows are not a whole number of "
-                f"{ggml_type.name} blocks of {block_size} values",
-            )
-        n_bytes = math.prod(dims) // block_size * type_size
-        start = data_start + offset
-        if offset % alignment or start + n_bytes > size:
-            raise _bad(
-                path,
-                f"tensor {name!r} lies at bytes {start}..{start + n_bytes}, misaligned or "
-                f"beyond the end of the file ({size} bytes): the file is truncated or corrupt",
-            )
-        tensors[name] = RawTensor(name, ggml_type, tuple(reversed(dims)), buf[start : start + n_bytes])
-    return GGUFFile(path, metadata, tensors)
+def _tensor(
+    path: Path, buf: np.ndarray, name: str, dims: list[int], type_id: int, start: int, alignment: int
+) -> RawTensor:
+    """A tensor of a known type whose rows are whole blocks, viewed at `start` in the file (the data section
+    starts aligned, so `start` is aligned where the tensor's offset is)."""
+    if type_id not in GGML_QUANT_SIZES:  # GGML_QUANT_SIZES is keyed by the enum, whose members equal ints
+        raise _bad(
+            path,
+            f"tensor {name!r} has an unknown type id {type_id} (new format or corrupt file)",
+            "Update llamaterm, or download a GGUF quantized with a common type (Q4_K_M, Q8_0).",
+        )
+    ggml_type = GGMLQuantizationType(type_id)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if min(dims) == 0:
+        raise _bad(path, f"tensor {name!r} has shape {dims}, with an empty dimension")
+    if dims[0] % block_size:
+        raise _bad(
+            path,
+            f"tensor {name!r} has shape {dims}, whose rows are not a whole number of "
+            f"{ggml_type.name} blocks of {block_size} values",
+        )
+    n_bytes = math.prod(dims) // block_size * type_size
+    if start % alignment or start + n_bytes > len(buf):
+        raise _bad(
+            path,
+            f"tensor {name!r} lies at bytes {start}..{start + n_bytes}, misaligned or "
+            f"beyond the end of the file ({len(buf)} bytes): the file is truncated or corrupt",
+        )
+    return RawTensor(name, ggml_type, tuple(reversed(dims)), buf[start : start + n_bytes])
 
 
 def read_gguf_parts(path: Path) -> GGUFFile:
