@@ -236,40 +236,8 @@ class Tokenizer:
         config = read_json(folder / "tokenizer_config.json")
         generation = read_json(folder / "generation_config.json")
 
-        decoders = _flatten_decoders(spec.get("decoder"))
-        kinds = {d.get("type") for d in decoders}
-        if "ByteLevel" in kinds:
-            byte_level, strip_leading_space = True, False
-        elif kinds & {"ByteFallback", "Metaspace", "Replace"}:
-            byte_level = False
-            strip_leading_space = "Strip" in kinds or any(
-                d.get("type") == "Metaspace"
-                and (d.get("prepend_scheme", "never") != "never" or d.get("add_prefix_space"))
-                for d in decoders
-            )
-        else:
-            raise ModelFormatError(f"{folder / 'tokenizer.json'}: unsupported decoder {sorted(map(str, kinds))}")
-
-        vocab = backend.get_vocab(with_added_tokens=True)
-        if not vocab:
-            raise ModelFormatError(f"{folder / 'tokenizer.json'}: the vocabulary is empty")
-        token, top = max(vocab.items(), key=lambda item: item[1])
-        if top >= 2 * len(vocab):  # ids index a table of max id + 1 entries: a sparse one is a damaged file
-            raise ModelFormatError(
-                f"{folder / 'tokenizer.json'}: token {token!r} has id {top}, far beyond the "
-                f"{len(vocab)} tokens of the vocabulary; the file is damaged"
-            )
-        tokens = [""] * max(top + 1, model_vocab_size)
-        token_types = [UNUSED] * len(tokens)
-        for token, i in vocab.items():
-            tokens[i] = token
-            token_types[i] = BYTE if not byte_level and _BYTE_TOKEN.fullmatch(token) else NORMAL
-        for added in spec.get("added_tokens") or []:
-            if not (isinstance(added, dict) and vocab.get(str(added.get("content"))) == added.get("id")):
-                raise ModelFormatError(
-                    f"{folder / 'tokenizer.json'}: added token {str(added)[:60]} is not in the vocabulary"
-                )
-            token_types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+        byte_level, strip_leading_space = _hf_decoding(spec, folder / "tokenizer.json")
+        tokens, token_types = _hf_vocabulary(spec, backend, byte_level, model_vocab_size, folder / "tokenizer.json")
 
         def config_token_id(name: str) -> int | None:
             token = config.get(name)
@@ -524,6 +492,49 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options) -> mod
         return models.BPE(vocab, merges, **options)
     except Exception as err:  # the library raises plain Exceptions, e.g. a merge of tokens not in the vocabulary
         raise ModelFormatError(f"the GGUF tokenizer does not build: {err}") from None
+
+
+def _hf_decoding(spec: dict, where: Path) -> tuple[bool, bool]:
+    """(byte_level, strip_leading_space) from tokenizer.json's decoders: byte-level BPE, or SentencePiece-style
+    pieces (byte fallback, a metaspace) whose leading space the decoder may strip."""
+    decoders = _flatten_decoders(spec.get("decoder"))
+    kinds = {d.get("type") for d in decoders}
+    if "ByteLevel" in kinds:
+        byte_level, strip_leading_space = True, False
+    elif kinds & {"ByteFallback", "Metaspace", "Replace"}:
+        byte_level = False
+        strip_leading_space = "Strip" in kinds or any(
+            d.get("type") == "Metaspace" and (d.get("prepend_scheme", "never") != "never" or d.get("add_prefix_space"))
+            for d in decoders
+        )
+    else:
+        raise ModelFormatError(f"{where}: unsupported decoder {sorted(map(str, kinds))}")
+    return byte_level, strip_leading_space
+
+
+def _hf_vocabulary(
+    spec: dict, backend: tokenizers.Tokenizer, byte_level: bool, model_vocab_size: int, where: Path
+) -> tuple[list[str], list[int]]:
+    """Every id's token and type, ids the tokenizer lacks up to the model's vocabulary size as UNUSED."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise ModelFormatError(f"{where}: the vocabulary is empty")
+    token, top = max(vocab.items(), key=lambda item: item[1])
+    if top >= 2 * len(vocab):  # ids index a table of max id + 1 entries: a sparse one is a damaged file
+        raise ModelFormatError(
+            f"{where}: token {token!r} has id {top}, far beyond the "
+            f"{len(vocab)} tokens of the vocabulary; the file is damaged"
+        )
+    tokens = [""] * max(top + 1, model_vocab_size)
+    token_types = [UNUSED] * len(tokens)
+    for token, i in vocab.items():
+        tokens[i] = token
+        token_types[i] = BYTE if not byte_level and _BYTE_TOKEN.fullmatch(token) else NORMAL
+    for added in spec.get("added_tokens") or []:
+        if not (isinstance(added, dict) and vocab.get(str(added.get("content"))) == added.get("id")):
+            raise ModelFormatError(f"{where}: added token {str(added)[:60]} is not in the vocabulary")
+        token_types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    return tokens, token_types
 
 
 def _flatten_decoders(decoder) -> list[dict]:
