@@ -110,10 +110,7 @@ def _format_bound(fmt: str, args) -> int:
 def _check_call(name: str, target, args: tuple, kwargs: dict, method: bool) -> None:
     """Refuse a call whose result would pass MAX_OUTPUT_CHARS: of the method `name` of `target` (method=True), or
     of the filter `name` on the value `target`."""
-
-    def arg(i: int, key: str, default=None):
-        return args[i] if len(args) > i else kwargs.get(key, default)
-
+    arg = functools.partial(_arg, args, kwargs)
     what = f"{name}()"
     if name in ("format", "format_map"):  # their integer arguments are values, not sizes
         if isinstance(target, str):
@@ -126,28 +123,41 @@ def _check_call(name: str, target, args: tuple, kwargs: dict, method: bool) -> N
     if name == "tojson":  # its indent comes again on every line, at every depth
         indent = arg(1, "indent")
         _check_size("tojson()'s indent", len(indent) if isinstance(indent, str) else int(indent or 0), MAX_INDENT)
-    if name == "replace" and isinstance(target, str):
-        old, new, count = str(arg(0, "old", "")), str(arg(1, "new", "")), arg(2, "count")
-        hits = target.count(old) if old else len(target) + 1
-        if isinstance(count, int) and count >= 0:
-            hits = min(hits, count)
-        _check_size(what, len(target) + hits * max(0, len(new) - len(old)))
-    elif name == "join":  # str.join(items) on a separator, or the filter join(items, separator)
+    if name == "join":  # str.join(items) on a separator, or the filter join(items, separator)
         sep, items = (target, arg(0, "iterable")) if method else (arg(0, "d", ""), target)
         if isinstance(sep, str) and isinstance(items, Sized):
             chars = len(items) if isinstance(items, str) else sum(len(x) for x in items if isinstance(x, str))  # type: ignore
             _check_size(what, len(sep) * len(items) + chars)
-    elif name in ("indent", "expandtabs", "wordwrap") and isinstance(target, str):
-        if name == "indent":  # the width, a number or a string, at every line
-            width = arg(0, "width", 4)
-            _check_size(
-                what,
-                len(target) + (len(width) if isinstance(width, str) else int(width or 0)) * (target.count("\n") + 1),
-            )
-        elif name == "expandtabs":
-            _check_size(what, len(target) + int(arg(0, "tabsize", 8) or 0) * target.count("\t"))
-        else:  # at worst a wrapstring after every character
-            _check_size(what, len(target) * (1 + len(str(arg(2, "wrapstring") or "\n"))))
+    elif name in _TEXT_BOUNDS and isinstance(target, str):
+        _check_size(what, _TEXT_BOUNDS[name](target, arg))
+
+
+def _arg(args: tuple, kwargs: dict, i: int, key: str, default=None):
+    """A call's argument, given at position i or by its name."""
+    return args[i] if len(args) > i else kwargs.get(key, default)
+
+
+def _replace_bound(text: str, arg) -> int:
+    old, new, count = str(arg(0, "old", "")), str(arg(1, "new", "")), arg(2, "count")
+    hits = text.count(old) if old else len(text) + 1
+    if isinstance(count, int) and count >= 0:
+        hits = min(hits, count)
+    return len(text) + hits * max(0, len(new) - len(old))
+
+
+def _indent_bound(text: str, arg) -> int:  # the width, a number or a string, at every line
+    width = arg(0, "width", 4)
+    return len(text) + (len(width) if isinstance(width, str) else int(width or 0)) * (text.count("\n") + 1)
+
+
+# At most how long a method or filter on a string makes it, from the string and its arguments (arg(i, key, default))
+_TEXT_BOUNDS = {
+    "replace": _replace_bound,
+    "indent": _indent_bound,
+    "expandtabs": lambda text, arg: len(text) + int(arg(0, "tabsize", 8) or 0) * text.count("\t"),
+    # at worst a wrapstring after every character
+    "wordwrap": lambda text, arg: len(text) * (1 + len(str(arg(2, "wrapstring") or "\n"))),
+}
 
 
 def _checked(name: str, result):
