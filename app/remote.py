@@ -170,8 +170,8 @@ class RemoteEngine:
         return cards
 
     def _read(self, stream: RemoteStream, path: str, body: bytes) -> None:
-        """The request's thread: the server's chunks in, events out, until the end, an error or a cancel."""
-        reason = None
+        """The request's thread: the server's chunks in, events out, until the end, an error or a cancel (after
+        which the stream has ended and finish() does nothing)."""
         try:
             with self.http.stream("POST", path, content=body, headers={"Content-Type": "application/json"}) as reply:
                 stream.response = reply
@@ -183,20 +183,7 @@ class RemoteEngine:
                         "error", f"the server refused the request ({reply.status_code}): {error_message(text)}"
                     )
                     return
-                progress = time.monotonic()  # when the reply last moved on
-                for line in lines(reply):
-                    if stream.end is not None:  # cancelled: leaving closes the connection
-                        return
-                    data = line.removeprefix("data:").strip() if line.startswith("data:") else None
-                    if data == "[DONE]":
-                        break
-                    if data:
-                        before = stream.generated
-                        reason = take_chunk(stream, json.loads(data)) or reason
-                        if stream.generated != before or reason is not None:
-                            progress = time.monotonic()
-                    if time.monotonic() - progress > READ_TIMEOUT_S:
-                        raise ServerError(f"the server sent no text of the reply for {READ_TIMEOUT_S:.0f} s")
+                reason = read_events(stream, reply)
             if reason is None:
                 stream.finish("error", "the server closed the stream before the reply ended")
             else:
@@ -210,6 +197,27 @@ class RemoteEngine:
             stream.finish("error", str(e))
         finally:
             self._live.pop(stream.id, None)
+
+
+def read_events(stream: RemoteStream, reply: httpx2.Response) -> str | None:
+    """The reply's server-sent events into the stream, until [DONE], the reply's end or a cancel; returns the
+    finish reason the server gave (None: none yet)."""
+    reason = None
+    progress = time.monotonic()  # when the reply last moved on
+    for line in lines(reply):
+        if stream.end is not None:  # cancelled: leaving closes the connection
+            break
+        data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+        if data == "[DONE]":
+            break
+        if data:
+            before = stream.generated
+            reason = take_chunk(stream, json.loads(data)) or reason
+            if stream.generated != before or reason is not None:
+                progress = time.monotonic()
+        if time.monotonic() - progress > READ_TIMEOUT_S:
+            raise ServerError(f"the server sent no text of the reply for {READ_TIMEOUT_S:.0f} s")
+    return reason
 
 
 def read_at_most(reply: httpx2.Response, limit: int) -> bytes:
