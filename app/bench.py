@@ -266,7 +266,7 @@ def run_bench(
             "ready_s": ready,
             "limit": {"weight_bytes_per_step": read, "copy_bandwidth_bytes_s": bw, "steps_per_s": bw / read},
         }
-        # the limit counts the step's weight bytes at the copy rate (anchors.md's convention)
+        # the limit: a decode step's weight bytes at the rate a device-to-device copy reads and writes bytes
 
         progress.step("TTFT")
         ttft_len = min(512, ctx - 2)

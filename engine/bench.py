@@ -324,9 +324,9 @@ def static_rate(sessions: Sessions, n: int, prompt_len: int, tokens: int) -> flo
 
 
 def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, window_s: float) -> dict:
-    """anchors.md's dynamic sessions: n always open, each replaced at once by a new session with a new prompt when
-    it ends; prompt and output lengths from `mix`. Over `window_s` after `warmup_s`: decode tok/s, a session's gap
-    between two tokens (median, p99, max, in ms), and the engine's steps and host time per step."""
+    """Dynamic sessions: n always open, each replaced at once by a new session with a new prompt when it ends;
+    prompt and output lengths from `mix`. Over `window_s` after `warmup_s`: decode tok/s, a session's gap between
+    two tokens (median, p99, max, in ms), and the engine's steps and host time per step."""
     rng = random.Random(1)
     client = sessions.client
     if isinstance(client, Engine):
