@@ -256,6 +256,14 @@ class SessionLog:
     gaps: list[tuple[float, float]]  # (when, seconds since the session's last token) per token after its first
     window_stats: list[EngineStats]  # the engine's stats at the start and the end of the measured window
 
+    def arrived(self, now: float, last: float | None, k: int) -> None:
+        """k tokens of one session, seen together at `now`; its tokens before them at `last` (None: none)."""
+        if last is None:
+            self.first_token.append(now)
+        else:
+            self.gaps += [(now, (now - last) / k)] * k
+        self.token_times += [now] * k
+
 
 def drive(
     sessions: Sessions,
@@ -286,13 +294,8 @@ def drive(
             events = h.poll()
             k = sum(len(e.token_ids) for e in events)  # the tokens this poll brought, together
             if k:
-                previous = last[i]
-                if previous is None:
-                    log.first_token.append(now)
-                else:
-                    log.gaps += [(now, (now - previous) / k)] * k
+                log.arrived(now, last[i], k)
                 last[i] = now
-                log.token_times += [now] * k
             for event in events:
                 if event.error:
                     raise LlamatermError(f"benchmark request failed: {event.error}")
@@ -300,12 +303,17 @@ def drive(
                     log.finished.append(now)
                     handles[i], last[i] = (start() if replace else None), None
         if seconds is not None and now - t0 >= seconds:
-            for h in handles:
-                if h is not None:
-                    sessions.client.cancel(h)
-                    list(h.events())
+            cancel_all(sessions, handles)
             break
     return log
+
+
+def cancel_all(sessions: Sessions, handles: list[RequestStream | None]) -> None:
+    """Cancels the sessions still open and reads each to its end."""
+    for h in handles:
+        if h is not None:
+            sessions.client.cancel(h)
+            list(h.events())
 
 
 def rate(times: list[float], lo: float, hi: float) -> float:
