@@ -282,17 +282,9 @@ def start_with_real_stderr(process) -> None:
 
 def serve(conn, config: EngineConfig, load: Load) -> None:
     """The child: load the engine, take requests from the parent, send each step's tokens back."""
-    outbox: deque[tuple[list, list]] = deque()
-    ready = threading.Condition()
-    stopped = False
-
-    def sink(records: list, cached: list) -> None:  # the engine loop's thread: never blocks on the pipe
-        with ready:
-            outbox.append((records, cached))
-            ready.notify()
-
+    outbox = Outbox(conn)
     try:
-        engine = load(config, sink)
+        engine = load(config, outbox.sink)
     except Exception as e:
         conn.send(LoadFailed(e if isinstance(e, LlamatermError) else LlamatermError(f"{type(e).__name__}: {e}")))
         return
@@ -308,45 +300,70 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
             engine_info(engine),
         )
     )
+    forwarder = threading.Thread(target=outbox.forward, args=(engine,), name="llamaterm-forward", daemon=True)
+    forwarder.start()
+    with engine:
+        take_requests(conn, engine, outbox.sink)
+    outbox.close()  # the engine has stopped, its last records are queued: they are sent, then the thread ends
+    forwarder.join()
 
-    def forward() -> None:
+
+def take_requests(conn, engine: Engine, sink: Sink) -> None:
+    """The parent's messages to the engine, until it says to shut down or is gone."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if isinstance(message, Shutdown):
+            return
+        if isinstance(message, Cancel):
+            engine.cancel(message.request_id)
+            continue
+        try:
+            engine.submit(None, message.params, prompt_ids=message.prompt_ids, request_id=message.request_id)
+        except Exception as e:  # the parent checked the prompt: a refusal here is unforeseen; keep serving
+            error = e if isinstance(e, LlamatermError) else f"{type(e).__name__}: {e}"
+            sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})")], [])
+
+
+class Outbox:
+    """The child's steps on their way to the parent. The engine loop's thread hands each step's records to sink(),
+    which never blocks on the pipe; forward(), a thread of its own, sends what has gathered as one message with the
+    engine's stats, and one every IDLE_TICK_S when nothing has."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.steps: deque[tuple[list, list]] = deque()
+        self.ready = threading.Condition()
+        self.stopped = False
+
+    def sink(self, records: list, cached: list) -> None:
+        with self.ready:
+            self.steps.append((records, cached))
+            self.ready.notify()
+
+    def close(self) -> None:
+        """No more steps: forward() sends those gathered, then returns."""
+        with self.ready:
+            self.stopped = True
+            self.ready.notify()
+
+    def forward(self, engine: Engine) -> None:
         last, done = 0.0, False
         while not done:
-            with ready:
-                if not outbox and not stopped:
-                    ready.wait(IDLE_TICK_S)
-                batch = list(outbox)
-                outbox.clear()
-                done = stopped
+            with self.ready:
+                if not self.steps and not self.stopped:
+                    self.ready.wait(IDLE_TICK_S)
+                batch = list(self.steps)
+                self.steps.clear()
+                done = self.stopped
             now = time.perf_counter()
             if batch or now - last >= IDLE_TICK_S:
                 records = [r for part, _ in batch for r in part]
                 cached = [c for _, part in batch for c in part]
                 try:
-                    conn.send(StepOutput(records, cached, engine.stats()))
+                    self.conn.send(StepOutput(records, cached, engine.stats()))
                 except (BrokenPipeError, OSError):  # the parent is gone
                     return
                 last = now
-
-    forwarder = threading.Thread(target=forward, name="llamaterm-forward", daemon=True)
-    forwarder.start()
-    with engine:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                break
-            if isinstance(message, Shutdown):
-                break
-            if isinstance(message, Cancel):
-                engine.cancel(message.request_id)
-                continue
-            try:
-                engine.submit(None, message.params, prompt_ids=message.prompt_ids, request_id=message.request_id)
-            except Exception as e:  # the parent checked the prompt: a refusal here is unforeseen; keep serving
-                error = e if isinstance(e, LlamatermError) else f"{type(e).__name__}: {e}"
-                sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})")], [])
-    with ready:  # the engine has stopped, its last records are queued: send them and end
-        stopped = True
-        ready.notify()
-    forwarder.join()
