@@ -197,10 +197,7 @@ class Engine:
         template's default). request_id: the caller's own id (engine/serving/process.py), unique among its
         requests."""
         params = params or SamplingParams()
-        if prompt_ids is None:
-            ids, opens = self.prompts.encode(prompt or "", raw, enable_thinking)
-        else:
-            ids, opens = list(prompt_ids), False
+        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids)
         limit = self.sequence_limit()
         check_prompt(ids, self.model.config.vocab_size, self.max_context, limit)
         seq = Sequence(

@@ -187,10 +187,7 @@ class EngineProcess:
     ) -> ProcessHandle:
         """As Engine.submit; a request the model cannot take raises here, in the caller's thread."""
         params = params or SamplingParams()
-        if prompt_ids is None:
-            ids, opens = self.prompts.encode(prompt or "", raw, enable_thinking)
-        else:
-            ids, opens = list(prompt_ids), False
+        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids)
         r = self._ready
         check_prompt(ids, r.vocab_size, r.max_context, r.sequence_limit)
         request_id = next(self._ids)

@@ -21,6 +21,15 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self._cache: OrderedDict[str, tuple[list[int], bool]] = OrderedDict()
 
+    def prompt_ids(
+        self, prompt: list[dict] | str | None, raw: bool, enable_thinking: bool | None, given: list[int] | None
+    ) -> tuple[list[int], bool]:
+        """A request's (ids, whether a thinking block is open): the token ids it gives as they are, else its
+        prompt encoded."""
+        if given is not None:
+            return list(given), False
+        return self.encode(prompt or "", raw, enable_thinking)
+
     def encode(
         self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
     ) -> tuple[list[int], bool]:
