@@ -120,59 +120,29 @@ def _qmatmul_kernel(
             if HAS_OFFSET:
                 acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 
-    _store(
-        tl.trans(acc),
-        y_ptr,
-        part_ptr,
-        count_ptr,
-        m,
-        m_mask,
-        rows,
-        row_mask,
-        M,
-        N,
-        stride_ym,
-        pid_m * tl.num_programs(0) + pid_n,
-        pid_k,
-        split_k,
-        SPLIT,
-    )
+    y_ptrs = y_ptr + m[:, None] * stride_ym + rows[None, :]
+    part_ptrs = part_ptr + m[:, None] * N + rows[None, :]
+    out_mask = m_mask[:, None] & row_mask[None, :]
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _store(tl.trans(acc), y_ptrs, part_ptrs, M * N, out_mask, count_ptr + tile, pid_k, split_k, SPLIT)
 
 
 @triton.jit
-def _store(
-    acc,
-    y_ptr,
-    part_ptr,
-    count_ptr,
-    m,
-    m_mask,
-    rows,
-    row_mask,
-    M,
-    N,
-    stride_ym,
-    tile,
-    pid_k,
-    split_k,
-    SPLIT: tl.constexpr,
-):
-    """Writes acc [len(m), len(rows)] to y; with a split K, through the fp32 partials (see the docstring)."""
-    y_ptrs = y_ptr + m[:, None] * stride_ym + rows[None, :]
-    out_mask = m_mask[:, None] & row_mask[None, :]
+def _store(acc, y_ptrs, part_ptrs, part_size, mask, counter, pid_k, split_k, SPLIT: tl.constexpr):
+    """Writes acc to y; with a split K, through the fp32 partials (see the docstring), split s's at
+    part_ptrs + s * part_size."""
     if not SPLIT:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
     else:
-        part = part_ptr + m[:, None] * N + rows[None, :]
-        tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        tl.store(part_ptrs + pid_k * part_size, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter's release
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        done = tl.atomic_add(counter, 1, sem="acq_rel")
         if done == split_k - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
             for s in range(split_k):
-                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+                total += tl.load(part_ptrs + s * part_size, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
