@@ -18,40 +18,26 @@ kept on the device: a slot's counts are set when its sequence joins and counted 
 
 A row whose logits hold NaN or +inf, or are all -inf, samples -1: its request ends with an error, the others go on.
 This file holds the torch reference (the CPU path and the oracle of the Triton kernel); kernels/sampling_triton.py
-is the CUDA path.
+is the CUDA path; kernels/sampling_tables.py the tables and constants both read.
 """
-
-from dataclasses import dataclass
 
 import torch
 
 from llamaterm.kernels.dispatch import use_triton
-
-# columns of SamplingTables.floats
-TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
-# columns of SamplingTables.ints
-TOP_K, SEED = range(2)
-
-
-@dataclass
-class SamplingTables:
-    """Per-slot sampling state, on the device. A slot is a sequence's for its whole life (engine/serving/
-    scheduler.py), so a batch that changes rewrites only the rows of the slots that changed hands."""
-
-    floats: torch.Tensor  # [slots, 6] fp32: temperature (0 = greedy), top_p, min_p, repetition, presence, frequency
-    ints: torch.Tensor  # [slots, 2] int64: top_k (0 = off), seed (a 64-bit pattern)
-    counts: torch.Tensor  # [slots, vocab] int32: how often each token was sampled
-    in_prompt: torch.Tensor  # [slots, vocab] uint8: 1 where the token is in the prompt
-
-    @classmethod
-    def allocate(cls, slots: int, vocab: int, device: torch.device) -> "SamplingTables":
-        z = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
-        return cls(
-            z(slots, 6, dtype=torch.float32),
-            z(slots, 2, dtype=torch.int64),
-            z(slots, vocab, dtype=torch.int32),
-            z(slots, vocab, dtype=torch.uint8),
-        )
+from llamaterm.kernels.sampling_tables import (
+    FREQUENCY,
+    GOLDEN,
+    MIN_P,
+    MIX1,
+    MIX2,
+    PRESENCE,
+    REPETITION,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SamplingTables,
+)
 
 
 def sample(
@@ -73,9 +59,6 @@ def sample(
 
 
 # ---- the counter-based generator: SplitMix64's finalizer, on int64 lanes that wrap as uint64 would ----
-
-GOLDEN = 0x9E3779B97F4A7C15
-MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _signed(c: int) -> int:

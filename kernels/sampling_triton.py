@@ -17,22 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels import sampling as ref
+from llamaterm.kernels import sampling_tables as layout
 
 CHUNK = 8192  # tokens of a row per program of the first two launches
 L = 128  # candidates a chunk keeps: top-k up to L is decided among them
 
-_TEMPERATURE = tl.constexpr(ref.TEMPERATURE)
-_TOP_P = tl.constexpr(ref.TOP_P)
-_MIN_P = tl.constexpr(ref.MIN_P)
-_REPETITION = tl.constexpr(ref.REPETITION)
-_PRESENCE = tl.constexpr(ref.PRESENCE)
-_FREQUENCY = tl.constexpr(ref.FREQUENCY)
-_TOP_K = tl.constexpr(ref.TOP_K)
-_SEED = tl.constexpr(ref.SEED)
-_GOLDEN = tl.constexpr(ref.GOLDEN)
-_MIX1 = tl.constexpr(ref.MIX1)
-_MIX2 = tl.constexpr(ref.MIX2)
+_TEMPERATURE = tl.constexpr(layout.TEMPERATURE)
+_TOP_P = tl.constexpr(layout.TOP_P)
+_MIN_P = tl.constexpr(layout.MIN_P)
+_REPETITION = tl.constexpr(layout.REPETITION)
+_PRESENCE = tl.constexpr(layout.PRESENCE)
+_FREQUENCY = tl.constexpr(layout.FREQUENCY)
+_TOP_K = tl.constexpr(layout.TOP_K)
+_SEED = tl.constexpr(layout.SEED)
+_GOLDEN = tl.constexpr(layout.GOLDEN)
+_MIX1 = tl.constexpr(layout.MIX1)
+_MIX2 = tl.constexpr(layout.MIX2)
 _LOW32 = tl.constexpr(0xFFFFFFFF)
 _NEG_INF = tl.constexpr(float("-inf"))
 _NO_KEY = tl.constexpr(-(2**31))  # below every float's ordered key: an empty candidate slot, or no tau
@@ -330,7 +330,7 @@ def sample_triton(
     logits: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
-    tables: ref.SamplingTables,
+    tables: layout.SamplingTables,
     tokens: torch.Tensor | None = None,
     chunk: int = CHUNK,
     candidates: int = L,
@@ -353,67 +353,15 @@ def sample_triton(
     cand = torch.empty(n, p, candidates, dtype=torch.int64, device=dev)
     t = tables
     warps = 16 if chunk >= 8192 else 8
-    _chunk_stats_kernel[(n, p)](
-        logits,
-        logits.stride(0),
-        vocab,
-        slots,
-        t.floats,
-        t.counts,
-        t.in_prompt,
-        cmax,
-        carg,
-        cbad,
-        p,
-        CHUNK=chunk,
-        num_warps=warps,
-    )
+    # the kernels' arguments in the groups they share: the rows; each row's position and its slot's values; each
+    # chunk's maximum; the chunks' candidates
+    rows, per_row = (logits, logits.stride(0), vocab, slots), (positions, t.floats, t.ints)
+    maxima, found = (cmax, carg, cbad, p), (mass, best, best_id, tau, n_cand, cand)
+    _chunk_stats_kernel[(n, p)](*rows, t.floats, t.counts, t.in_prompt, *maxima, CHUNK=chunk, num_warps=warps)
     _chunk_candidates_kernel[(n, p)](
-        logits,
-        logits.stride(0),
-        vocab,
-        slots,
-        positions,
-        t.floats,
-        t.ints,
-        cmax,
-        carg,
-        cbad,
-        p,
-        mass,
-        best,
-        best_id,
-        tau,
-        n_cand,
-        cand,
-        CHUNK=chunk,
-        L=candidates,
-        PB=pb,
-        num_warps=warps,
+        *rows, *per_row, *maxima, *found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps
     )
     _row_token_kernel[(n,)](
-        logits,
-        logits.stride(0),
-        vocab,
-        slots,
-        positions,
-        t.floats,
-        t.ints,
-        t.counts,
-        cmax,
-        carg,
-        cbad,
-        p,
-        mass,
-        best,
-        best_id,
-        tau,
-        n_cand,
-        cand,
-        tokens,
-        L=candidates,
-        PB=pb,
-        BLOCK=block,
-        num_warps=16,
+        *rows, *per_row, t.counts, *maxima, *found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
     )
     return tokens

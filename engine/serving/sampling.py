@@ -6,7 +6,8 @@ import torch
 
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.sequence import Sequence
-from llamaterm.kernels.sampling import SamplingTables, sample
+from llamaterm.kernels.sampling import sample
+from llamaterm.kernels.sampling_tables import SamplingTables
 
 
 def penalised(p: SamplingParams) -> bool:
