@@ -12,8 +12,8 @@ setup: $(VENV)/.installed
 	@$(BIN)/python -m llamaterm.engine.store.default_model
 
 # A test oracle: llama.cpp's own HF -> GGUF converter, from the llama.cpp sources that llama-cpp-python's sdist
-# carries (pinned by hash). Tests convert tiny transformers models with it (tests/family_oracle.py), and read the
-# real vocabularies of model families it ships with the token ids the families' own tokenizers give
+# carries (pinned by hash). Tests convert tiny transformers models with it (tests/support/family_oracle.py), and
+# read the real vocabularies of model families it ships with the token ids the families' own tokenizers give
 # (models/ggml-vocab-*.gguf with .inp / .out; tests/test_family_tokenizers.py).
 CONVERTER_SDIST := llama_cpp_python-0.3.36
 CONVERTER_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e

@@ -4,9 +4,8 @@ satisfy EngineClient, checked statically by mypy over tests/typing/engine_client
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 def test_every_engine_meets_the_engine_client_protocol(tmp_path):

@@ -2,7 +2,7 @@
 
 import json
 
-from tests.test_cli import llamaterm
+from tests.support.cli import llamaterm
 
 
 def bench_json(*args: str) -> dict:

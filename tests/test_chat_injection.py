@@ -13,10 +13,11 @@ from transformers import AutoTokenizer
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.store.model_store import resolve_model
-from tests.test_family_tokenizers import QWEN3_FILES
-from tests.test_tokenizer import (
+from tests.support import DATA
+from tests.support.tokenizer_files import (
     BOS,
     BYTE_LEVEL_TOKENS,
+    QWEN3_FILES,
     SP,
     byte_level_meta,
     gguf_metadata,
@@ -29,7 +30,7 @@ CHATML_MARKERS = {"<|im_start|>", "<|im_end|>"}
 # The default model's llama.cpp vector whose text holds special-token text: its ids with that text read as text
 VECTOR = next(
     case
-    for case in json.loads((Path(__file__).parent / "data" / "smollm2_tokenizer.json").read_text())["cases"]
+    for case in json.loads((DATA / "smollm2_tokenizer.json").read_text())["cases"]
     if case["ids"] != case["ids_parse_special"]
 )
 

@@ -9,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.capped import llamaterm_capped, one_line_error
-from tests.tiny_models import write_tiny_llama
-
-LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
-
-
-def llamaterm(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([LLAMATERM, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+from tests.support.capped import llamaterm_capped, one_line_error
+from tests.support.cli import LLAMATERM, llamaterm
+from tests.support.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(scope="module")

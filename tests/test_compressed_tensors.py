@@ -25,10 +25,9 @@ from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.kernels.qweight import QuantWeight
-from tests.family_oracle import byte_level_bpe, hf_greedy, hf_logits
-from tests.test_families import greedy
-from tests.test_fidelity import our_last_logits
-from tests.test_safetensors_loader import gguf_name, write_dense
+from tests.support.engine_checks import greedy, our_last_logits
+from tests.support.family_oracle import byte_level_bpe, hf_greedy, hf_logits
+from tests.support.safetensors_files import gguf_name, write_dense
 
 CONFIG = transformers.LlamaConfig(
     vocab_size=384,

@@ -18,7 +18,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.kernels.qweight import QuantWeight
-from tests.tiny_models import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from llamaterm.engine.errors import ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.process import EngineProcess
-from tests.tiny_models import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(scope="module")

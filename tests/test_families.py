@@ -1,6 +1,6 @@
 """Each model family against transformers: a tiny random model built with transformers' own class, loaded from
 safetensors (same logits within 1e-4 of their range, same greedy tokens) and converted to GGUF by llama.cpp's
-converter (same greedy tokens). tests/family_oracle.py builds the models and runs the oracles."""
+converter (same greedy tokens). tests/support/family_oracle.py builds the models and runs the oracles."""
 
 import json
 import re
@@ -24,10 +24,16 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
-from tests.family_oracle import byte_level_bpe, convert_to_gguf, hf_greedy, hf_logits, rewrite_gguf, save_tiny_model
-from tests.test_cli import llamaterm
-from tests.test_fidelity import our_last_logits
-from tests.test_gpu_model import assert_greedy_choices, assert_same_until_near_tie
+from tests.support.cli import llamaterm
+from tests.support.engine_checks import assert_greedy_choices, assert_same_until_near_tie, greedy, our_last_logits
+from tests.support.family_oracle import (
+    byte_level_bpe,
+    convert_to_gguf,
+    hf_greedy,
+    hf_logits,
+    rewrite_gguf,
+    save_tiny_model,
+)
 
 VOCAB = 384
 PROMPT = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12, 45, 46, 47, 48, 301, 2, 9]
@@ -232,12 +238,6 @@ gguf_readable_model = families(n for n, f in FAMILIES.items() if f.hf_misreads_g
 
 def ours(path: Path) -> Engine:
     return Engine.from_model(EngineConfig(model=str(path), device="cpu", kv_tokens=1024))
-
-
-def greedy(engine: Engine, ids: list[int], steps: int) -> list[int]:
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    handle = engine.submit(None, params, prompt_ids=ids)
-    return [t for event in handle.events() for t in event.token_ids]
 
 
 def test_safetensors_logits_and_greedy_match_transformers(family_model):

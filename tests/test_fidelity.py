@@ -11,8 +11,8 @@ import torch
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
-from llamaterm.engine.serving.model import StepInput
 from llamaterm.engine.store.model_store import default_model_path
+from tests.support.engine_checks import our_last_logits
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -41,24 +41,6 @@ def hf_model():
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
-
-
-def our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """A single prefill through the model, on a cache of our own (the engine's pool stays untouched)."""
-    model, n = engine.model, len(ids)
-    bs = 16
-    nb = -(-n // bs)
-    cache = model.allocate_kv_cache(nb, bs)
-    step = StepInput(
-        input_ids=torch.tensor(ids),
-        positions=torch.arange(n),
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(nb, dtype=torch.int32)[None],
-        context_lens=torch.tensor([n]),
-        query_start_loc=torch.tensor([0, n]),
-        logits_indices=torch.tensor([n - 1]),
-    )
-    return model.forward(step, cache)[0]
 
 
 def hf_greedy(model, ids: list[int], steps: int) -> list[int]:

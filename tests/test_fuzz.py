@@ -1,5 +1,5 @@
-"""Mutated model files (tests/fuzz.py): every one loads, or fails with a one-line LlamatermError; never a traceback,
-a hang, a crash or an allocation past the memory cap.
+"""Mutated model files (tests/support/fuzz.py): every one loads, or fails with a one-line LlamatermError; never a
+traceback, a hang, a crash or an allocation past the memory cap.
 
 CI runs FUZZ_CASES cases of a fixed seed (13 s on the 2-core CI machine), stopping at CI_SECONDS on a slower one
 so that the whole test stays under a minute. `make fuzz` runs longer, with a new seed each time:
@@ -8,7 +8,7 @@ number that reproduce it."""
 
 import os
 
-from tests.fuzz import fuzz
+from tests.support.fuzz import fuzz
 
 FUZZ_CASES = 500
 CI_SECONDS = 40  # the cases' share of the minute; making the seeds and starting the worker take the rest

@@ -18,7 +18,7 @@ from llamaterm.engine.checkpoints.gguf import RawTensor, convert_tensor, load_gg
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.store.model_store import resolve_model
 from llamaterm.kernels.qweight import QuantWeight
-from tests.tiny_models import FP16_FIELDS, random_blocks, write_tiny_llama
+from tests.support.tiny_models import FP16_FIELDS, random_blocks, write_tiny_llama
 
 EXACT = {
     "Q4_0": (4, 32, False),
@@ -202,7 +202,7 @@ def test_weights_match_transformers_gguf_conversion(checkpoint, reader, hf_confi
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tiny models written by tests/tiny_models.py round-trip
+# Tiny models written by tests/support/tiny_models.py round-trip
 
 
 def expected_tensors(path: Path, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The engine on the GPU where its CUDA graphs meet awkward work: requests arriving while a graph is being
 captured, more sequences than the largest batch bucket, prompts longer than any prefill bucket, and the GPU out
-of memory at start-up. Tokens are checked against the fp32 CPU reference (tests/test_gpu_model.py)."""
+of memory at start-up. Tokens are checked against the fp32 CPU reference (tests/support/engine_checks.py)."""
 
 import gc
 import random
@@ -16,8 +16,8 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
-from tests.test_gpu_model import assert_greedy_choices
-from tests.tiny_models import write_tiny_llama
+from tests.support.engine_checks import assert_greedy_choices
+from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.cuda
 

@@ -11,10 +11,11 @@ from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
-from llamaterm.engine.serving.model import StepInput, StepLists
+from llamaterm.engine.serving.model import StepLists
 from llamaterm.engine.serving.model_runner import device_tensors, take_pending
 from llamaterm.engine.store.model_store import resolve_model
-from tests.tiny_models import write_tiny_llama
+from tests.support.engine_checks import assert_greedy_choices, assert_same_until_near_tie, logits_at
+from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.cuda
 
@@ -22,51 +23,6 @@ PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a short poem about the moon and the tides."}],
 ]
-
-
-def logits_at(engine: Engine, ids: list[int], first: int) -> torch.Tensor:
-    """Logits predicting ids[first + 1:] and the token after ids, from one forward pass over ids."""
-    model, n, bs = engine.model, len(ids), 16
-    nb = -(-n // bs)
-    cache = model.allocate_kv_cache(nb, bs)
-    dev = model.device
-    step = StepInput(
-        input_ids=torch.tensor(ids, device=dev),
-        positions=torch.arange(n, device=dev),
-        slot_mapping=torch.arange(n, device=dev),
-        block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
-        context_lens=torch.tensor([n], device=dev),
-        query_start_loc=torch.tensor([0, n], device=dev),
-        logits_indices=torch.arange(first, n, device=dev),
-    )
-    return model.forward(step, cache).float().cpu()
-
-
-# Where the fp32 reference's best two logits are closer than this, fp16 rounding may pick either (issue #12's
-# fidelity bar); everywhere else the GPU must pick the reference's token.
-MARGIN = 0.05
-
-
-def top2_margin(logits: torch.Tensor) -> float:
-    top = logits.topk(2).values
-    return (top[0] - top[1]).item()
-
-
-def assert_greedy_choices(cpu: Engine, prompt: list[int], generated: list[int]) -> None:
-    """Every token the GPU picked greedily is the fp32 reference's argmax after the same prefix, wherever the
-    reference's top-2 margin is above MARGIN."""
-    ref = logits_at(cpu, prompt + generated[:-1], len(prompt) - 1)
-    for t, tok in enumerate(generated):
-        if top2_margin(ref[t]) > MARGIN:
-            assert tok == int(ref[t].argmax()), (t, tok, int(ref[t].argmax()), top2_margin(ref[t]))
-
-
-def assert_same_until_near_tie(cpu: Engine, prompt: list[int], generated: list[int], expected: list[int]) -> None:
-    """The GPU's greedy continuation is the fp32 path's (`expected`) up to that path's first near-tie, from where
-    the two may part."""
-    ref = logits_at(cpu, prompt + expected[:-1], len(prompt) - 1)
-    tie = next((t for t in range(len(expected)) if top2_margin(ref[t]) <= MARGIN), len(expected))
-    assert generated[:tie] == expected[:tie], (tie, generated, expected)
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])

@@ -1,5 +1,5 @@
 """Hostile and damaged model files: each is a one-line error that names the problem, never a traceback, a hang or
-an allocation without bound. Loaders run under a memory cap (tests/capped.py) where the old code allocated
+an allocation without bound. Loaders run under a memory cap (tests/support/capped.py) where the old code allocated
 gigabytes."""
 
 import json
@@ -13,10 +13,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.store.loader import load_checkpoint
-from tests.capped import llamaterm_capped, one_line_error, run_capped
-from tests.fuzz import byte_level_tokenizer_json
-from tests.test_safetensors_loader import write_dense
-from tests.tiny_models import write_tiny_llama
+from tests.support.capped import llamaterm_capped, one_line_error, run_capped
+from tests.support.fuzz import byte_level_tokenizer_json
+from tests.support.safetensors_files import write_dense
+from tests.support.tiny_models import write_tiny_llama
 
 # --- GGUF metadata of the wrong type ---------------------------------------------------------------------
 

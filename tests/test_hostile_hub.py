@@ -1,8 +1,8 @@
-"""`llamaterm pull` against a hostile Hub (tests/hub_server.py with its hostile knobs): file names that leave the
-store, commit ids that are paths, odd revisions, a repo that changes between the listing and the downloads, and
-more bytes than listed. Each pull fails with one line; nothing is written outside the store and nothing partial
-is visible in it."""
-# ruff: noqa: F811 (the Hub fixtures of test_hub.py are imported and taken as arguments)
+"""`llamaterm pull` against a hostile Hub (tests/support/hub_server.py with its hostile knobs): file names that leave
+the store, commit ids that are paths, odd revisions, a repo that changes between the listing and the downloads, and
+more bytes than listed. Each pull fails with one line; nothing is written outside the store and nothing partial is
+visible in it."""
+# ruff: noqa: F811 (the Hub fixtures of tests/support/hub_store.py are imported and taken as arguments)
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import MANIFEST
-from tests.test_hub import (  # noqa: F401 (fixtures)
+from tests.support.hub_store import (  # noqa: F401 (fixtures)
     assert_store_empty,
     assert_user_error,
     home,

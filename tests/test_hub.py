@@ -1,10 +1,11 @@
-"""`llamaterm pull / ls / rm / info` against a local Hub look-alike (tests/hub_server.py).
+"""`llamaterm pull / ls / rm / info` against a local Hub look-alike (tests/support/hub_server.py).
 
 Each test gets a fresh server, HF_ENDPOINT pointing at it, and LLAMATERM_HOME / HF_HOME in a tmp dir, so the
 real store and the real Hub are never touched. The CLI runs as a subprocess (real exit codes, real signals)
 where the command line is the point; other pulls call engine.hub.pull in-process, which saves a torch import
 per pull.
 """
+# ruff: noqa: F811 (the Hub fixtures of tests/support/hub_store.py are imported and taken as arguments)
 
 import errno
 import hashlib
@@ -23,14 +24,22 @@ import pytest
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_model
-from tests.hub_server import HubServer
-from tests.tiny_models import write_tiny_llama
+from tests.support.cli import LLAMATERM
+from tests.support.hub_store import (  # noqa: F401 (fixtures)
+    assert_store_empty,
+    assert_user_error,
+    home,
+    hub_server,
+    llamaterm,
+    ls,
+    models,
+    stored,
+)
 
-LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
 TOKEN = "hf_test_token"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
-# The tiny models' shapes (tests/tiny_models.py defaults), for counting their parameters independently.
+# The tiny models' shapes (tests/support/tiny_models.py defaults), for counting their parameters independently.
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 64, 4, 2, 128, 2
 
 
@@ -39,19 +48,6 @@ def n_params(vocab: int) -> int:
     attention = 2 * HIDDEN * HEADS * head_dim + 2 * HIDDEN * KV_HEADS * head_dim
     per_layer = attention + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN
     return vocab * HIDDEN + LAYERS * per_layer + HIDDEN  # tied embeddings, final norm
-
-
-@pytest.fixture(scope="session")
-def models(tmp_path_factory) -> dict[str, bytes]:
-    """GGUF files in the real format, by name. Written before any test points LLAMATERM_HOME elsewhere:
-    the runnable model copies its tokenizer from the installed default model."""
-    d = tmp_path_factory.mktemp("models")
-    out = {"llama": write_tiny_llama(d / "llama.gguf", qtype="Q4_K").read_bytes()}
-    for qtype in ("Q8_0", "Q4_0", "F16"):
-        out[qtype] = write_tiny_llama(d / f"{qtype}.gguf", qtype=qtype, vocab_from=None).read_bytes()
-    first = write_tiny_llama(d / "split.gguf", qtype="Q8_0", vocab_from=None, split_max_tensors=7)
-    out |= {f"split{i}": first.with_name(f"split-0000{i}-of-00003.gguf").read_bytes() for i in (1, 2, 3)}
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -108,40 +104,9 @@ def safetensors_repo(tmp_path_factory) -> dict[str, bytes]:
     }
 
 
-@pytest.fixture
-def hub_server(tmp_path, monkeypatch):
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path / "home"))
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no real token, no real cache
-        for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-            monkeypatch.delenv(var, raising=False)
-        yield server
-
-
-def llamaterm(*args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [LLAMATERM, *args], input=input, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
-    )
-
-
-def home() -> Path:
-    return Path(os.environ["LLAMATERM_HOME"]) / "models"
-
-
-def stored(name: str) -> dict:
-    return json.loads((home() / name / MANIFEST).read_text())
-
-
 def pull(ref: str, **kwargs):
     """engine.hub.pull in this process; returns the stored model."""
     return hub.pull(ref, **kwargs)
-
-
-def ls() -> list[dict]:
-    r = llamaterm("ls", "--json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def sha256(data: bytes) -> str:
@@ -150,23 +115,6 @@ def sha256(data: bytes) -> str:
 
 def partials() -> list[Path]:
     return sorted((home() / ".partial").glob("*/**/*.part"))
-
-
-def assert_user_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
-    """Exit 1 with a one-line message naming the problem, no traceback, nothing on stdout."""
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr
-    assert r.stdout == ""
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("llamaterm: ")
-    for fragment in fragments:
-        assert fragment in last, last
-
-
-def assert_store_empty() -> None:
-    """Nothing half-written is visible: no model listed, no folder outside the hidden ones."""
-    assert ls() == []
-    assert list(home().glob("[!.]*")) == []
 
 
 # --- pull: GGUF --------------------------------------------------------------------------------------------
@@ -600,7 +548,7 @@ def test_info(hub_server, models):
     assert info["repo"] == "tester/Tiny-Llama-GGUF" and info["quant"] == "Q4_K_M"
     assert info["metadata"]["general.name"] == "tiny-llama"
     assert info["metadata"]["tokenizer.ggml.tokens"] == "[49152 items]"
-    # Q4_K rows of 64 values fall back to Q5_0 (tests/tiny_models.py); norms are F32.
+    # Q4_K rows of 64 values fall back to Q5_0 (tests/support/tiny_models.py); norms are F32.
     assert info["tensor_types"] == {"Q5_0": 15, "F32": 5}
     assert "<|im_start|>" in info["chat_template"]  # the default model's template, copied by tiny_models
 

@@ -4,7 +4,6 @@ format; and the fallback to the references where the kernels cannot be built."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.norm import rms_norm_ref
 from llamaterm.kernels.rope import rope_ref
-from tests.kernel_cases import (
+from tests.support import ROOT
+from tests.support.kernel_cases import (
     FORMATS,
     SHORT_GROUPS,
     free_outside_window,
@@ -172,7 +172,7 @@ def test_write_kv(lib):
 FALLBACK = """
 import torch
 from llamaterm.kernels.linear import linear, linear_ref
-from tests.kernel_cases import random_qweight
+from tests.support.kernel_cases import random_qweight
 w = random_qweight(33, 64, 4, 32, True, False, device="cpu")
 x = torch.randn(2, 64)
 assert torch.equal(linear(x, w), linear_ref(x, w))
@@ -197,7 +197,7 @@ import torch
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.ops_cpu import qmatmul_cpu
 from llamaterm.kernels.cpu_native import library
-from tests.kernel_cases import random_qweight, rel_err
+from tests.support.kernel_cases import random_qweight, rel_err
 w = random_qweight(300, 64, 4, 32, True, False, device="cpu")
 x = torch.randn(1, 64)
 assert rel_err(qmatmul_cpu(x, w, library()), linear_ref(x, w)) < 1e-6
@@ -219,7 +219,7 @@ def run_python(code: str, env: dict, cores: set[int] | None = None) -> list[str]
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
     assert r.returncode == 0, r.stderr

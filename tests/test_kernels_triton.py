@@ -23,7 +23,7 @@ from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
 from llamaterm.kernels.rope_triton import rope_write_kv_triton  # noqa: E402
-from tests.kernel_cases import (  # noqa: E402
+from tests.support.kernel_cases import (  # noqa: E402
     DEVICE,
     FORMATS,
     SHORT_GROUPS,

@@ -4,9 +4,8 @@ benchmarks. Built here with setuptools, the project's own build backend."""
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 def test_the_wheel_installs_one_top_level_package(tmp_path):

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
-from fake_engine import FakeEngine
-from serve_support import app_server
 
 from llamaterm.app import remote
 from llamaterm.app.remote import RemoteEngine, api_base
 from llamaterm.engine.errors import LlamatermError, RequestError
+from tests.support.fake_engine import FakeEngine
+from tests.support.serve_support import app_server
 
 MODELS = b'{"object": "list", "data": [{"id": "dropper", "object": "model"}]}'
 

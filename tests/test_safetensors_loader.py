@@ -17,32 +17,9 @@ from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.kernels.linear import linear_ref
 from llamaterm.kernels.qweight import QuantWeight
-from tests.family_oracle import byte_level_bpe, hf_greedy, hf_logits
-from tests.test_families import greedy
-from tests.test_fidelity import our_last_logits
-
-# Hugging Face names -> GGUF names, spelled out as the oracle for the loader's renaming.
-TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    module, _, part = hf_name.rpartition(".")
-    if module in TOP_NAMES:
-        return f"{TOP_NAMES[module]}.{part}"
-    _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}.{part}"
-
+from tests.support.engine_checks import greedy, our_last_logits
+from tests.support.family_oracle import byte_level_bpe, hf_greedy, hf_logits
+from tests.support.safetensors_files import FFN, HIDDEN, LAYERS, LINEARS, VOCAB, config_json, gguf_name, write_dense
 
 # --- dense: a tiny random transformers model -------------------------------------------------------------
 
@@ -96,38 +73,7 @@ def test_dense_matches_transformers_state_dict(tmp_path, dtype, tied, max_shard_
 
 # --- GPTQ and AWQ: checkpoints packed here ---------------------------------------------------------------
 
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 128, 256, 4, 2, 2, 64
-HEAD_DIM = HIDDEN // HEADS
-LINEARS = {  # module -> (out, in)
-    "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN),
-    "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-    "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-    "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-    "mlp.gate_proj": (FFN, HIDDEN),
-    "mlp.up_proj": (FFN, HIDDEN),
-    "mlp.down_proj": (HIDDEN, FFN),
-}
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds output column 8c + AWQ_ORDER[i]
-
-
-def config_json(**extra) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": FFN,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "num_hidden_layers": LAYERS,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-        **extra,
-    }
 
 
 def to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -374,23 +320,6 @@ def test_llama3_rope_factors_match_transformers(head_dim, factor, style):
 
 
 # --- bad input -------------------------------------------------------------------------------------------
-
-
-def write_dense(path, **config_extra):
-    gen = torch.Generator().manual_seed(0)
-    tensors = {
-        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen),
-        "model.norm.weight": torch.ones(HIDDEN),
-        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=gen),
-    }
-    for i in range(LAYERS):
-        tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(HIDDEN)
-        tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-        for module, shape in LINEARS.items():
-            tensors[f"model.layers.{i}.{module}.weight"] = torch.randn(shape, generator=gen)
-    save_file(tensors, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config_json(**config_extra)))
-    return tensors
 
 
 def test_writers_produce_a_loadable_checkpoint(tmp_path):

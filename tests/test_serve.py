@@ -8,8 +8,9 @@ import time
 import httpx2
 import openai
 import pytest
-from fake_engine import FakeEngine
-from serve_support import LLAMATERM, app_server, llamaterm_serve, metrics
+
+from tests.support.fake_engine import FakeEngine
+from tests.support.serve_support import LLAMATERM, app_server, llamaterm_serve, metrics
 
 KEY = "test-key"
 SERVED = "the served model"  # stands for its name in the parameters below

@@ -1,5 +1,5 @@
 """`llamaterm serve` under faults: an engine that dies, signals, slow and hostile clients, and a soak of 64 clients
-that come and go. The servers run a tiny random model (tests/tiny_models.py) on the CPU."""
+that come and go. The servers run a tiny random model (tests/support/tiny_models.py) on the CPU."""
 
 import asyncio
 import json
@@ -14,11 +14,11 @@ import time
 import httpx2
 import psutil
 import pytest
-from fake_engine import FakeEngine
-from serve_support import LLAMATERM, app_server, metrics, served
-from tiny_models import write_tiny_llama
 
 from llamaterm.app import serve
+from tests.support.fake_engine import FakeEngine
+from tests.support.serve_support import LLAMATERM, app_server, metrics, served
+from tests.support.tiny_models import write_tiny_llama
 
 KEY = "fault-key"
 LONG = {"max_tokens": 3000, "ignore_eos": True}  # runs longer than any test waits for it

@@ -12,7 +12,7 @@ import pytest
 from llamaterm.app.serve_load import Record, format_serve_load, run_serve_load, summarize
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.workload import PromptMix
-from tests.tiny_models import write_tiny_llama
+from tests.support.tiny_models import write_tiny_llama
 
 
 def free_port() -> int:

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_engine import FakeEngine
-from serve_support import app_server
 
 from llamaterm.app.terminal import TerminalStream, for_terminal
+from tests.support.fake_engine import FakeEngine
+from tests.support.serve_support import app_server
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
 ESC = "\x1b"

@@ -16,11 +16,12 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.thinking import ThinkingSplitter, split_reply
-from tests.fake_engine import FakeEngine
-from tests.family_oracle import byte_level_bpe, save_tiny_model
-from tests.test_cli import llamaterm
+from tests.support import DATA
+from tests.support.cli import llamaterm
+from tests.support.fake_engine import FakeEngine
+from tests.support.family_oracle import byte_level_bpe, save_tiny_model
 
-QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
+QWEN3_TEMPLATE = (DATA / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
 REPLY = "<think>\nThe user says hi.\nGreet back.\n</think>\n\nHello!"
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import gguf
 import jinja2
 import pytest
-from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -18,16 +17,22 @@ from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import ModelFormatError, RequestError
 from llamaterm.engine.store.model_store import resolve_model
-from tests.fuzz import byte_level_tokenizer_json
-from tests.test_safetensors_loader import write_dense
+from tests.support import DATA
+from tests.support.fuzz import byte_level_tokenizer_json
+from tests.support.safetensors_files import write_dense
+from tests.support.tokenizer_files import (
+    BOS,
+    BYTE_LEVEL_TOKENS,
+    EOS,
+    SP,
+    byte_level_meta,
+    gguf_metadata,
+    sentencepiece_meta,
+    write_byte_level_gguf,
+    write_gguf,
+)
 
-DATA = Path(__file__).resolve().parent / "data"
 VECTORS = json.loads((DATA / "smollm2_tokenizer.json").read_text(encoding="utf-8"))["cases"]
-
-
-def gguf_metadata(path: Path) -> dict:
-    """Every key -> plain Python value, arrays as lists: the shape of engine.gguf's Checkpoint.metadata."""
-    return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()}
 
 
 @pytest.fixture(scope="module")
@@ -241,34 +246,6 @@ def test_detokenizer_sentencepiece():
 
 # ---- a SentencePiece (`llama`) vocabulary ----
 
-BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
-MERGED = ["▁h", "ll", "▁he", "▁hell", "▁hello", "or", "▁w", "▁wor", "ld", "▁world", "▁t", "he", "▁the"]
-MERGED += ["ca", "▁ca", "fé", "▁café", "in", "▁in"]
-CHARS = ["▁", "h", "e", "l", "o", "w", "r", "d", "t", "c", "a", "f", "é", "i", "n", "s", "!"]
-SP_TOKENS = ["<unk>", "<s>", "</s>", *BYTE_TOKENS, *MERGED, *CHARS, "<tool>"]
-SP = {t: i for i, t in enumerate(SP_TOKENS)}
-BOS, EOS = SP["<s>"], SP["</s>"]
-
-
-def sentencepiece_meta(**extra) -> dict:
-    """A small SentencePiece vocabulary as a llama.cpp converter writes it: control, byte and user-defined
-    tokens, and scores where a higher score merges first (characters score lowest)."""
-    n_bytes, n_pieces = len(BYTE_TOKENS), len(MERGED) + len(CHARS)
-    return {
-        "general.architecture": "llama",
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": SP_TOKENS,
-        "tokenizer.ggml.scores": [0.0] * (3 + n_bytes)
-        + [-float(i) for i in range(len(MERGED))]
-        + [-100.0 - i for i in range(len(CHARS))]
-        + [0.0],
-        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * n_bytes + [1] * n_pieces + [4],
-        "tokenizer.ggml.bos_token_id": BOS,
-        "tokenizer.ggml.eos_token_id": EOS,
-        "tokenizer.ggml.unknown_token_id": SP["<unk>"],
-        **extra,
-    }
-
 
 @pytest.fixture(scope="module")
 def sentencepiece_gguf(tmp_path_factory) -> Path:
@@ -285,13 +262,6 @@ def sentencepiece_gguf(tmp_path_factory) -> Path:
     writer.add_chat_template(meta["tokenizer.chat_template"])
     write_gguf(writer)
     return path
-
-
-def write_gguf(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -345,35 +315,7 @@ def test_sentencepiece_specials():
 
 # ---- byte-level pre-types (regexes of llama.cpp's src/llama-vocab.cpp) on a tiny vocabulary ----
 
-# Merges that would cross a pre-token boundary if the regex did not cut there (Ġ is a space, Ċ a newline)
-BYTE_LEVEL_MERGES = ["1 2", "12 3", "123 4", "' S", "' s", "Ġ Ġ", "ĠĠ Ġ", "Ċ Ċ", "h i", "Ġ hi", "! Ċ", "Ġ !"]
-BYTE_LEVEL_TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet()) + [m.replace(" ", "") for m in BYTE_LEVEL_MERGES]
 BYTE_LEVEL_TEXTS = ["1234 12345 1", "IT'S it's hi'S", "hi   hi\n\nhi", "  hi!\n", "hi !!\n\n\n  \t1"]
-
-
-def byte_level_meta(pre: str, **extra) -> dict:
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": BYTE_LEVEL_TOKENS,
-        "tokenizer.ggml.token_type": [1] * len(BYTE_LEVEL_TOKENS),
-        "tokenizer.ggml.merges": BYTE_LEVEL_MERGES,
-        **extra,
-    }
-
-
-def write_byte_level_gguf(path: Path, meta: dict) -> None:
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    if "tokenizer.chat_template" in meta:
-        writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-        writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-        writer.add_chat_template(meta["tokenizer.chat_template"])
-    write_gguf(writer)
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])

@@ -5,12 +5,9 @@ import sys
 import threading
 
 import pytest
-from fake_engine import REPLY, FakeEngine
-from test_history import WRITING, held_by_another_process, read_only_file
 from textual import events
 from textual.widgets import Input, Markdown
 from textual.widgets.markdown import MarkdownFence
-from tui_support import engine_ready, idle, run, wait_until
 
 from llamaterm.app import history
 from llamaterm.app.history import History
@@ -25,6 +22,9 @@ from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.engine.errors import ModelNotFound
 from tests.benchmarks.tui_bench import key_latencies
+from tests.support.fake_engine import REPLY, FakeEngine
+from tests.support.locked_files import WRITING, held_by_another_process, read_only_file
+from tests.support.tui_support import engine_ready, idle, run, wait_until
 
 LONG_REPLY = "".join(f"Line {i} of a long answer.\n\n" for i in range(1000))
 

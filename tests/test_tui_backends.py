@@ -2,10 +2,7 @@
 does not load, and a pane on an OpenAI-compatible server (the server's app over the fake engine)."""
 
 import pytest
-from fake_engine import REPLY, FakeEngine
-from serve_support import app_server
 from textual.widgets import Input
-from tui_support import idle, run, wait_until
 
 from llamaterm.app.tui.app import ChatApp
 from llamaterm.app.tui.backends import Backend, open_engine
@@ -13,6 +10,9 @@ from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.screens.settings import SettingsScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.engine.errors import ModelNotFound
+from tests.support.fake_engine import REPLY, FakeEngine
+from tests.support.serve_support import app_server
+from tests.support.tui_support import idle, run, wait_until
 
 
 @pytest.fixture(autouse=True)

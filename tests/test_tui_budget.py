@@ -2,13 +2,13 @@
 
 import time
 
-from fake_engine import REPLY, FakeEngine
 from textual.widgets import Markdown
-from tui_support import engine_ready, idle, run
 
 from llamaterm.app.tui.app import ChatApp
 from llamaterm.app.tui.budget import RenderBudget
 from llamaterm.app.tui.widgets.chat_pane import ChatPane
+from tests.support.fake_engine import REPLY, FakeEngine
+from tests.support.tui_support import engine_ready, idle, run
 
 
 def spin(seconds: float) -> None:

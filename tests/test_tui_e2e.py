@@ -4,15 +4,15 @@ and two panes on two local models."""
 from dataclasses import replace
 
 import pytest
-from serve_support import llamaterm_serve
 from textual.widgets import Markdown
-from tui_support import idle, run, wait_until
 
 from llamaterm.app.tui.app import ChatApp
 from llamaterm.app.tui.backends import Backend, open_engine
 from llamaterm.app.tui.session import ChatSettings
 from llamaterm.engine.store.model_store import resolve_model
-from tests.tiny_models import write_tiny_llama
+from tests.support.serve_support import llamaterm_serve
+from tests.support.tiny_models import write_tiny_llama
+from tests.support.tui_support import idle, run, wait_until
 
 DEFAULT = resolve_model(None)  # from the user's store, before a test moves the history to its tmp_path
 

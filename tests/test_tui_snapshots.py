@@ -7,14 +7,14 @@ at the SVGs under __snapshots__/ before committing them.
 import time
 
 import pytest
-from fake_engine import REPLY, FakeEngine
 from textual.widgets import Input, TextArea
-from tui_support import engine_ready, idle, wait_until
 
 from llamaterm.app.history import History
 from llamaterm.app.tui.app import ChatApp
 from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.session import ChatSettings
+from tests.support.fake_engine import REPLY, FakeEngine
+from tests.support.tui_support import engine_ready, idle, wait_until
 
 QUESTION = "How do I write fib in Python?"
 PERSONAS = {

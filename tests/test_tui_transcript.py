@@ -3,12 +3,12 @@
 import asyncio
 
 import pytest
-from fake_engine import REPLY
 from textual.app import App, ComposeResult
 from textual.widgets import Markdown
 
 from llamaterm.app.tui.session import ChatMessage
 from llamaterm.app.tui.widgets.transcript import ReplyMessage, streamed_blocks_match
+from tests.support.fake_engine import REPLY
 
 DOCUMENTS = {
     "code": REPLY,

@@ -19,8 +19,8 @@ import triton
 from llamaterm.engine.bench import copy_bandwidth
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.kernels.sampling_triton import sample_triton
-from tests.sampling_oracle import sample_row
-from tests.test_sampling import Batch, logits_like
+from tests.support.sampling_cases import Batch, logits_like
+from tests.support.sampling_oracle import sample_row
 
 CONFIGS = {
     "greedy": SamplingParams(),

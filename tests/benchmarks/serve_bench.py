@@ -28,7 +28,7 @@ import httpx2
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.process import EngineProcess
-from tests.serve_support import llamaterm_serve, metrics
+from tests.support.serve_support import llamaterm_serve, metrics
 
 TOPICS = ["the sea", "a lighthouse", "bread", "a comet", "trains", "a garden", "winter", "a violin"]
 

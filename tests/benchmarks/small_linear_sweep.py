@@ -17,7 +17,7 @@ from llamaterm.kernels.linear_triton import Config, pick_config, qmatmul_triton
 from llamaterm.kernels.qweight_triton import gpu_layout
 from llamaterm.kernels.triton_util import num_sms
 from tests.benchmarks.kernels_bench import measure_limits, timed
-from tests.kernel_cases import random_qweight
+from tests.support.kernel_cases import random_qweight
 
 # name: (out features, in features, bits, group, offsets): the default model's Q4_1 blocks and Q8_0 lm_head;
 # Gemma-3-4B's in 4-bit group-128 symmetric (engine/bench.py's synthetic:gemma3-4b)

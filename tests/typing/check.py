@@ -26,7 +26,8 @@ def sources() -> list[BuildSource]:
             parts = path.relative_to(ROOT).with_suffix("").parts
             module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             out.append(BuildSource(str(path), f"llamaterm.{module}"))
-    for module in ("tests.fake_engine", "tests.typing.engine_clients"):  # the engine contract, checked statically
+    # the engine contract, checked statically
+    for module in ("tests.support.fake_engine", "tests.typing.engine_clients"):
         out.append(BuildSource(str(ROOT / (module.replace(".", "/") + ".py")), module))
     return out
 

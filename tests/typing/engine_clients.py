@@ -4,7 +4,7 @@ from llamaterm.app.remote import RemoteEngine, RemoteStream
 from llamaterm.engine.api import EngineClient, RequestStream
 from llamaterm.engine.serving.engine import Engine, RequestHandle
 from llamaterm.engine.serving.process import EngineProcess, ProcessHandle
-from tests.fake_engine import FakeEngine, FakeHandle
+from tests.support.fake_engine import FakeEngine, FakeHandle
 
 
 def clients(local: Engine, child: EngineProcess, fake: FakeEngine, remote: RemoteEngine) -> list[EngineClient]:

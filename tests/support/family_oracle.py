@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-CONVERTER = Path(__file__).resolve().parent.parent / ".venv" / "oracle" / "llama.cpp"
+CONVERTER = Path(__file__).resolve().parents[2] / ".venv" / "oracle" / "llama.cpp"
 
 # Text for a small byte-level BPE vocabulary: enough to merge common pieces, any text still encodes (bytes).
 CORPUS = [

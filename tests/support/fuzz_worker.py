@@ -1,7 +1,7 @@
-"""The fuzz test's loader process (tests/fuzz.py starts it; it caps its own memory, tests/capped.py): for each
-checkpoint path on stdin, load it as `llamaterm run` would, render a chat prompt, generate two tokens, read it as
-`llamaterm info` would, and print one JSON line: ok, a LlamatermError's message, or any other exception's
-traceback."""
+"""The fuzz test's loader process (tests/support/fuzz.py starts it; it caps its own memory,
+tests/support/capped.py): for each checkpoint path on stdin, load it as `llamaterm run` would, render a chat prompt,
+generate two tokens, read it as `llamaterm info` would, and print one JSON line: ok, a LlamatermError's message, or
+any other exception's traceback."""
 
 import json
 import sys
@@ -9,7 +9,6 @@ import traceback
 from pathlib import Path
 
 import torch
-from capped import cap_memory
 
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
@@ -18,6 +17,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.store.loader import load_checkpoint
+from tests.support.capped import cap_memory
 
 
 def try_case(path: str) -> dict:

@@ -1,7 +1,7 @@
 """A seeded mutator for model files, and the harness that loads each mutant in a capped child process.
 
 Seeds are real files: a GGUF with the default model's tokenizer metadata (49k tokens, its merges and chat
-template) and a small-vocabulary GGUF (both written with GGUFWriter, tests/tiny_models.py), and a Hugging Face
+template) and a small-vocabulary GGUF (both written with GGUFWriter, tests/support/tiny_models.py), and a Hugging Face
 folder (config.json, model.safetensors, tokenizer.json, generation_config.json). Mutations know the formats'
 layouts, so most of them get past the first check: GGUF value types swapped for others of the same size, counts
 and lengths set to extremes, tensor shapes, types and offsets changed, bytes flipped, files cut short, keys
@@ -9,7 +9,7 @@ rewritten with values of other types; JSON values anywhere in the JSON files, th
 index replaced with hostile ones.
 
 Every case must end in success or a LlamatermError of one line; a traceback, a hang (CASE_TIMEOUT_S), a crash or
-an allocation past the memory cap (tests/capped.py, which the worker sets) is a failure, reported with the seed
+an allocation past the memory cap (tests/support/capped.py, which the worker sets) is a failure, reported with the seed
 and case number that reproduce it.
 """
 
@@ -31,11 +31,12 @@ import torch
 from gguf.constants import GGUFValueType as V
 from safetensors.torch import load_file, save_file
 
-from tests.test_safetensors_loader import write_dense
-from tests.tiny_models import write_tiny_llama
+from tests.support import ROOT
+from tests.support.safetensors_files import write_dense
+from tests.support.tiny_models import write_tiny_llama
 
 CASE_TIMEOUT_S = 30
-WORKER = Path(__file__).with_name("fuzz_worker.py")
+WORKER = "tests.support.fuzz_worker"  # run as a module, from ROOT
 
 # GGUF value types by size, for swaps that keep the layout: the value is read, and then checked by meaning
 SCALAR_SIZES = {
@@ -403,19 +404,19 @@ def make_case(seeds: Seeds, directory: Path, number: int, seed: int) -> Path | N
 
 
 class Worker:
-    """tests/fuzz_worker.py in a child process under the memory cap, restarted after a crash or a hang."""
+    """tests/support/fuzz_worker.py in a child process under the memory cap, restarted after a crash or a hang."""
 
     def __init__(self):
         self.process = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER)],
+            [sys.executable, "-m", WORKER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            cwd=Path(__file__).parents[1],
+            cwd=ROOT,
         )
         assert self.read(120) == {"outcome": "ready"}
 
