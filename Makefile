@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 # A test oracle: llama.cpp's own HF -> GGUF converter, from the llama.cpp sources that llama-cpp-python's sdist
 # carries (pinned by hash). Tests convert tiny transformers models with it (tests/support/family_oracle.py), and
 # read the real vocabularies of model families it ships with the token ids the families' own tokenizers give
-# (models/ggml-vocab-*.gguf with .inp / .out; tests/test_family_tokenizers.py).
+# (models/ggml-vocab-*.gguf with .inp / .out; tests/checkpoints/test_family_tokenizers.py).
 CONVERTER_SDIST := llama_cpp_python-0.3.36
 CONVERTER_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 CONVERTER := $(VENV)/oracle/llama.cpp
@@ -42,11 +42,12 @@ chat: setup
 test: setup $(ORACLE)
 	$(BIN)/python -m pytest -q
 
-# The model-file fuzz test for longer than CI runs it (tests/test_fuzz.py): FUZZ_SECONDS of cases from a new seed.
+# The model-file fuzz test for longer than CI runs it (tests/checkpoints/test_fuzz.py): FUZZ_SECONDS of cases from a
+# new seed.
 FUZZ_SECONDS ?= 600
 fuzz: setup
 	LLAMATERM_FUZZ_SEED=$${LLAMATERM_FUZZ_SEED:-$$(date +%s)} LLAMATERM_FUZZ_CASES=1000000 \
-	LLAMATERM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/test_fuzz.py
+	LLAMATERM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/checkpoints/test_fuzz.py
 
 bench-cpu: setup
 	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1

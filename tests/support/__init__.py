@@ -15,7 +15,7 @@
     sampling_cases   sampler rows in the engine's tables, and logits shaped like a model's
     sampling_oracle  the row-by-row sampler, the batched one's oracle
     hub_server       a Hugging Face Hub look-alike on 127.0.0.1, with faults to inject
-    hub_store        the store as the Hub tests see it: a Hub per test, tiny models, the store's folders
+    hub_store        the store as the Hub tests see it: the CLI against it, its folders, a failed pull's checks
     fuzz             the model-file mutator and its harness (fuzz_worker: the capped loader process)
 
 ROOT is the repository, DATA the tests' oracle files (tests/data)."""

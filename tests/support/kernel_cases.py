@@ -1,5 +1,5 @@
-"""Shared inputs of the kernel tests (tests/test_kernels_triton.py, tests/test_kernels_cpu.py): random quantized
-weights in every format and paged KV caches with NaN wherever no sequence owns a slot."""
+"""Shared inputs of the kernel tests (tests/kernels/test_kernels_triton.py, tests/kernels/test_kernels_cpu.py):
+random quantized weights in every format and paged KV caches with NaN wherever no sequence owns a slot."""
 
 import torch
 

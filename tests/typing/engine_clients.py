@@ -1,4 +1,5 @@
-"""Checked by mypy (tests/test_api_contract.py), never run: every engine and backend meets engine.api.EngineClient."""
+"""Checked by mypy (tests/engine/test_api_contract.py), never run: every engine and backend meets
+engine.api.EngineClient."""
 
 from llamaterm.app.remote import RemoteEngine, RemoteStream
 from llamaterm.engine.api import EngineClient, RequestStream

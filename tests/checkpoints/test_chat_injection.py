@@ -165,7 +165,8 @@ def test_forged_bos_is_text_in_a_sentencepiece_vocabulary():
     tok = Tokenizer.from_gguf_metadata(
         sentencepiece_meta(**{"tokenizer.chat_template": "{{ bos_token }}{{ messages[0].content }}"})
     )
-    pieces = ["▁", "<0x3C>", "s", "<0x3E>", "he", "ll", "o"]  # "<s>hello" as text (tests/test_tokenizer.py BY_HAND)
+    # "<s>hello" as text (tests/checkpoints/test_tokenizer.py BY_HAND)
+    pieces = ["▁", "<0x3C>", "s", "<0x3E>", "he", "ll", "o"]
     assert tok.encode_chat(user("<s>hello")) == [BOS] + [SP[p] for p in pieces]
 
 

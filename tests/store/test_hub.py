@@ -5,7 +5,6 @@ real store and the real Hub are never touched. The CLI runs as a subprocess (rea
 where the command line is the point; other pulls call engine.hub.pull in-process, which saves a torch import
 per pull.
 """
-# ruff: noqa: F811 (the Hub fixtures of tests/support/hub_store.py are imported and taken as arguments)
 
 import errno
 import hashlib
@@ -25,16 +24,7 @@ from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_model
 from tests.support.cli import LLAMATERM
-from tests.support.hub_store import (  # noqa: F401 (fixtures)
-    assert_store_empty,
-    assert_user_error,
-    home,
-    hub_server,
-    llamaterm,
-    ls,
-    models,
-    stored,
-)
+from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
 
 TOKEN = "hf_test_token"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

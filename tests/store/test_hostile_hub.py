@@ -2,7 +2,6 @@
 the store, commit ids that are paths, odd revisions, a repo that changes between the listing and the downloads, and
 more bytes than listed. Each pull fails with one line; nothing is written outside the store and nothing partial is
 visible in it."""
-# ruff: noqa: F811 (the Hub fixtures of tests/support/hub_store.py are imported and taken as arguments)
 
 from pathlib import Path
 
@@ -10,16 +9,7 @@ import pytest
 
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import MANIFEST
-from tests.support.hub_store import (  # noqa: F401 (fixtures)
-    assert_store_empty,
-    assert_user_error,
-    home,
-    hub_server,
-    llamaterm,
-    ls,
-    models,
-    stored,
-)
+from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
 
 REPO = "tester/Tiny-Llama-GGUF"
 
