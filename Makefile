@@ -6,7 +6,7 @@ TORCH ?= torch
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup chat test fuzz bench-cpu lint
+.PHONY: setup chat test test-fast fuzz bench-cpu lint
 
 setup: $(VENV)/.installed
 	@$(BIN)/python -m llamaterm.engine.store.default_model
@@ -41,6 +41,11 @@ chat: setup
 
 test: setup $(ORACLE)
 	$(BIN)/python -m pytest -q
+
+# The fast lane: every test not marked slow (pyproject.toml says which are; tests/conftest.py fails an unmarked one
+# that takes seconds), its five slowest named at the end.
+test-fast: setup $(ORACLE)
+	$(BIN)/python -m pytest -q --fast --durations=5
 
 # The model-file fuzz test for longer than CI runs it (tests/checkpoints/test_fuzz.py): FUZZ_SECONDS of cases from a
 # new seed.

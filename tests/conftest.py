@@ -8,16 +8,32 @@ if not torch.cuda.is_available():
     # tests/kernels/test_kernels_triton.py): triton reads it as kernels are decorated.
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The fast lane (`make test-fast`, `pytest --fast`) leaves out the tests marked slow (pyproject.toml says which are),
+# and fails a test that takes longer than this there (its setup included), so that a test of many seconds added
+# without the mark shows up at once. The fast lane's own tests take under 6 s each on the 2-core CPU machine.
+FAST_TEST_S = 15.0
+TOOK = pytest.StashKey[float]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast", action="store_true", help="the fast lane: leave out the tests marked slow (tests/conftest.py)"
+    )
+
 
 def pytest_collection_modifyitems(config, items):
-    """Every test module is in a room: a package tests/<room>/ (tests/__init__.py lists them). Tests marked `cuda`
-    need a GPU: skip them cleanly where there is none (CI)."""
+    """Every test module is in a room: a package tests/<room>/ (tests/__init__.py lists them). The fast lane leaves
+    out the slow tests. Tests marked `cuda` need a GPU: skip them cleanly where there is none (CI)."""
     outside = sorted({item.nodeid.split("::")[0] for item in items if not in_a_room(item)})
     if outside:
         raise pytest.UsageError(
             f"test modules outside a room: {', '.join(outside)}; put each in a tests/<room>/ folder that has an "
             "__init__.py (see tests/__init__.py)"
         )
+    if config.getoption("fast"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -31,3 +47,17 @@ def in_a_room(item: pytest.Item) -> bool:
     module = getattr(item, "module", None)
     parts = module.__name__.split(".") if module else []
     return len(parts) == 3 and parts[0] == "tests" and parts[1] != "support"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if not item.config.getoption("fast") or report.when == "teardown":
+        return
+    took = item.stash[TOOK] = item.stash.get(TOOK, 0.0) + call.duration
+    if report.when == "call" and report.passed and took > FAST_TEST_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {took:.1f} s, over the fast lane's {FAST_TEST_S:.0f} s: mark it @pytest.mark.slow "
+            "(pyproject.toml's markers say what slow means)"
+        )

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from tests.support.cli import llamaterm
+
+pytestmark = pytest.mark.slow  # `llamaterm bench` in subprocesses
 
 
 def bench_json(*args: str) -> dict:

@@ -13,6 +13,8 @@ from tests.support.capped import llamaterm_capped, one_line_error
 from tests.support.cli import LLAMATERM, llamaterm
 from tests.support.tiny_models import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # `llamaterm` in subprocesses
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:

@@ -5,7 +5,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.support import ROOT
+
+pytestmark = pytest.mark.slow  # a wheel built by pip in a subprocess
 
 
 def test_the_wheel_installs_one_top_level_package(tmp_path):

@@ -20,6 +20,8 @@ from tests.support.fake_engine import FakeEngine
 from tests.support.serve_support import LLAMATERM, app_server, metrics, served
 from tests.support.tiny_models import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # `llamaterm serve` in subprocesses
+
 KEY = "fault-key"
 LONG = {"max_tokens": 3000, "ignore_eos": True}  # runs longer than any test waits for it
 HELLO = [{"role": "user", "content": "hello"}]

@@ -14,6 +14,8 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.workload import PromptMix
 from tests.support.tiny_models import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # `llamaterm serve` and its load clients in subprocesses
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -79,6 +79,7 @@ def run_on_a_terminal(*args: str) -> tuple[int, str]:
 REPLY = f"Hello{ESC}]0;owned\x07 there{ESC}[2J, {ESC}[1mbold{ESC}[0m{ESC}]52;c;ZWNobw==\x07!"
 
 
+@pytest.mark.slow  # `llamaterm run` in a subprocess
 def test_run_shows_a_reply_as_text_on_a_terminal_and_byte_for_byte_in_a_pipe():
     with FakeEngine(reply=REPLY) as engine, app_server(engine) as url:
         code, out = run_on_a_terminal("run", "--server", url, "hi")
@@ -88,6 +89,7 @@ def test_run_shows_a_reply_as_text_on_a_terminal_and_byte_for_byte_in_a_pipe():
         assert piped.stdout == REPLY + "\n"
 
 
+@pytest.mark.slow  # `llamaterm run` in a subprocess
 def test_error_messages_quote_a_server_as_text_on_a_terminal():
     with FakeEngine(model_name=f"fake{ESC}]0;owned\x07{ESC}[2J") as engine, app_server(engine) as url:
         code, out = run_on_a_terminal("run", "--server", url, "--model", "other", "hi")

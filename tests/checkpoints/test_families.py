@@ -35,6 +35,8 @@ from tests.support.family_oracle import (
     save_tiny_model,
 )
 
+pytestmark = pytest.mark.slow  # each family's model built by transformers and converted by llama.cpp's converter
+
 VOCAB = 384
 PROMPT = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12, 45, 46, 47, 48, 301, 2, 9]
 GREEDY_STEPS = 24

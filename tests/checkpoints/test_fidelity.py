@@ -14,6 +14,8 @@ from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.store.model_store import default_model_path
 from tests.support.engine_checks import our_last_logits
 
+pytestmark = pytest.mark.slow  # the real default model beside transformers
+
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [

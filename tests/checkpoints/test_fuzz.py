@@ -8,7 +8,11 @@ number that reproduce it."""
 
 import os
 
+import pytest
+
 from tests.support.fuzz import fuzz
+
+pytestmark = pytest.mark.slow  # a capped loader process, for up to a minute
 
 FUZZ_CASES = 500
 CI_SECONDS = 40  # the cases' share of the minute; making the seeds and starting the worker take the rest

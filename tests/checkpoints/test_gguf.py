@@ -100,7 +100,7 @@ def test_float_tensors_stay_in_their_dtype(qtype, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The default model against gguf.GGUFReader and transformers
+# The default model against gguf.GGUFReader and transformers (slow where a test loads its weights)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,7 @@ def hf_config(default_path) -> dict:
     return load_gguf_checkpoint(str(default_path), return_tensors=False)["config"]
 
 
+@pytest.mark.slow
 def test_metadata_matches_gguf_reader(checkpoint, reader):
     expected = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     # numeric arrays stay numpy views of the file
@@ -132,6 +133,7 @@ def test_metadata_matches_gguf_reader(checkpoint, reader):
     assert len(checkpoint.metadata["tokenizer.ggml.tokens"]) == 49152
 
 
+@pytest.mark.slow
 def test_tensor_table_matches_gguf_reader(default_path, reader):
     ours = read_gguf_file(default_path).tensors
     assert list(ours) == [t.name for t in reader.tensors]
@@ -149,6 +151,7 @@ def test_info_counts_tensor_types(default_path, reader):
     assert info["n_params"] == sum(int(t.n_elements) for t in reader.tensors)
 
 
+@pytest.mark.slow
 def test_default_model_config_matches_transformers(checkpoint, hf_config):
     c = checkpoint.config
     assert (
@@ -189,6 +192,7 @@ def test_default_model_config_matches_transformers(checkpoint, hf_config):
     assert c.rope_freq_factors is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.29.attn_k.weight", "token_embd.weight"],

@@ -18,6 +18,8 @@ from tests.support.fuzz import byte_level_tokenizer_json
 from tests.support.safetensors_files import write_dense
 from tests.support.tiny_models import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # the loaders and the CLI in capped child processes
+
 # --- GGUF metadata of the wrong type ---------------------------------------------------------------------
 
 WRONG_TYPES = {

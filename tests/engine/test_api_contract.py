@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import ROOT
+
+pytestmark = pytest.mark.slow  # mypy over the engines, in a subprocess
 
 
 def test_every_engine_meets_the_engine_client_protocol(tmp_path):

@@ -84,6 +84,7 @@ def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_small_pool_preempts_and_recomputes(tiny, overlap):
     prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
@@ -156,6 +157,7 @@ def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, overl
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_stress_random_arrivals_cancels_and_stop_strings(tiny, overlap):
     rng = random.Random(4)

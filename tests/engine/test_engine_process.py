@@ -11,6 +11,8 @@ from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.process import EngineProcess
 from tests.support.tiny_models import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # each test starts an engine process
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:

@@ -45,6 +45,10 @@ def test_reference_matches_the_row_by_row_oracle(kind):
     assert sample_ref(logits.clone(), batch.slots, batch.positions, batch.tables).tolist() == expected
 
 
+# The Triton kernel's path is slow: on the CPU it runs under the interpreter (seconds a case, minutes for the draws)
+KERNEL = pytest.param("kernel", marks=pytest.mark.slow)
+
+
 def kernel(logits, batch: Batch, **sizes):
     from llamaterm.kernels.sampling_triton import sample_triton
 
@@ -53,6 +57,7 @@ def kernel(logits, batch: Batch, **sizes):
     return out.cpu(), tables
 
 
+@pytest.mark.slow  # the Triton kernel (see KERNEL)
 @pytest.mark.parametrize("kind", ["peaked", "flat"])
 @pytest.mark.parametrize("cap", [4, 32])  # 4 candidates a chunk: rows whose cut passes them bisect the whole row
 def test_kernel_matches_the_reference(kind, cap):
@@ -100,7 +105,7 @@ EDGES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["reference", "kernel"])
+@pytest.mark.parametrize("path", ["reference", KERNEL])
 def test_edge_values_give_defined_tokens(path):
     if path == "kernel":
         pytest.importorskip("triton")
@@ -129,7 +134,7 @@ def chi_square_upper(df: int, alpha: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("path", ["reference", "kernel"])
+@pytest.mark.parametrize("path", ["reference", KERNEL])
 def test_draws_follow_the_filtered_distribution(path):
     """Many draws of one row (one slot, positions 0..n-1 key fresh noise) against the distribution the filters
     define: top-k 6 of these logits, then top-p 0.9 of what is left, temperature 0.7. False alarm rate 1e-4."""
@@ -157,7 +162,7 @@ def test_draws_follow_the_filtered_distribution(path):
     assert stat < chi_square_upper(kept - 1, 1e-4), (counts[:kept].tolist(), (n * expected).tolist())
 
 
-@pytest.mark.parametrize("path", ["reference", "kernel"])
+@pytest.mark.parametrize("path", ["reference", KERNEL])
 def test_rows_with_nan_or_inf_sample_minus_one_and_the_others_go_on(path):
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.2, seed=1)] * 3
     batch = Batch(params, seed=9)

@@ -136,6 +136,7 @@ def test_run_streams_the_answer_to_stdout_and_the_thinking_to_stderr(capsys, hid
     assert reply.thinking == (None if hide else "The user says hi.\nGreet back.\n")
 
 
+@pytest.mark.slow
 def test_run_flags(qwen3_dir):
     """--no-think switches the template (its prompt then holds the empty thinking block), --json has the parts."""
 

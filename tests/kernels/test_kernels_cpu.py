@@ -180,6 +180,7 @@ linear(x, w)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter each (run_python)
 @pytest.mark.parametrize(
     "env,why",
     [
@@ -205,6 +206,7 @@ library()
 """
 
 
+@pytest.mark.slow  # a fresh interpreter (run_python)
 def test_one_core_says_so_once():
     """A process pinned to one core runs the kernels on its own thread, and says so once."""
     lines = run_python(ONE_CORE, {}, cores={min(os.sched_getaffinity(0))})

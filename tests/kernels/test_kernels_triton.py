@@ -33,6 +33,8 @@ from tests.support.kernel_cases import (  # noqa: E402
     rel_err,
 )
 
+pytestmark = pytest.mark.slow  # on the CPU, the Triton interpreter: seconds for some cases, a minute in all
+
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
 

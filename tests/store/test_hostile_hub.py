@@ -11,6 +11,8 @@ from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import MANIFEST
 from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
 
+pytestmark = pytest.mark.slow  # `llamaterm pull` in subprocesses
+
 REPO = "tester/Tiny-Llama-GGUF"
 
 

@@ -26,6 +26,8 @@ from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_m
 from tests.support.cli import LLAMATERM
 from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
 
+pytestmark = pytest.mark.slow  # `llamaterm` in subprocesses, pulling from a Hub look-alike
+
 TOKEN = "hf_test_token"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 

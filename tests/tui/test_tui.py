@@ -493,6 +493,7 @@ def test_scroll_stays_pinned_unless_the_user_scrolled_up():
     run(app, scenario, size=(100, 30))
 
 
+@pytest.mark.slow
 def test_keystrokes_are_handled_fast_while_four_panes_stream():
     app = make_app(FakeEngine(LONG_REPLY, tokens_per_s=250), sessions=4)
 
