@@ -102,7 +102,15 @@ def start_streams(url: str, n: int, **body) -> list[Stream]:
 
 
 def engine_child(serve_process: subprocess.Popen) -> psutil.Process:
-    (child,) = [p for p in psutil.Process(serve_process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    """The server's engine process; not one that was killed and is not yet reaped (a zombie has no command line)."""
+    children = []
+    for p in psutil.Process(serve_process.pid).children():
+        try:
+            if "spawn_main" in " ".join(p.cmdline()):
+                children.append(p)
+        except psutil.ZombieProcess:
+            pass
+    (child,) = children
     return child
 
 
@@ -131,7 +139,8 @@ def test_a_killed_engine_ends_every_stream_and_restarts(tiny):
         child = engine_child(server.process)
         child.kill()
         killed = time.monotonic()
-        assert health(server.url) == 503
+        while health(server.url) != 503:  # the server sees its engine's end as the pipe from it closes
+            assert time.monotonic() - killed < 0.5, "/health still said ok half a second after the engine died"
         for s in streams:
             s.join(timeout=10)
             assert s.ended_with_an_error() and s.times[-1] - killed < 1, s.data[-3:]
@@ -148,7 +157,9 @@ def test_the_third_engine_failure_in_ten_minutes_stops_the_server(tiny):
     with serve_tiny(tiny) as server:
         for _ in range(serve.MAX_FAILURES):
             wait_healthy(server.url, timeout=server.startup_s)
-            engine_child(server.process).kill()
+            child = engine_child(server.process)
+            child.kill()
+            wait_gone(child)  # reaped by the server: only then is /health sure to say it is restarting
         assert server.process.wait(timeout=30) == 1
         last = server.log().strip().splitlines()[-1]
         assert last.startswith("llamaterm: the engine failed 3 times in 10 minutes") and "SIGKILL" in last, last

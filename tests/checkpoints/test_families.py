@@ -19,7 +19,7 @@ from llamaterm.engine.checkpoints.architectures import REFUSED
 from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.checkpoints.gguf import _config as gguf_config
 from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
-from llamaterm.engine.checkpoints.safetensors_loader import model_config
+from llamaterm.engine.checkpoints.hf_config import model_config
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams

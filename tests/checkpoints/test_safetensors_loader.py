@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors, model_config
+from llamaterm.engine.checkpoints.hf_config import model_config
+from llamaterm.engine.checkpoints.safetensors_loader import load_safetensors
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.kernels.linear import linear_ref
