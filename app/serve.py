@@ -308,7 +308,7 @@ def numbers(body: dict) -> dict:
 class EventPump:
     """Moves every live request's events from its thread-safe queue to an asyncio queue, a batch per poll."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.live: dict[RequestStream, asyncio.Queue[list[Event]]] = {}
         self.wake = asyncio.Event()
         self.closed = False  # the server is stopping: its last requests have ended
