@@ -17,7 +17,7 @@ import pytest
 
 from llamaterm.app import serve
 from tests.support.fake_engine import FakeEngine
-from tests.support.serve_support import LLAMATERM, app_server, metrics, served
+from tests.support.serve_support import LLAMATERM, app_server, free_port, metrics, served
 from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow  # `llamaterm serve` in subprocesses
@@ -219,6 +219,20 @@ def test_an_empty_api_key_is_a_usage_error():
         )
         assert out.returncode == 2 and out.stderr.startswith("llamaterm: --api-key is empty"), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_keyless_server_beyond_loopback_is_warned_about_before_the_model_loads():
+    for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+        port = free_port()
+        out = subprocess.run(
+            [LLAMATERM, "serve", "--host", host, "--port", str(port), "-m", "no-such-model"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        warning = f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key"
+        assert (warning in out.stderr.splitlines()) == warned, out.stderr
+        assert out.returncode == 1 and "no model named 'no-such-model'" in out.stderr  # and then the model's error
 
 
 def deep_json(depth: int) -> bytes:
