@@ -29,12 +29,23 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (log-softmax of its logits before penalties, bias,
+    grammar, temperature and filters, as OpenAI and vLLM report it) and the likeliest alternatives asked for."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most probable first
+
+
+@dataclass(frozen=True)
 class Event:
     """One step of a request's stream. `text` is a UTF-8-safe delta; the last event has finished=True."""
 
     request_id: int
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when the request asked (logprobs)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None

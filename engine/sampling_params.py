@@ -8,6 +8,23 @@ from llamaterm.engine.errors import RequestError
 # As OpenAI's API bounds them. A reply's text is held back while a stop string could begin in it: a long stop
 # string would hold back the whole reply, streaming it in one piece at the end
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs)
+MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range); a token id is checked against the vocabulary at submit
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a reply's text must match, enforced token by token as it is sampled (engine/serving/grammar.py):
+    "json" any JSON object; "json_schema" text is a JSON Schema (as JSON); "regex" a regular expression over the
+    whole reply; "lark" a grammar in llguidance's Lark syntax (which can embed JSON schemas)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"invalid grammar kind {self.kind!r}: one of {', '.join(GRAMMAR_KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -24,6 +41,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its n likeliest alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before any filter)
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         checks = [
@@ -44,6 +64,14 @@ class SamplingParams:
                 self.seed is None or 0 <= self.seed < 2**64,
                 "seed must be in [0, 2**64)",
             ),  # 64 bits (kernels/sampling.py)
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                all(t >= 0 and math.isfinite(b) and abs(b) <= MAX_BIAS for t, b in self.logit_bias),
+                f"logit_bias takes token ids >= 0 and biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+            ),
         ]
         for ok, message in checks:
             if not ok:
