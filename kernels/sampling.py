@@ -13,8 +13,10 @@ The draw is an exponential race (the Gumbel-max trick): the kept token with the 
 with u from a counter-based generator keyed by (seed, position, token id). A token's noise depends on nothing else,
 so a seeded request samples the same tokens alone and in any batch, and rows need no generator state.
 
-Penalties (repetition over prompt and output, presence and frequency over the output) read per-slot token counts
-kept on the device: a slot's counts are set when its sequence joins and counted up here as each token is sampled.
+Before all of that, a slot's logit_bias row is added (BIASED) and the tokens its grammar's bitmask rules out are
+set to -inf (CONSTRAINED). Penalties (repetition over prompt and output, presence and frequency over the output)
+read per-slot token counts kept on the device: a slot's counts are set when its sequence joins and counted up here
+as each token is sampled.
 
 A row whose logits hold NaN or +inf, or are all -inf, samples -1: its request ends with an error, the others go on.
 This file holds the torch reference (the CPU path and the oracle of the Triton kernel); kernels/sampling_triton.py
@@ -25,6 +27,9 @@ import torch
 
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import (
+    BIASED,
+    CONSTRAINED,
+    FLAGS,
     FREQUENCY,
     GOLDEN,
     MIN_P,
@@ -91,6 +96,13 @@ def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 # ---- the reference ----
 
 
+def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] bool from bitmask rows [R, words]: bit t % 32 of word t // 32 (an arithmetic shift keeps bit 0
+    right for bit 31 too)."""
+    t = torch.arange(vocab, device=bitmask.device)
+    return ((bitmask[:, t // 32] >> (t % 32)) & 1) != 0
+
+
 def apply_penalties(x: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """x [R, vocab] logits of rows with penalties, their slots' counts and prompt marks, f [R, 6] their floats."""
     seen = (in_prompt != 0) | (counts > 0)
@@ -130,11 +142,15 @@ def sample_ref(
     s = slots[rows]
     f, ints = tables.floats[s], tables.ints[s]
     x = logits[rows]
+    biased, constrained = (ints[:, FLAGS] & BIASED) != 0, (ints[:, FLAGS] & CONSTRAINED) != 0
+    x[biased] += tables.bias[s[biased]]
+    x[constrained] = torch.where(allowed(tables.bitmask[s[constrained]], x.shape[1]), x[constrained], float("-inf"))
     penalised = (f[:, REPETITION] != 1) | (f[:, PRESENCE] != 0) | (f[:, FREQUENCY] != 0)
     if penalised.any():
         ps = s[penalised]
         x[penalised] = apply_penalties(x[penalised], tables.counts[ps], tables.in_prompt[ps], f[penalised])
-        logits[rows] = x  # as the kernel does: the penalised logits are what was sampled from
+    if (biased | constrained | penalised).any():
+        logits[rows] = x  # as the kernel does: the logits sampled from are left in place
     m, out = x.max(-1).values, x.argmax(-1)  # the first of tied maxima, as the kernel
     bad = x.isnan().any(-1) | (x == float("inf")).any(-1) | (m == float("-inf"))
     sampled = (f[:, TEMPERATURE] > 0) & ~bad

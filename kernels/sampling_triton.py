@@ -2,7 +2,8 @@
 this kernel's oracle). Every row is split into chunks of CHUNK tokens, so a step of 8 rows still spreads over the
 whole GPU, and nothing sorts the vocabulary. Three launches:
 
-1. per chunk, one read: penalties (written back), the chunk's maximum and its index, NaN or +inf;
+1. per chunk, one read: logit bias, grammar mask and penalties (written back), the chunk's maximum and its
+   index, NaN or +inf;
 2. per chunk, with the row's maximum: the chunk's softmax mass, its race winner among the tokens min-p keeps, and,
    for rows with top-k or top-p, its candidates: the tokens above tau, the chunk's (L+1)-th largest, at most L;
 3. per row: greedy rows take the argmax; rows with neither top-k nor top-p the best of the chunks' winners; the
@@ -30,6 +31,10 @@ _PRESENCE = tl.constexpr(layout.PRESENCE)
 _FREQUENCY = tl.constexpr(layout.FREQUENCY)
 _TOP_K = tl.constexpr(layout.TOP_K)
 _SEED = tl.constexpr(layout.SEED)
+_FLAGS = tl.constexpr(layout.FLAGS)
+_BIASED = tl.constexpr(layout.BIASED)
+_CONSTRAINED = tl.constexpr(layout.CONSTRAINED)
+_INTS = tl.constexpr(layout.INT_COLUMNS)
 _GOLDEN = tl.constexpr(layout.GOLDEN)
 _MIX1 = tl.constexpr(layout.MIX1)
 _MIX2 = tl.constexpr(layout.MIX2)
@@ -66,7 +71,7 @@ def _from_okey(k):
 
 @triton.jit
 def _row_key(ints_ptr, positions_ptr, slot, row):
-    seed = tl.load(ints_ptr + slot * 2 + _SEED).to(tl.uint64, bitcast=True)
+    seed = tl.load(ints_ptr + slot * _INTS + _SEED).to(tl.uint64, bitcast=True)
     position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
     return _mix64(seed ^ _mix64(position))
 
@@ -90,8 +95,12 @@ def _chunk_stats_kernel(
     vocab,
     slots_ptr,
     floats_ptr,
+    ints_ptr,
     counts_ptr,
     in_prompt_ptr,
+    bias_ptr,
+    bitmask_ptr,
+    n_words,
     cmax_ptr,
     carg_ptr,
     cbad_ptr,
@@ -109,12 +118,20 @@ def _chunk_stats_kernel(
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < vocab
         x = tl.load(row_ptr + offs, mask=mask, other=_NEG_INF)
-        if (rep != 1.0) | (presence != 0.0) | (frequency != 0.0):
-            state = slot * vocab
+        flags = tl.load(ints_ptr + slot * _INTS + _FLAGS)
+        state = slot * vocab
+        if (flags & _BIASED) != 0:
+            x += tl.load(bias_ptr + state + offs, mask=mask, other=0.0)
+        if (flags & _CONSTRAINED) != 0:
+            words = tl.load(bitmask_ptr + slot * n_words + offs // 32, mask=mask, other=0)
+            x = tl.where(((words >> (offs % 32)) & 1) != 0, x, _NEG_INF)
+        penalised = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
+        if penalised:
             n = tl.load(counts_ptr + state + offs, mask=mask, other=0)
             seen = (tl.load(in_prompt_ptr + state + offs, mask=mask, other=0) != 0) | (n > 0)
             x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
             x = x - frequency * n.to(tl.float32) - presence * (n > 0).to(tl.float32)
+        if penalised | (flags != 0):
             tl.store(row_ptr + offs, x, mask=mask)
         at = row * n_chunks + c
         tl.store(cmax_ptr + at, tl.max(x, 0))
@@ -164,7 +181,7 @@ def _chunk_candidates_kernel(
             )
             tl.store(best_ptr + at, tl.max(score, 0))
             tl.store(best_id_ptr + at, c * CHUNK + tl.argmax(score, 0))
-            top_k = tl.load(ints_ptr + slot * 2 + _TOP_K)
+            top_k = tl.load(ints_ptr + slot * _INTS + _TOP_K)
             if ((top_k > 0) & (top_k < vocab)) | (tl.load(f + _TOP_P) < 1.0):
                 keys = tl.where(mask, _okey(y), _NO_KEY)
                 tau = _NO_KEY
@@ -287,7 +304,7 @@ def _row_token_kernel(
         if ok & (temperature > 0):
             c = tl.arange(0, PB)
             chunks = c < n_chunks
-            top_k = tl.load(ints_ptr + slot * 2 + _TOP_K)
+            top_k = tl.load(ints_ptr + slot * _INTS + _TOP_K)
             top_p = tl.load(f + _TOP_P)
             if ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0):  # thresholds to find
                 z = tl.sum(tl.load(mass_ptr + base + c, mask=chunks, other=0.0), 0)
@@ -357,7 +374,8 @@ def sample_triton(
     # chunk's maximum; the chunks' candidates
     rows, per_row = (logits, logits.stride(0), vocab, slots), (positions, t.floats, t.ints)
     maxima, found = (cmax, carg, cbad, p), (mass, best, best_id, tau, n_cand, cand)
-    _chunk_stats_kernel[(n, p)](*rows, t.floats, t.counts, t.in_prompt, *maxima, CHUNK=chunk, num_warps=warps)
+    state = (t.floats, t.ints, t.counts, t.in_prompt, t.bias, t.bitmask, t.bitmask.shape[1])
+    _chunk_stats_kernel[(n, p)](*rows, *state, *maxima, CHUNK=chunk, num_warps=warps)
     _chunk_candidates_kernel[(n, p)](
         *rows, *per_row, *maxima, *found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps
     )

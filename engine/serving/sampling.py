@@ -7,7 +7,7 @@ import torch
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.kernels.sampling import sample
-from llamaterm.kernels.sampling_tables import SamplingTables
+from llamaterm.kernels.sampling_tables import BIASED, CONSTRAINED, SamplingTables
 
 
 def penalised(p: SamplingParams) -> bool:
@@ -36,7 +36,15 @@ class Sampler:
         p, t = seq.params, self.tables
         floats = [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
         t.floats[slot].copy_(self._staged(floats, torch.float32), non_blocking=True)
-        t.ints[slot].copy_(self._staged([p.top_k, as_int64(seq.seed)], torch.int64), non_blocking=True)
+        flags = (BIASED if p.logit_bias else 0) | (CONSTRAINED if seq.grammar is not None else 0)
+        t.ints[slot].copy_(self._staged([p.top_k, as_int64(seq.seed), flags], torch.int64), non_blocking=True)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            t.bias[slot].zero_()
+            t.bias[slot].index_put_(
+                (self._staged(list(ids), torch.int64).to(self.device, non_blocking=True),),
+                self._staged(list(biases), torch.float32).to(self.device, non_blocking=True),
+            )
         if penalised(p):
             t.counts[slot].zero_()
             t.in_prompt[slot].zero_()
@@ -48,6 +56,13 @@ class Sampler:
         may wait for the step in flight), which torch's host allocator keeps until the copy is done."""
         host = torch.tensor(values, dtype=dtype)
         return host.pin_memory() if self.device.type == "cuda" else host
+
+    def write_bitmasks(self, slots: list[int], bitmask: torch.Tensor) -> None:
+        """The next token's bitmasks of constrained slots, rows of `bitmask` (on the host) in the order of `slots`.
+        The host rows may be refilled once the step that reads them has sampled (its tokens reached the host)."""
+        rows = self._staged(slots, torch.int64).to(self.device, non_blocking=True)
+        source = bitmask[: len(slots)]
+        self.tables.bitmask.index_copy_(0, rows, source.to(self.device, non_blocking=True))
 
     def sample(self, logits: torch.Tensor, sampler_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return sample(logits, sampler_slots, positions, self.tables)

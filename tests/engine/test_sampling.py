@@ -3,6 +3,7 @@ random draws, the Triton kernel against the reference (under TRITON_INTERPRET=1 
 peaked and flat rows through each of its paths, the filters' edge values, the draws' distribution, and rows whose
 logits are not finite."""
 
+import dataclasses
 import math
 import random
 
@@ -45,6 +46,43 @@ def test_reference_matches_the_row_by_row_oracle(kind):
     assert sample_ref(logits.clone(), batch.slots, batch.positions, batch.tables).tolist() == expected
 
 
+def biased_and_constrained(rng: random.Random, n: int) -> tuple[list[SamplingParams], list[set[int] | None]]:
+    """Rows of every kind, a third with a logit bias and a third allowed only some tokens (as a grammar would)."""
+    params, allowed = [], []
+    for _ in range(n):
+        p = random_params(rng)
+        if rng.random() < 0.4:
+            biases = [-100.0, -3.0, 2.5, 100.0]
+            bias = tuple((rng.randrange(VOCAB), rng.choice(biases)) for _ in range(rng.randint(1, 6)))
+            p = dataclasses.replace(p, logit_bias=bias)
+        params.append(p)
+        allowed.append(set(rng.sample(range(VOCAB), rng.choice([1, 3, 40, 150]))) if rng.random() < 0.4 else None)
+    return params, allowed
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat"])
+def test_bias_and_grammar_mask_sample_as_if_applied_to_the_logits(kind):
+    """Oracle: the same rows without bias or mask, their logits biased and masked by hand, give the same tokens
+    (the same draws: a row's noise depends only on its seed, position and token)."""
+    params, allowed = biased_and_constrained(random.Random(kind), 40)
+    batch = Batch(params, seed=7, slots=64)
+    for i, tokens in enumerate(allowed):
+        if tokens is not None:
+            batch.allow_only(i, tokens)
+    logits = logits_like(kind, len(params), seed=8)
+    by_hand = logits.clone()
+    for i, (p, tokens) in enumerate(zip(params, allowed, strict=True)):
+        for token, bias in p.logit_bias:
+            by_hand[i, token] += bias
+        if tokens is not None:
+            by_hand[i, [t for t in range(VOCAB) if t not in tokens]] = float("-inf")
+    plain = Batch([dataclasses.replace(p, logit_bias=()) for p in params], seed=7, slots=64)
+    expected = sample_ref(by_hand, plain.slots, plain.positions, plain.tables)
+    tokens = sample_ref(logits.clone(), batch.slots, batch.positions, batch.tables)
+    assert tokens.tolist() == expected.tolist()
+    assert all(t in a for t, a in zip(tokens.tolist(), allowed, strict=True) if a is not None)
+
+
 # The Triton kernel's path is slow: on the CPU it runs under the interpreter (seconds a case, minutes for the draws)
 KERNEL = pytest.param("kernel", marks=pytest.mark.slow)
 
@@ -63,9 +101,12 @@ def kernel(logits, batch: Batch, **sizes):
 def test_kernel_matches_the_reference(kind, cap):
     pytest.importorskip("triton")
     rng = random.Random(cap)
-    params = [random_params(rng) for _ in range(14)]
+    params, allowed = biased_and_constrained(rng, 14)
     params += [SamplingParams(temperature=1.0, top_p=0.9, seed=5), SamplingParams(temperature=0.9, top_k=100)]
     batch = Batch(params, seed=3)
+    for i, tokens in enumerate(allowed):
+        if tokens is not None:
+            batch.allow_only(i, tokens)
     logits = logits_like(kind, len(params), seed=4)
     ref_logits, ref_tables = logits.clone(), batch.tables_on("cpu")
     expected = sample_ref(ref_logits, batch.slots, batch.positions, ref_tables)
@@ -145,14 +186,14 @@ def test_draws_follow_the_filtered_distribution(path):
     n = 4000 if path == "reference" else 300
     tables = SamplingTables.allocate(1, 20, torch.device("cpu"))
     tables.floats[0] = torch.tensor([0.7, 0.9, 0.0, 1.0, 0.0, 0.0])
-    tables.ints[0] = torch.tensor([6, 12345])
+    tables.ints[0, :2] = torch.tensor([6, 12345])
     rows, slots, positions = logits.expand(n, 20).clone(), torch.zeros(n, dtype=torch.int64), torch.arange(n)
     if path == "reference":
         tokens = sample_ref(rows, slots, positions, tables)
     else:
         from llamaterm.kernels.sampling_triton import sample_triton
 
-        t = SamplingTables(*(x.to(DEVICE) for x in (tables.floats, tables.ints, tables.counts, tables.in_prompt)))
+        t = tables.copy(DEVICE)
         tokens = sample_triton(
             rows.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE), t, chunk=16, candidates=8, block=32
         ).cpu()

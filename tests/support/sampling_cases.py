@@ -30,14 +30,25 @@ class Batch:
             self.tables.floats[slot] = torch.tensor(
                 [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
             )
-            self.tables.ints[slot] = torch.tensor([p.top_k, as_int64(p.seed or 0)])
+            self.tables.ints[slot, :2] = torch.tensor([p.top_k, as_int64(p.seed or 0)])
             self.tables.in_prompt[slot, prompt] = 1
             self.tables.counts[slot] = torch.bincount(torch.tensor(gen, dtype=torch.int64), minlength=vocab)
+            for token, bias in p.logit_bias:
+                self.tables.bias[slot, token] = bias
+                self.tables.ints[slot, sampling.FLAGS] |= sampling.BIASED
+
+    def allow_only(self, i: int, tokens: set[int]) -> None:
+        """Row i may sample only `tokens`, as a grammar's bitmask says: bit t % 32 of word t // 32."""
+        slot = int(self.slots[i])
+        words = [0] * self.tables.bitmask.shape[1]
+        for t in tokens:
+            words[t // 32] |= 1 << (t % 32)
+        self.tables.bitmask[slot] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words])
+        self.tables.ints[slot, sampling.FLAGS] |= sampling.CONSTRAINED
 
     def tables_on(self, device) -> SamplingTables:
         """A copy: the samplers count up the tokens they sample."""
-        t = self.tables
-        return SamplingTables(*(x.to(device, copy=True) for x in (t.floats, t.ints, t.counts, t.in_prompt)))
+        return self.tables.copy(device)
 
     def exponential(self, i: int) -> torch.Tensor:
         """Row i's Exp(1) draws, from the generator the batched sampler keys on (seed, position, token id)."""
