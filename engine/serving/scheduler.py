@@ -9,10 +9,15 @@ Prefill tokens ride beside decode rows only as far as keeps the step's time with
 (`Pace`, from the measured times of the steps so far), so a long prompt arriving costs the sessions already
 streaming a steady, small slowdown rather than a stall: a session's gap between two tokens stays near the median.
 
+A prompt that begins as one being computed right now (the n choices of one request, clients with the same long
+system prompt arriving together) waits until that prefill has passed their common part, then takes it from the
+prefix cache: a shared prompt is computed once, plus at most a block per sequence that shares it.
+
 Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
 admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
 """
 
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -123,14 +128,18 @@ class Scheduler:
         return chunks
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], prefill: int | None) -> None:
-        """Admit waiting sequences while tokens, blocks and sampler slots remain (a preempted one has its own)."""
+        """Admit waiting sequences, oldest first, while tokens, blocks and sampler slots remain (a preempted one has
+        its own); one whose prompt is being computed by another waits for it, and the next is considered."""
         budget = self.max_batch_tokens - sum(c.length for c in chunks)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
             if seq.done_sampling:  # preempted while its last token is in flight: it finishes when that arrives
                 break
             if seq.sampler_slot is None and not self.free_slots:
                 break
+            if self._computing_its_prefix(seq):
+                continue
             prefill = self._prefill_left(prefill, chunks)
             if prefill <= 0:
                 break
@@ -143,10 +152,25 @@ class Scheduler:
                 self.blocks.release(seq.table)
                 seq.num_computed = 0
                 break
-            self._admit(self.waiting.popleft(), n)
+            self.waiting.remove(seq)
+            self._admit(seq, n)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
             prefill -= n
+
+    def _computing_its_prefix(self, seq: Sequence) -> bool:
+        """A running sequence is computing at least a block of seq's prompt that seq would otherwise compute
+        again (seq holds no blocks yet; what is computed is in the prefix cache once its blocks are full)."""
+        if seq.table.block_ids:
+            return False
+        bs, prompt = self.blocks.block_size, seq.token_ids[: seq.num_prompt_tokens]
+        for other in self.running:
+            if other.num_computed >= other.num_prompt_tokens or other.token_ids[:bs] != prompt[:bs]:
+                continue
+            common = len(os.path.commonprefix([prompt, other.token_ids[: other.num_prompt_tokens]]))
+            if other.num_computed // bs < common // bs:
+                return True
+        return False
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """A sequence that holds no blocks starts after the longest prefix of it the cache holds."""

@@ -42,3 +42,48 @@ def test_prompts_beside_decodes_are_paced_and_alone_take_the_budget():
     s.add(sequence(2, 600))
     chunks = s.schedule()
     assert [(c.seq.id, c.length) for c in chunks] == [(1, 1), (2, 150)]  # one decode, then a paced chunk
+
+
+def prompt_tokens_computed(s: Scheduler, seqs: list[Sequence]) -> int:
+    """Steps until every sequence has its prompt computed (each samples a token after it); the prompt tokens the
+    steps computed."""
+    computed = 0
+    while any(q.num_computed < q.num_prompt_tokens for q in seqs):
+        chunks = s.schedule()
+        assert chunks, "nothing scheduled while prompts wait"
+        s.advance(chunks)
+        for c in chunks:
+            computed += c.length if c.seq.num_computed <= c.seq.num_prompt_tokens else 0
+            if c.samples and c.seq.num_generated == 0:
+                c.seq.token_ids.append(7)  # its first token
+    return computed
+
+
+def test_choices_of_one_prompt_compute_it_once():
+    """n = 8 on a 512-token prompt (a request's choices arrive together): the prompt is computed once; each other
+    choice computes only its last block, whose last token the prefix cache never serves (its logits are needed)."""
+    s = Scheduler(BlockManager(1000, 16), max_batch_tokens=2048, max_running=16)
+    prompt = [(7 * t) % 5000 for t in range(512)]
+    choices = [Sequence(i, list(prompt), 512, SamplingParams(max_tokens=50), 50) for i in range(8)]
+    for q in choices:
+        s.add(q)
+    assert prompt_tokens_computed(s, choices) == 512 + 7 * 16
+    assert [q.num_cached for q in choices] == [0] + [496] * 7
+
+
+def test_prompts_that_share_only_a_beginning_wait_for_it_alone():
+    """Two prompts with a common 100-token beginning: the second waits for the first's 6 full blocks of it, then
+    computes the rest; a prompt with nothing in common with them is not held up."""
+    s = Scheduler(BlockManager(1000, 16), max_batch_tokens=2048, max_running=16)
+    common = list(range(100, 200))
+    a = Sequence(1, common + [1] * 300, 400, SamplingParams(), 50)
+    b = Sequence(2, common + [2] * 50, 150, SamplingParams(), 50)
+    other = sequence(3, 64)
+    for q in (a, b, other):
+        s.add(q)
+    first = s.schedule()
+    assert [(c.seq.id, c.length) for c in first] == [(1, 400), (3, 64)]  # b waits
+    s.advance(first)
+    a.token_ids.append(7)
+    other.token_ids.append(7)
+    assert prompt_tokens_computed(s, [b]) == 150 - 96 and b.num_cached == 96
