@@ -45,10 +45,12 @@ class Event:
     request_id: int
     text: str = ""
     token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when the request asked (logprobs)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
+    # when the request asked (SamplingParams.logprobs): one per token of token_ids that is part of the reply (a stop
+    # token is not)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,11 @@ class SamplingParams:
             if not ok:
                 raise RequestError(f"invalid sampling value: {message}")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """What the fields can only be checked against: the model's vocabulary."""
+        if any(token >= vocab_size for token, _ in self.logit_bias):
+            raise RequestError(f"logit_bias names a token id outside the vocabulary (0..{vocab_size - 1})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

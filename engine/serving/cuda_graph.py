@@ -1,8 +1,10 @@
-"""Every step replayed from a CUDA graph: decodes, prefill chunks, and steps that mix them, each with its sampler.
+"""Every step replayed from CUDA graphs: decodes, prefill chunks, and steps that mix them, each with its sampler.
 
 A step of a small model is hundreds of kernel launches that each take microseconds on the GPU, so Python and the
-launches, not the GPU, would set its time. The step's body (the forward pass and the batched sampler, from the
-model runner) is captured once per token-count bucket and replayed: a bucket of T tokens holds up to
+launches, not the GPU, would set its time. The step's two halves (the forward pass, then the batched sampler, from
+the model runner) are captured once per token-count bucket, as two graphs, and replayed one after the other; between
+them the host may queue work of its own that the sampler reads (a grammar's token masks, computed while the forward
+pass runs; the log-probabilities of the raw logits). A bucket of T tokens holds up to
 B = min(T, max_running) sequences. The step's metadata is written into one pinned host buffer and copied with two
 transfers into fixed device buffers the graphs read, padded up to the bucket:
 - padding tokens write no KV (slot -1) and belong to no sequence: the padding sequences have no query tokens
@@ -20,6 +22,7 @@ them all before the first request, and later starts find them in Triton's cache.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,17 +41,31 @@ def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
     return sorted({*out, min(max_running, max_batch_tokens), max_batch_tokens})
 
 
+Forward = Callable[[DeviceStep], torch.Tensor]  # the step's inputs -> its logits rows
+Sample = Callable[[DeviceStep, torch.Tensor], torch.Tensor]  # the step and its logits -> its tokens
+Between = Callable[[torch.Tensor], None]  # what the host queues between the halves, given the logits
+
+
+@dataclass
+class BucketGraphs:
+    forward: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # the forward graph's output, the sampler graph's input
+    sample: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+
+
 class StepGraphs:
     def __init__(
         self,
-        body: Callable[[DeviceStep], torch.Tensor],
+        forward: Forward,
+        sample: Sample,
         device: torch.device,
         max_running: int,
         max_batch_tokens: int,
         max_blocks: int,
         compile_all: bool,
     ):
-        self.body = body
+        self.forward, self.sample = forward, sample
         self.buckets = token_buckets(max_running, max_batch_tokens)
         self.max_running = max_running
         t, b = self.buckets[-1], max_running
@@ -79,33 +96,45 @@ class StepGraphs:
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
         self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
         self.flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, BucketGraphs] = {}
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
         self._stream = torch.cuda.Stream(device)  # captures record on a side stream
         self._ran_eagerly: set[int] = set()
         if compile_all:
             for bucket in reversed(self.buckets):
-                body(self._step(bucket))
+                self._eager(self._step(bucket))
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
             if bucket <= max_running:
                 if not compile_all:  # a first run outside the capture: kernels load, scratch is allocated
-                    body(self._step(bucket))
+                    self._eager(self._step(bucket))
                 self._capture(bucket)
 
+    def _eager(self, step: DeviceStep, between: Between | None = None) -> torch.Tensor:
+        logits = self.forward(step)
+        if between is not None:
+            between(logits)
+        return self.sample(step, logits)
+
     def _capture(self, bucket: int) -> None:
-        """Record the bucket's step. Not through torch.cuda.graph, which first waits for the device and empties
+        """Record the bucket's halves. Not through torch.cuda.graph, which first waits for the device and empties
         the allocator's cache: in the middle of serving that would stall every session."""
+        step = self._step(bucket)
+        forward, logits = self._record(lambda: self.forward(step))
+        sample, tokens = self._record(lambda: self.sample(step, logits))
+        self.graphs[bucket] = BucketGraphs(forward, logits, sample, tokens)
+
+    def _record(self, work: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                tokens = self.body(self._step(bucket))
+                out = work()
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(self._stream)
         self._pool = graph.pool()
-        self.graphs[bucket] = graph, tokens
+        return graph, out
 
     def _seqs(self, bucket: int) -> int:
         return min(bucket, self.max_running)
@@ -166,14 +195,17 @@ class StepGraphs:
         self.tables[:s, :width].copy_(host_tables[:s, :width], non_blocking=True)
         return bucket, self._step(bucket, len(step.pending_rows))
 
-    def run(self, bucket: int, step: DeviceStep) -> torch.Tensor:
-        """The bucket's sampled tokens [its rows]: replayed from its graph, or the body run eagerly over the same
-        buffers the first time the bucket is needed."""
+    def run(self, bucket: int, step: DeviceStep, between: Between | None = None) -> torch.Tensor:
+        """The bucket's sampled tokens [its rows]: replayed from its graphs, or run eagerly over the same buffers
+        the first time the bucket is needed. `between` runs after the forward pass is queued, before the sampler."""
         if bucket not in self.graphs:
             if bucket not in self._ran_eagerly:
                 self._ran_eagerly.add(bucket)
-                return self.body(step)
+                return self._eager(step, between)
             self._capture(bucket)
-        graph, tokens = self.graphs[bucket]
-        graph.replay()
-        return tokens
+        graphs = self.graphs[bucket]
+        graphs.forward.replay()
+        if between is not None:
+            between(graphs.logits)
+        graphs.sample.replay()
+        return graphs.tokens

@@ -30,6 +30,7 @@ from llamaterm.engine.api import (
     EventStream,
     RequestStats,
     RequestStream,
+    TokenLogprob,
     decode_rate,
 )
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -37,8 +38,9 @@ from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
+from llamaterm.engine.serving.grammar import GrammarCompiler
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
+from llamaterm.engine.serving.model_runner import REFUSED, LaunchedStep, ModelRunner, drop_pending
 from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.serving.scheduler import Scheduler
@@ -46,14 +48,16 @@ from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
-# What a sink receives per step: (request id, token or -1, finish reason or None, error or None) per event, and
-# (request id, prompt tokens served from the prefix cache) for each request whose first token is among them
-Record = tuple[int, int, str | None, str | None]
+# What a sink receives per step: (request id, token or -1, finish reason or None, error or None, the token's
+# logprob if asked) per event, and (request id, prompt tokens served from the prefix cache) for each request whose
+# first token is among them
+Record = tuple[int, int, str | None, str | None, TokenLogprob | None]
 Sink = Callable[[list[Record], list[tuple[int, int]]], None]
 NOT_FINITE = (
     "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
     "fp16 overflowed): try another file of the model, or --device cpu"
 )
+NOT_ALLOWED = "the reply's grammar allows no next token here: the schema or grammar may be unsatisfiable"
 
 
 @dataclass(eq=False)
@@ -97,6 +101,7 @@ class Engine:
     ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.prompts = PromptEncoder(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer)
         self.sink = sink
         self._records: list[Record] = []  # this step's, for the sink
         self._cached: list[tuple[int, int]] = []
@@ -200,6 +205,7 @@ class Engine:
         ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids)
         limit = self.sequence_limit()
         check_prompt(ids, self.model.config.vocab_size, self.max_context, limit)
+        params.check_vocabulary(self.model.config.vocab_size)
         seq = Sequence(
             id=next(self._ids) if request_id is None else request_id,
             token_ids=ids,
@@ -207,6 +213,7 @@ class Engine:
             params=params,
             max_tokens=min(params.max_tokens, limit - len(ids)),
             seed=params.seed if params.seed is not None else secrets.randbits(64),
+            grammar=None if params.grammar is None else self.grammars.matcher(params.grammar),
         )
         handle = RequestHandle(seq.id, seq, self, opens_thinking=opens)
         with self._cv:
@@ -339,17 +346,17 @@ class Engine:
         self.max_step_s = max(self.max_step_s, step_s)
         self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
         self._last_done = now
-        for seq, token in tokens:
+        for seq, token, logprob in tokens:
             handle = self._handles[seq.id]
             try:
-                self._on_token(handle, token, now)
+                self._on_token(handle, token, logprob, now)
             except Exception as e:  # one request's failure stays its own
                 self._finish(handle, "error", f"{type(e).__name__}: {e}")
         self._step_tokens.append((now, len(step.sampling)))
         while self._step_tokens and now - self._step_tokens[0][0] > RATE_WINDOW_S:
             self._step_tokens.popleft()
 
-    def _on_token(self, handle: RequestHandle, token: int, now: float) -> None:
+    def _on_token(self, handle: RequestHandle, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq = handle.seq
         seq.token_times.append(now)
         if seq.first_token_time is None:
@@ -357,7 +364,8 @@ class Engine:
             if self.sink is not None:
                 self._cached.append((seq.id, seq.num_cached))
         if token < 0:
-            return self._finish(handle, "error", NOT_FINITE)
+            allowed_none = token == REFUSED or seq.grammar is not None
+            return self._finish(handle, "error", NOT_ALLOWED if allowed_none else NOT_FINITE)
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.stop_ids):
             return self._finish(handle, "stop", token_ids=(token,))
@@ -365,13 +373,15 @@ class Engine:
         if self.sink is None:
             text, stopped = self._outputs[seq.id].push(token)
             if stopped:
-                return self._finish(handle, "stop", text=text, token_ids=(token,))
+                return self._finish(handle, "stop", text=text, token_ids=(token,), logprob=logprob)
         if seq.num_generated - seq.num_pending >= seq.max_tokens:
-            return self._finish(handle, "length", text=text, token_ids=(token,))
+            return self._finish(handle, "length", text=text, token_ids=(token,), logprob=logprob)
         if self.sink is None:
-            handle.events_queue.put(Event(seq.id, text, (token,)))
+            handle.events_queue.put(Event(seq.id, text, (token,), logprobs=() if logprob is None else (logprob,)))
         else:
-            self._records.append((seq.id, token, None, None))
+            self._records.append((seq.id, token, None, None, logprob))
+        if seq.grammar is not None and seq.grammar.is_done():  # the reply is whole: nothing may follow
+            self._finish(handle, "stop")
 
     def _finish(
         self,
@@ -381,21 +391,23 @@ class Engine:
         *,
         text: str = "",
         token_ids: tuple[int, ...] = (),
+        logprob: TokenLogprob | None = None,
     ) -> None:
         """End a request. A sink's record of a "stop" carries the stop token, which is no text; of a "length",
-        the last token, which is."""
+        the last token, which is. `logprob` is the last token's, where it is part of the reply."""
         seq = handle.seq
         self.scheduler.finish(seq)
         drop_pending(seq)
         del self._handles[handle.id]
         handle.finished, handle.finish_time = True, time.perf_counter()
         if self.sink is not None:
-            self._records.append((handle.id, token_ids[0] if token_ids else -1, reason, error))
+            self._records.append((handle.id, token_ids[0] if token_ids else -1, reason, error, logprob))
             return
         output = self._outputs.pop(handle.id)
         if reason in ("length", "stop") and not error:
             text += output.finish()
-        handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
+        logprobs = () if logprob is None else (logprob,)
+        handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error, logprobs))
 
 
 @contextmanager

@@ -7,6 +7,11 @@ up before the first request.
 Steps overlap (engine/serving/engine.py): the next step is launched before this one's tokens reach the host. The
 whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is PENDING in its
 token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
+
+A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
+sampled. Such a step is launched as usual; after its forward pass is queued, the host completes the step in
+flight (its tokens are ready as soon as the device reaches the new step), advances the grammars and writes their
+token masks, which the sampler reads: the masks are computed while the GPU runs the forward pass.
 """
 
 from __future__ import annotations
@@ -18,21 +23,31 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
+from llamaterm.engine.api import TokenLogprob
 from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.grammar import fill_bitmasks
+from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLists
 from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.engine.serving.sequence import Sequence, Status
 from llamaterm.kernels.dispatch import use_triton
+from llamaterm.kernels.sampling_tables import bitmask_words
 
 log = logging.getLogger(__name__)
 
 # A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
 # token_ids when that step completes. Only the last tokens of a sequence can be pending.
 PENDING = -1
+# What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
+# only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
+REFUSED = -2
+# A step's outcome for one sequence still under way: its token, and the token's log-probability if it asked
+Sampled = tuple[Sequence, int, TokenLogprob | None]
 
 
 @dataclass
@@ -44,6 +59,8 @@ class LaunchedStep:
     start: float  # when it was scheduled
     decode_rows: int  # its chunks of one token, and
     prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
+    logprobs: StepLogprobs | None = None
+    outcome: list[Sampled] | None = None  # complete()'s answer, kept: a grammar's step may complete it early
 
 
 class ModelRunner:
@@ -59,6 +76,9 @@ class ModelRunner:
             self._warm_up()
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        # the grammars' masks on their way to the sampler's tables; one buffer serves, since a step's masks were
+        # copied before its tokens (read before the next masks are filled) reached the host
+        self._host_bitmask = torch.zeros(0, 0, dtype=torch.int32)
         self._host_turn = 0
         self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
@@ -70,7 +90,9 @@ class ModelRunner:
                 log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
             max_blocks = -(-model.config.context_length // block_size)
             with self._timed("CUDA graphs"):
-                self.graphs = StepGraphs(self._body, model.device, max_running, max_batch_tokens, max_blocks, first)
+                self.graphs = StepGraphs(
+                    self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks, first
+                )
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
@@ -83,39 +105,79 @@ class ModelRunner:
         last = self._last
         rows = {seq.id: i for i, seq in enumerate(last.sampling)} if last else {}
         step = step_lists(chunks, self.block_size, rows)
+        logprobs: list[StepLogprobs] = []
+
+        def between(logits: torch.Tensor) -> None:
+            """After the forward pass is queued, before the sampler: what the host adds to the step."""
+            asked = [(i, seq.params.logprobs) for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
+            if asked:
+                logprobs.append(StepLogprobs(logits, *map(list, zip(*asked, strict=True))))
+            constrained = [seq for seq in sampling if seq.grammar is not None]
+            if constrained:
+                self._write_masks(constrained, last)
+
         if self.graphs and self.graphs.fits(step):
             bucket, device_step = self.graphs.prepare(step)
             take_pending(device_step, step, last)
-            tokens = self.graphs.run(bucket, device_step)[: len(sampling)]
+            tokens = self.graphs.run(bucket, device_step, between)[: len(sampling)]
         else:
             device_step = device_tensors(step, self.model.device)
             take_pending(device_step, step, last)
-            tokens = self._body(device_step)
+            logits = self._forward(device_step)
+            between(logits)
+            tokens = self._sample(device_step, logits)
         for seq in sampling:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
+        if logprobs:
+            logprobs[0].gather(tokens)
         self._host_turn ^= 1
         prefill = sum(c.length for c in chunks if c.length > 1)
         host = HostTokens(tokens, self._host_tokens[self._host_turn])
-        self._last = LaunchedStep(sampling, host, start, len(chunks) - sum(c.length > 1 for c in chunks), prefill)
+        decode_rows = len(chunks) - sum(c.length > 1 for c in chunks)
+        self._last = LaunchedStep(sampling, host, start, decode_rows, prefill, logprobs[0] if logprobs else None)
         return self._last
 
-    def complete(self, step: LaunchedStep) -> list[tuple[Sequence, int]]:
-        """Wait for a step's tokens and put them in place of its sequences' PENDING tokens; returns (sequence,
-        token) for those still under way (-1: the row's logits were not finite, kernels/sampling.py)."""
-        out = []
-        for seq, token in zip(step.sampling, step.tokens.wait(), strict=True):
+    def _write_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> None:
+        """The next token's masks of the sequences under a grammar, into the sampler's tables. A sequence whose
+        last token is the step in flight's needs it on the host first: that step completes here (its tokens are
+        ready once the device reaches this step's forward pass, which is queued already)."""
+        if last is not None and any(seq.num_pending for seq in constrained):
+            self.complete(last)
+        if self._host_bitmask.shape[0] < len(constrained):
+            words = bitmask_words(self.model.config.vocab_size)
+            pinned = self.model.device.type == "cuda"
+            self._host_bitmask = torch.zeros(len(self.sampler.tables.ints), words, dtype=torch.int32, pin_memory=pinned)
+        fill_bitmasks([seq.grammar for seq in constrained], self._host_bitmask)
+        self.sampler.write_bitmasks([cast(int, seq.sampler_slot) for seq in constrained], self._host_bitmask)
+
+    def complete(self, step: LaunchedStep) -> list[Sampled]:
+        """Wait for a step's tokens and put them in place of its sequences' PENDING tokens, and advance their
+        grammars; returns (sequence, token, its logprob or None) for those still under way (token -1: the row's
+        logits were not finite; REFUSED: the grammar refused it). Asked again, the same answer."""
+        if step.outcome is not None:
+            return step.outcome
+        tokens = step.tokens.wait()
+        logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
+        step.outcome = []
+        for row, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
                 continue
+            if seq.grammar is not None and token >= 0 and not seq.grammar.accept(token):
+                token = REFUSED
             seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
             seq.num_pending -= 1
-            out.append((seq, token))
-        return out
+            step.outcome.append((seq, token, logprobs.get(row)))
+        return step.outcome
 
     @torch.inference_mode()
-    def _body(self, step: DeviceStep) -> torch.Tensor:
-        """What a CUDA graph captures: the forward pass and the sampler (which penalises the logits in place)."""
-        logits = self.model.forward(step.inputs, self.kv_cache)
+    def _forward(self, step: DeviceStep) -> torch.Tensor:
+        """The first half of a step (one CUDA graph): the forward pass, to the logits of the rows that sample."""
+        return self.model.forward(step.inputs, self.kv_cache)
+
+    @torch.inference_mode()
+    def _sample(self, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
+        """The second half (another graph): the sampler, which changes the logits in place."""
         return self.sampler.sample(logits, step.sampler_slots, step.sample_positions)
 
     @contextmanager
@@ -132,7 +194,8 @@ class ModelRunner:
         block (no one reads it) and samples a padding row."""
         one = lambda *v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=self.model.device)
         inputs = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
-        self._body(DeviceStep(inputs, one(-1), one(0), one(), one()))
+        step = DeviceStep(inputs, one(-1), one(0), one(), one())
+        self._sample(step, self._forward(step))
 
 
 def drop_pending(seq: Sequence) -> None:

@@ -21,17 +21,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from llamaterm.engine.api import ArrivalStats, EngineConfig, EngineStats, Event, EventStream, RequestStream
+from llamaterm.engine.api import (
+    ArrivalStats,
+    EngineConfig,
+    EngineStats,
+    Event,
+    EventStream,
+    RequestStream,
+    TokenLogprob,
+)
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.grammar import GrammarCompiler
 from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
 
 if TYPE_CHECKING:  # the parent never imports the engine (nor torch)
-    from llamaterm.engine.serving.engine import Engine, Sink
+    from llamaterm.engine.serving.engine import Engine, Record, Sink
 
 IDLE_TICK_S = 0.5  # engine stats still refresh while nothing streams
 
@@ -79,7 +88,7 @@ class StepOutput:
     """What the steps since the last message produced: engine/serving/engine.py's Record per token or finish, in
     order, and the prefix-cache hits of requests that got their first token."""
 
-    records: list[tuple[int, int, str | None, str | None]]
+    records: list[Record]
     cached: list[tuple[int, int]]
     stats: EngineStats
 
@@ -100,7 +109,9 @@ class ProcessHandle(ArrivalStats, EventStream):
     end: float | None = None
     token_times: deque = field(default_factory=lambda: deque(maxlen=32))
 
-    def push(self, token: int, reason: str | None, error: str | None, now: float) -> tuple[bool, bool]:
+    def push(
+        self, token: int, reason: str | None, error: str | None, logprob: TokenLogprob | None, now: float
+    ) -> tuple[bool, bool]:
         """One record from the child. Returns (finished, a stop string ended it here: the child must cancel)."""
         if token >= 0:
             self.generated += 1
@@ -111,13 +122,15 @@ class ProcessHandle(ArrivalStats, EventStream):
             text, stopped = self.output.push(token)
         if stopped:
             reason = "stop"
-        elif reason is None:
-            self.events_queue.put(Event(self.id, text, (token,)))
+        logprobs = () if logprob is None else (logprob,)
+        if reason is None:
+            self.events_queue.put(Event(self.id, text, (token,), logprobs=logprobs))
             return False, False
         if reason in ("length", "stop") and error is None:
             text += self.output.finish()
         self.end = now
-        self.events_queue.put(Event(self.id, text, (token,) if token >= 0 else (), True, reason, error))
+        ids = (token,) if token >= 0 else ()
+        self.events_queue.put(Event(self.id, text, ids, True, reason, error, logprobs))
         return True, stopped
 
 
@@ -166,6 +179,7 @@ class EngineProcess:
             tokenizer.vocab = reply.vocab_size
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer)  # checks a request's grammar here, so a bad one is refused at once
         self._send_lock = threading.Lock()
         self._handles: dict[int, ProcessHandle] = {}
         self._stats = EngineStats(model=self.model_name, device=self.device)
@@ -190,6 +204,9 @@ class EngineProcess:
         ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids)
         r = self._ready
         check_prompt(ids, r.vocab_size, r.max_context, r.sequence_limit)
+        params.check_vocabulary(r.vocab_size)
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
         request_id = next(self._ids)
         output = OutputState(self.tokenizer, params.stop, THINK_OPEN if opens else "")
         handle = self._handles[request_id] = ProcessHandle(request_id, output, len(ids), self.max_context)
@@ -246,10 +263,10 @@ class EngineProcess:
             for request_id, cached in message.cached:
                 if (handle := self._handles.get(request_id)) is not None:
                     handle.cached_tokens = cached
-            for request_id, token, reason, error in message.records:
+            for request_id, token, reason, error, logprob in message.records:
                 if (handle := self._handles.get(request_id)) is None:  # finished here by a stop string
                     continue
-                finished, stopped = handle.push(token, reason, error, now)
+                finished, stopped = handle.push(token, reason, error, logprob, now)
                 if finished:
                     del self._handles[request_id]
                 if stopped:
@@ -321,7 +338,7 @@ def take_requests(conn, engine: Engine, sink: Sink) -> None:
             engine.submit(None, message.params, prompt_ids=message.prompt_ids, request_id=message.request_id)
         except Exception as e:  # the parent checked the prompt: a refusal here is unforeseen; keep serving
             error = e if isinstance(e, LlamatermError) else f"{type(e).__name__}: {e}"
-            sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})")], [])
+            sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})", None)], [])
 
 
 class Outbox:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockTable
+from llamaterm.engine.serving.grammar import GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -24,6 +25,7 @@ class Sequence:
     max_tokens: int  # params.max_tokens clamped to the context
     seed: int = 0  # 64 bits: the request's seed, or a random one (kernels/sampling.py keys its draws on it)
     sampler_slot: int | None = None  # its row of the sampler's tables, from first admission to finish
+    grammar: GrammarMatcher | None = None  # what its reply must match (params.grammar), advanced token by token
     status: Status = Status.WAITING
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
