@@ -19,14 +19,16 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import Grammar
+
+if TYPE_CHECKING:  # the tokenizer's module loads numpy and more: `check` in the CLI and the server needs none of it
+    from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # What each kind is called in a refusal
@@ -36,6 +38,10 @@ WHAT = {
     "regex": "the regular expression",
     "lark": "the grammar",
 }
+
+
+class GrammarError(RequestError):
+    """A grammar refused: a server answers it naming the request field that gave the grammar."""
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -75,20 +81,20 @@ def schema_text(text: str) -> str:
     try:
         schema = json.loads(text)
     except RecursionError:
-        raise RequestError("the JSON schema is nested too deeply") from None
+        raise GrammarError("the JSON schema is nested too deeply") from None
     except ValueError as e:
-        raise RequestError(f"the JSON schema is not valid JSON: {e}") from None
+        raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
     if schema is False:
-        raise RequestError("the JSON schema is false, which no value matches")
+        raise GrammarError("the JSON schema is false, which no value matches")
     if schema is True:
         return "{}"  # any value; llguidance applies its options to objects only
     if not isinstance(schema, dict):
-        raise RequestError(f"the JSON schema must be a JSON object, not {type(schema).__name__} {text[:40]!r}")
+        raise GrammarError(f"the JSON schema must be a JSON object, not {type(schema).__name__} {text[:40]!r}")
     return text
 
 
-def refusal(grammar: Grammar, message: str) -> RequestError:
-    return RequestError(f"{WHAT[grammar.kind]} is not supported: {readable(message, grammar.kind)}")
+def refusal(grammar: Grammar, message: str) -> GrammarError:
+    return GrammarError(f"{WHAT[grammar.kind]} is not supported: {readable(message, grammar.kind)}")
 
 
 def readable(message: str, kind: str) -> str:
@@ -108,13 +114,13 @@ def lark_from_ebnf(text: str) -> Grammar:
     try:
         return Grammar("lark", any_to_lark(text))
     except GbnfToLarkError as e:
-        raise RequestError(f"the grammar is neither Lark nor GBNF: {' '.join(str(e).split())}") from None
+        raise GrammarError(f"the grammar is neither Lark nor GBNF: {' '.join(str(e).split())}") from None
 
 
 def choice(options: Sequence[str]) -> Grammar:
     """A grammar that matches exactly one of the strings."""
     if not options:
-        raise RequestError("a choice needs at least one string")
+        raise GrammarError("a choice needs at least one string")
     return Grammar("lark", "start: " + " | ".join(json.dumps(s) for s in options))
 
 
@@ -148,7 +154,7 @@ class Vocabulary:
     def __init__(self, tokenizer: Tokenizer, size: int):
         stops = sorted(tokenizer.stop_ids)
         if not stops:
-            raise RequestError("the model's tokenizer names no end-of-text token, which a grammar needs to end on")
+            raise GrammarError("the model's tokenizer names no end-of-text token, which a grammar needs to end on")
         if tokenizer.eos_id in stops:  # llguidance's main EOS first
             stops.remove(tokenizer.eos_id)
             stops.insert(0, tokenizer.eos_id)
@@ -170,7 +176,7 @@ class Vocabulary:
         if not matcher.is_error():
             matcher.compute_bitmask()  # where no token can begin the grammar, the matcher fails here
         if "NoExtension" in matcher.get_error():
-            raise RequestError(f"{WHAT[grammar.kind]} cannot be matched: no token of the model's vocabulary begins it")
+            raise GrammarError(f"{WHAT[grammar.kind]} cannot be matched: no token of the model's vocabulary begins it")
         if matcher.is_error():
             raise refusal(grammar, matcher.get_error())
         return matcher
