@@ -31,6 +31,9 @@ if TYPE_CHECKING:  # the tokenizer's module loads numpy and more: `check` in the
     from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Grammars up to this long are cached, compiled (clients repeat their schemas): a cache of larger ones would let
+# clients fill the memory with grammars (a request may carry megabytes)
+CACHED_CHARS = 1 << 16
 # What each kind is called in a refusal
 WHAT = {
     "json": "the JSON object grammar",
@@ -59,9 +62,17 @@ def check(grammar: Grammar) -> None:
     compiled(grammar)
 
 
-@functools.lru_cache(maxsize=256)
 def compiled(grammar: Grammar) -> str:
-    """llguidance's grammar (its JSON form) for `grammar`, validated; cached, as clients repeat their schemas."""
+    """llguidance's grammar (its JSON form) for `grammar`, validated."""
+    return _compiled_cached(grammar) if len(grammar.text) <= CACHED_CHARS else _compile(grammar)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_cached(grammar: Grammar) -> str:
+    return _compile(grammar)
+
+
+def _compile(grammar: Grammar) -> str:
     if grammar.kind == "json":
         source = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
     elif grammar.kind == "json_schema":
@@ -161,17 +172,21 @@ class Vocabulary:
         self.size, self.words = size, (size + 31) // 32
         wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer, size))
         self._tokenizer = llguidance.LLTokenizer(wrapper, eos_token=stops)
-        self._compiled = functools.lru_cache(maxsize=64)(self._compile)
+        self._cached = functools.lru_cache(maxsize=32)(self._build)
 
     def check(self, grammar: Grammar) -> None:
         """check(grammar), and refuse one that no token of this vocabulary can begin."""
-        self._compiled(grammar)
+        self._start(grammar)
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A new sequence's matcher (RequestError if the grammar is refused)."""
-        return GrammarMatcher(self._compiled(grammar).deep_copy())
+        return GrammarMatcher(self._start(grammar).deep_copy())
 
-    def _compile(self, grammar: Grammar) -> llguidance.LLMatcher:
+    def _start(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """The grammar's matcher at its start, which sequences copy (n samples of one request, a client's repeats)."""
+        return self._cached(grammar) if len(grammar.text) <= CACHED_CHARS else self._build(grammar)
+
+    def _build(self, grammar: Grammar) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer, compiled(grammar), limits=limits(), log_level=0)
         if not matcher.is_error():
             matcher.compute_bitmask()  # where no token can begin the grammar, the matcher fails here

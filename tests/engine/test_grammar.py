@@ -292,3 +292,14 @@ def test_fill_bitmasks_refuses_a_mask_of_the_wrong_kind(tiny):
             grammar.fill_bitmasks([matcher], bad)
     with pytest.raises(ValueError, match="2 matchers for a bitmask of 1 rows"):
         grammar.fill_bitmasks([matcher, matcher], torch.zeros(1, vocab.words, dtype=torch.int32))
+
+
+def test_a_grammar_too_long_to_cache_is_compiled_each_time(tiny):
+    """Clients could fill a cache of long grammars until memory runs out: those are compiled and dropped."""
+    words = [f"w{i}" for i in range(20_000)]
+    big = Grammar("regex", "|".join(words))
+    assert len(big.text) > grammar.CACHED_CHARS
+    cached = grammar._compiled_cached.cache_info().currsize
+    matcher = grammar.vocabulary(tiny, tiny.vocab_size).matcher(big)
+    assert all(matcher.accept(t) for t in tiny.encode(words[-1], add_special=False)) and matcher.is_done()
+    assert grammar._compiled_cached.cache_info().currsize == cached
