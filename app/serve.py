@@ -412,15 +412,13 @@ def constraint(kind: str, value: object, where: str = "") -> Grammar:
     raise RequestError(f"{where}must be {shapes[kind]}")
 
 
-def check_grammar(req: Completion) -> None:
+def check_grammar(wanted: Grammar, field: str | None) -> None:
     """Refuse a grammar llguidance cannot compile as a 400 naming its field (run in the thread pool: a large
     schema takes milliseconds, and the first of a kind more)."""
-    if req.params.grammar is None:
-        return
     try:
-        grammar.check(req.params.grammar)
+        grammar.check(wanted)
     except RequestError as e:
-        raise APIError(400, f"{req.grammar_field}: {e}", req.grammar_field) from None
+        raise APIError(400, f"{field}: {e}", field) from None
 
 
 # ---- engine events to asyncio ----
@@ -787,7 +785,8 @@ class Handlers:
         engine = self.service.supervisor.engine
         body = parse_json(await read_body_in_time(request, engine))
         req = parse_request(body, engine.model_name, engine.max_context, chat)
-        await run_in_threadpool(check_grammar, req)
+        if req.params.grammar is not None:
+            await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
         stream = await submit(engine, req, chat)
         try:
             queue = self.service.pump.watch(stream)
