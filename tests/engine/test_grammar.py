@@ -3,14 +3,18 @@ of the vocabulary, from the Hugging Face tokenizer that transformers converts fr
 (llguidance.hf.from_tokenizer); answers are tokenized by our tokenizer, and bad grammars are refused by name."""
 
 import codecs
+import datetime
 import json
 from pathlib import Path
+from typing import Literal
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import pytest
 import torch
+from openai.lib._pydantic import to_strict_json_schema
+from pydantic import BaseModel, Field, ValidationError
 from transformers import AutoTokenizer
 
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -303,3 +307,50 @@ def test_a_grammar_too_long_to_cache_is_compiled_each_time(tiny):
     matcher = grammar.vocabulary(tiny, tiny.vocab_size).matcher(big)
     assert all(matcher.accept(t) for t in tiny.encode(words[-1], add_special=False)) and matcher.is_done()
     assert grammar._compiled_cached.cache_info().currsize == cached
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=40)
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    """What clients send most: a pydantic model's schema, as the openai client writes it for parse()."""
+
+    name: str
+    age: int = Field(ge=0, le=150)
+    born: datetime.date
+    seen: datetime.datetime
+    kind: Literal["friend", "colleague"]
+    nick: str | None
+    addresses: list[Address] = Field(min_length=1, max_length=2)
+    boss: "Person | None"
+    scores: dict[str, float]
+
+
+ADA = Person(
+    name="Ada",
+    age=36,
+    born=datetime.date(1815, 12, 10),
+    seen=datetime.datetime(1843, 9, 1, 12, 30, tzinfo=datetime.UTC),
+    kind="friend",
+    nick=None,
+    addresses=[Address(street="St James's Square", zip="12345")],
+    boss=None,
+    scores={"math": 9.5},
+)
+
+
+@pytest.mark.parametrize("schema", [to_strict_json_schema(Person), Person.model_json_schema()], ids=["strict", "plain"])
+def test_a_pydantic_model_s_schema_takes_its_instances_and_refuses_others(tiny, schema):
+    vocab = grammar.vocabulary(tiny, tiny.vocab_size)
+    wanted = Grammar("json_schema", json.dumps(schema))
+    matcher = vocab.matcher(wanted)
+    assert all(matcher.accept(t) for t in tiny.encode(json.dumps(ADA.model_dump(mode="json")), add_special=False))
+    assert matcher.is_done()
+    for field, bad in (("age", 151), ("kind", "enemy"), ("addresses", []), ("born", "1815-13-10")):
+        text = json.dumps(ADA.model_dump(mode="json") | {field: bad})
+        with pytest.raises(ValidationError):
+            Person.model_validate_json(text)  # the oracle: pydantic refuses it too
+        matcher = vocab.matcher(wanted)
+        assert not all(matcher.accept(t) for t in tiny.encode(text, add_special=False)), field
