@@ -81,12 +81,37 @@ def read_prompt(prompt: str | None) -> str:
     return as_text(os.fsencode(prompt), "the prompt")  # argv's undecodable bytes come as surrogates: find them
 
 
-def read_file(path: Path) -> str:
+def read_file(path: Path, option: str = "--file") -> str:
     try:
         data = path.read_bytes()
     except OSError as e:  # missing, a directory, unreadable
-        fail(f"cannot read --file {path}: {e.strerror or e}", 2)
+        fail(f"cannot read {option} {path}: {e.strerror or e}", 2)
     return as_text(data, str(path))
+
+
+def reply_grammar(json_schema: Path | None, regex: str | None, grammar_file: Path | None):
+    """The Grammar the reply must match (--json-schema, --regex or --grammar), checked; None without one."""
+    given = [o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar_file)) if v]
+    if len(given) > 1:
+        fail(f"give one of {' and '.join(given)}: a reply follows one grammar", 2)
+    if not given:
+        return None
+    with interrupts_held():
+        from llamaterm.engine.errors import RequestError
+        from llamaterm.engine.sampling_params import Grammar
+        from llamaterm.engine.serving import grammar
+
+    try:
+        if json_schema:
+            wanted = Grammar("json_schema", read_file(json_schema, "--json-schema"))
+        elif grammar_file:
+            wanted = grammar.lark_from_ebnf(read_file(grammar_file, "--grammar"))
+        else:
+            wanted = Grammar("regex", regex or "")
+        grammar.check(wanted)
+    except RequestError as e:
+        fail(f"{given[0]} {json_schema or grammar_file or regex}: {e}", 2)
+    return wanted
 
 
 def as_text(data: bytes, source: str) -> str:
@@ -132,6 +157,14 @@ def run(
     frequency_penalty: float = 0.0,
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option(help="A JSON Schema file: the reply is JSON that it validates.")
+    ] = None,
+    regex: Annotated[str | None, typer.Option(help="A regular expression the whole reply matches.")] = None,
+    grammar: Annotated[
+        Path | None,
+        typer.Option(help="A grammar file (llguidance's Lark syntax, or llama.cpp's GBNF) the reply follows."),
+    ] = None,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
     think: Annotated[
         bool | None,
@@ -174,6 +207,7 @@ def run(
         frequency_penalty=frequency_penalty,
         seed=seed,
         stop=tuple(stop or ()),
+        grammar=reply_grammar(json_schema, regex, grammar),
     )
     if file and prompt is not None:
         fail("give a PROMPT or --file, not both", 2)

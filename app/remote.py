@@ -26,7 +26,7 @@ import httpx2
 
 from llamaterm.engine.api import ArrivalStats, EngineStats, Event, EventStream, RequestStream
 from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # a long prompt queued behind a full batch on a busy server still answers within this
@@ -309,13 +309,26 @@ def request_body(
         "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
         "ignore_eos": params.ignore_eos or None,
     }
-    body |= {k: v for k, v in optional.items() if v is not None}
+    body |= {k: v for k, v in optional.items() if v is not None} | grammar_fields(params.grammar)
     if raw:
         return "/completions", body | {"prompt": prompt}
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if enable_thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
     return "/chat/completions", body | {"messages": messages}
+
+
+def grammar_fields(grammar: Grammar | None) -> dict:
+    """A reply's grammar as servers take it: JSON as OpenAI's response_format, a regex or grammar as vLLM's
+    structured_outputs (which llamaterm serve reads too)."""
+    if grammar is None:
+        return {}
+    if grammar.kind == "json":
+        return {"response_format": {"type": "json_object"}}
+    if grammar.kind == "json_schema":
+        spec = {"name": "reply", "schema": json.loads(grammar.text), "strict": True}
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    return {"structured_outputs": {"regex" if grammar.kind == "regex" else "grammar": grammar.text}}
 
 
 def error_message(text: str) -> str:

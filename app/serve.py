@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import uvicorn
@@ -38,7 +38,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving import grammar
 
 PUMP_S = 0.01  # how often the live requests' events are collected (the engine process sends one message per step)
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
@@ -81,8 +82,29 @@ ONLY_DEFAULT: dict[str, tuple] = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
+# Fields that constrain the reply to a grammar: OpenAI's response_format; vLLM's structured_outputs and, from
+# before vLLM 0.12, its guided_* fields; SGLang's regex and ebnf. One a request, at most
+GRAMMAR_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "regex",
+    "ebnf",
+)
+# What each of vLLM's and SGLang's fields holds (structured_outputs: one of these keys)
+CONSTRAINTS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "regex": "regex",
+    "ebnf": "grammar",
+}
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
 FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
 INTS = ["top_k", "seed"]
 
@@ -117,6 +139,7 @@ class Completion:
     stream: bool
     include_usage: bool
     enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
+    grammar_field: str | None = None  # the field that gave params.grammar, which its refusal names
 
 
 # ---- request parsing: pure functions of the body ----
@@ -172,13 +195,16 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise APIError(400, "stream must be true or false and stream_options an object", "stream")
+    params = parse_params(body, max_context)
+    reply_grammar, field = parse_grammar(body)
     return Completion(
         prompt,
         not chat,
-        parse_params(body, max_context),
+        replace(params, grammar=reply_grammar),
         stream,
         bool(options.get("include_usage")),
         parse_thinking(body.get("chat_template_kwargs"), chat),
+        field,
     )
 
 
@@ -276,6 +302,7 @@ def check_fields(body: dict) -> None:
     known = (
         IGNORED
         | ONLY_DEFAULT.keys()
+        | set(GRAMMAR_FIELDS)
         | set(FLOATS)
         | set(INTS)
         | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos"}
@@ -300,6 +327,98 @@ def numbers(body: dict) -> dict:
             raise APIError(400, f"{name} must be a {'number' if name in FLOATS else 'whole number'}", name)
         values[name] = value
     return values
+
+
+# ---- structured output: the grammar a reply must match ----
+
+
+def parse_grammar(body: dict) -> tuple[Grammar | None, str | None]:
+    """The grammar the body's fields ask for (None: none), and the field that asks."""
+    found = [(name, field_grammar(name, body[name])) for name in GRAMMAR_FIELDS if body.get(name) is not None]
+    found = [(name, g) for name, g in found if g is not None]
+    if len(found) > 1:
+        names, second = " and ".join(name for name, _ in found), found[1][0]
+        raise APIError(400, f"{second}: {names} each constrain the reply: give one of them", second)
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+def field_grammar(field: str, value: object) -> Grammar | None:
+    try:
+        if field == "response_format":
+            return response_format_grammar(value)
+        if field == "structured_outputs":
+            return structured_outputs_grammar(value)
+        return constraint(CONSTRAINTS[field], value)
+    except RequestError as e:
+        raise APIError(400, f"{field}: {e}", field) from None
+
+
+def response_format_grammar(value: object) -> Grammar | None:
+    """OpenAI's response_format: {"type": "text"} (free), {"type": "json_object"} (any JSON object) or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}. strict or not, the
+    schema is enforced: every token is sampled within it."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json")
+    spec = value.get("json_schema") if isinstance(value, dict) and kind == "json_schema" else None
+    if not isinstance(spec, dict):
+        raise RequestError(
+            'give {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": '
+            '..., "schema": {...}}}'
+        )
+    if not isinstance(spec.get("name"), str) or not isinstance(spec.get("strict", False), bool | None):
+        raise RequestError("json_schema takes a name (a string), a schema (an object) and strict (true or false)")
+    schema = spec.get("schema")
+    if schema is None:
+        return Grammar("json")
+    if not isinstance(schema, dict):
+        raise RequestError("json_schema.schema must be a JSON Schema object")
+    return Grammar("json_schema", json.dumps(schema))
+
+
+def structured_outputs_grammar(value: object) -> Grammar:
+    """vLLM's structured_outputs: an object with one of json, regex, choice, grammar or json_object."""
+    if not isinstance(value, dict):
+        value = {}
+    given = [k for k, v in value.items() if v is not None]
+    if len(given) != 1 or given[0] not in STRUCTURED_OUTPUTS:
+        raise RequestError(f"give an object with one of {', '.join(STRUCTURED_OUTPUTS)}")
+    if given[0] == "json_object":
+        if value["json_object"] is not True:
+            raise RequestError("json_object must be true")
+        return Grammar("json")
+    return constraint(given[0], value[given[0]], f"{given[0]} ")
+
+
+def constraint(kind: str, value: object, where: str = "") -> Grammar:
+    """A JSON schema (an object, or its text), a regular expression, a choice of strings, or a grammar (Lark, or
+    llama.cpp's GBNF) as vLLM and SGLang take them."""
+    if kind == "json" and isinstance(value, dict | str):
+        return Grammar("json_schema", value if isinstance(value, str) else json.dumps(value))
+    if kind == "regex" and isinstance(value, str):
+        return Grammar("regex", value)
+    if kind == "choice" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return grammar.choice(value)
+    if kind == "grammar" and isinstance(value, str):
+        return grammar.lark_from_ebnf(value)
+    shapes = {
+        "json": "a JSON schema (an object, or its text)",
+        "regex": "a regular expression (a string)",
+        "choice": "an array of strings",
+        "grammar": "a grammar (a string: Lark or GBNF)",
+    }
+    raise RequestError(f"{where}must be {shapes[kind]}")
+
+
+def check_grammar(wanted: Grammar, field: str | None) -> None:
+    """Refuse a grammar llguidance cannot compile as a 400 naming its field (run in the thread pool: a large
+    schema takes milliseconds, and the first of a kind more)."""
+    try:
+        grammar.check(wanted)
+    except RequestError as e:
+        raise APIError(400, f"{field}: {e}", field) from None
 
 
 # ---- engine events to asyncio ----
@@ -666,6 +785,8 @@ class Handlers:
         engine = self.service.supervisor.engine
         body = parse_json(await read_body_in_time(request, engine))
         req = parse_request(body, engine.model_name, engine.max_context, chat)
+        if req.params.grammar is not None:
+            await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
         stream = await submit(engine, req, chat)
         try:
             queue = self.service.pump.watch(stream)
@@ -694,6 +815,8 @@ async def submit(engine: EngineClient, req: Completion, chat: bool) -> RequestSt
         return await run_in_threadpool(
             engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
         )
+    except grammar.GrammarError as e:  # one only the model's vocabulary refuses
+        raise APIError(400, f"{req.grammar_field}: {e}", req.grammar_field) from None
     except RequestError as e:
         code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
         raise APIError(400, str(e), "messages" if chat else "prompt", code) from None

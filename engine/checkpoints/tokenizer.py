@@ -291,6 +291,15 @@ class Tokenizer:
         self._check_id(token_id)
         return self._tokens[token_id]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for in decoded text (a special token's: its name, as text)."""
+        return self._piece(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        """A control token (<|im_start|>, </s>): never part of a text, only of the template's markup."""
+        self._check_id(token_id)
+        return token_id in self._special
+
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text -> ids. add_special adds BOS/EOS as the model asks; parse_special turns text such as
         '<|im_start|>' into its control token (off for user text, so it cannot forge turns)."""

@@ -1,0 +1,245 @@
+"""Grammar-constrained decoding: the engine's interface to llguidance (CPU work only; no torch at import).
+
+A request's Grammar (engine/sampling_params.py) compiles once to llguidance's form (check, cached by kind and
+text). Each sequence then follows it with a GrammarMatcher, built from the grammar's compiled matcher on the
+model's vocabulary (Vocabulary.matcher, a copy of one cached per grammar). Every step, the host fills the
+next-token bitmasks of all constrained rows at once (fill_bitmasks: llguidance's thread pool, the GIL released)
+while the GPU runs the step, and the sampler masks the logits with them.
+
+llguidance reads the vocabulary as raw bytes (the tokenizer's pieces): special tokens match no text, ids past the
+tokenizer's vocabulary (a model's padded embedding) match nothing, and the end-of-text tokens (the tokenizer's stop
+ids) are allowed where the grammar is complete. JSON comes in json.dumps' layout (", " and ": ", one line) unless
+a schema's "x-guidance" says otherwise: with free whitespace a small model pads an object with newlines until
+max_tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+from llamaterm.engine.errors import RequestError
+from llamaterm.engine.sampling_params import Grammar
+
+if TYPE_CHECKING:  # the tokenizer's module loads numpy and more: `check` in the CLI and the server needs none of it
+    from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+
+JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Grammars up to this long are cached, compiled (clients repeat their schemas): a cache of larger ones would let
+# clients fill the memory with grammars (a request may carry megabytes)
+CACHED_CHARS = 1 << 16
+# What each kind is called in a refusal
+WHAT = {
+    "json": "the JSON object grammar",
+    "json_schema": "the JSON schema",
+    "regex": "the regular expression",
+    "lark": "the grammar",
+}
+
+
+class GrammarError(RequestError):
+    """A grammar refused: a server answers it naming the request field that gave the grammar."""
+
+
+def limits() -> llguidance.LLParserLimits:
+    """llguidance's default limits, with errors that do not dump the parser's state and the grammar."""
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+# ---- compiling, with any vocabulary ----
+
+
+def check(grammar: Grammar) -> None:
+    """Refuse a grammar llguidance cannot compile, with a RequestError naming the part: JSON that is not JSON, a
+    schema keyword or format it does not implement, an unsatisfiable schema, a bad regular expression or Lark
+    grammar. What only the vocabulary decides is Vocabulary.check's."""
+    compiled(grammar)
+
+
+def compiled(grammar: Grammar) -> str:
+    """llguidance's grammar (its JSON form) for `grammar`, validated."""
+    return _compiled_cached(grammar) if len(grammar.text) <= CACHED_CHARS else _compile(grammar)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_cached(grammar: Grammar) -> str:
+    return _compile(grammar)
+
+
+def _compile(grammar: Grammar) -> str:
+    if grammar.kind == "json":
+        source = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
+    elif grammar.kind == "json_schema":
+        source = llguidance.LLMatcher.grammar_from_json_schema(schema_text(grammar.text), defaults=JSON_LAYOUT)
+    elif grammar.kind == "regex":
+        source = llguidance.LLMatcher.grammar_from_regex(grammar.text)
+    else:
+        source = llguidance.LLMatcher.grammar_from_lark(grammar.text)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, limits=limits())
+    if failed:
+        raise refusal(grammar, messages[0])
+    return source
+
+
+def schema_text(text: str) -> str:
+    """A JSON schema's text, checked to be one JSON object (or a boolean, which JSON Schema allows)."""
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        raise GrammarError("the JSON schema is nested too deeply") from None
+    except ValueError as e:
+        raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+    if schema is False:
+        raise GrammarError("the JSON schema is false, which no value matches")
+    if schema is True:
+        return "{}"  # any value; llguidance applies its options to objects only
+    if not isinstance(schema, dict):
+        raise GrammarError(f"the JSON schema must be a JSON object, not {type(schema).__name__} {text[:40]!r}")
+    return text
+
+
+def refusal(grammar: Grammar, message: str) -> GrammarError:
+    return GrammarError(f"{WHAT[grammar.kind]} is not supported: {readable(message, grammar.kind)}")
+
+
+def readable(message: str, kind: str) -> str:
+    """llguidance's error on one line: without the grammar's source listed under it, the regex crate's picture of
+    the pattern, or (for a regex, which llguidance wraps in a grammar of its own) a position in that wrapping."""
+    message = message.replace("<non-verbose/>", "").replace(" (in regex)", "")
+    message = re.sub(r"\n\s*\d+ \|.*", "", message, flags=re.S)
+    message = re.sub(r"regex parse error:.*?\nerror: ", "regex parse error: ", message, flags=re.S)
+    position = r"^at (\d+)\((\d+)\): "
+    message = re.sub(position, "" if kind == "regex" else r"line \1, column \2: ", message)
+    return " ".join(message.split())
+
+
+def lark_from_ebnf(text: str) -> Grammar:
+    """A grammar in llguidance's Lark syntax, or in llama.cpp's GBNF (what vLLM's and SGLang's xgrammar take),
+    converted to Lark."""
+    try:
+        return Grammar("lark", any_to_lark(text))
+    except GbnfToLarkError as e:
+        raise GrammarError(f"the grammar is neither Lark nor GBNF: {' '.join(str(e).split())}") from None
+
+
+def choice(options: Sequence[str]) -> Grammar:
+    """A grammar that matches exactly one of the strings."""
+    if not options:
+        raise GrammarError("a choice needs at least one string")
+    return Grammar("lark", "start: " + " | ".join(json.dumps(s) for s in options))
+
+
+# ---- the model's vocabulary ----
+
+
+class _Pieces:
+    """A tokenizer as llguidance.TokenizerWrapper reads it."""
+
+    def __init__(self, tokenizer: Tokenizer, size: int):
+        known = min(size, tokenizer.vocab_size)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(known)] + [b""] * (size - known)  # b"": no text
+        self.special_token_ids = [i for i in range(known) if tokenizer.is_special(i)]
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_id, tokenizer.bos_id
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return self._encode(text.decode(errors="replace") if isinstance(text, bytes) else text, add_special=False)
+
+
+@functools.lru_cache(maxsize=8)
+def vocabulary(tokenizer: Tokenizer, size: int) -> Vocabulary:
+    """The Vocabulary of a model's tokenizer and its logits' width `size`, built once (0.2 s for 49,152 tokens)."""
+    return Vocabulary(tokenizer, size)
+
+
+class Vocabulary:
+    """llguidance's tokenizer over a model's vocabulary of `size` ids (its logits' width; ids past the tokenizer's
+    match nothing), and the matchers of the grammars used on it."""
+
+    def __init__(self, tokenizer: Tokenizer, size: int):
+        stops = sorted(tokenizer.stop_ids)
+        if not stops:
+            raise GrammarError("the model's tokenizer names no end-of-text token, which a grammar needs to end on")
+        if tokenizer.eos_id in stops:  # llguidance's main EOS first
+            stops.remove(tokenizer.eos_id)
+            stops.insert(0, tokenizer.eos_id)
+        self.size, self.words = size, (size + 31) // 32
+        wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer, size))
+        self._tokenizer = llguidance.LLTokenizer(wrapper, eos_token=stops)
+        self._cached = functools.lru_cache(maxsize=32)(self._build)
+
+    def check(self, grammar: Grammar) -> None:
+        """check(grammar), and refuse one that no token of this vocabulary can begin."""
+        self._start(grammar)
+
+    def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        """A new sequence's matcher (RequestError if the grammar is refused)."""
+        return GrammarMatcher(self._start(grammar).deep_copy())
+
+    def _start(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """The grammar's matcher at its start, which sequences copy (n samples of one request, a client's repeats)."""
+        return self._cached(grammar) if len(grammar.text) <= CACHED_CHARS else self._build(grammar)
+
+    def _build(self, grammar: Grammar) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._tokenizer, compiled(grammar), limits=limits(), log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # where no token can begin the grammar, the matcher fails here
+        if "NoExtension" in matcher.get_error():
+            raise GrammarError(f"{WHAT[grammar.kind]} cannot be matched: no token of the model's vocabulary begins it")
+        if matcher.is_error():
+            raise refusal(grammar, matcher.get_error())
+        return matcher
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar, advanced by each token it samples."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token. False: the grammar refuses it, and from then on every token; error()
+        says why."""
+        return self._matcher.consume_token(token_id)
+
+    def is_done(self) -> bool:
+        """The grammar is complete and takes nothing more but an end-of-text token: the reply ends ("stop")."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def error(self) -> RequestError | None:
+        """Why the grammar refused a token, if it has."""
+        message = self._matcher.get_error()
+        return RequestError(f"the reply left its grammar: {readable(message, '')}") if message else None
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()  # threads: 80% of the CPUs, at most 32
+
+
+def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any) -> None:
+    """Row i of `bitmask` := the tokens matchers[i] allows next: bit t % 32 of word t // 32 set for token t
+    (llguidance.torch's layout; ids past the tokenizer's vocabulary never set). bitmask: a contiguous int32 CPU
+    tensor [rows >= len(matchers), ceil(vocabulary size / 32)]. Every row at once, on llguidance's threads with the
+    GIL released, so the engine's thread computes them while the GPU runs the step."""
+    import torch
+
+    rows, words = bitmask.shape
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("fill_bitmasks takes a contiguous int32 CPU tensor")
+    if len(matchers) > rows:
+        raise ValueError(f"{len(matchers)} matchers for a bitmask of {rows} rows")
+    pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
+    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+
+
+def accept_tokens(matchers: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> list[bool]:
+    """accept(token) for every matcher and its sampled token, at once on llguidance's threads."""
+    pairs = [(m._matcher, t) for m, t in zip(matchers, token_ids, strict=True)]
+    return _executor().consume_token_par(pairs)
