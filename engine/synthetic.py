@@ -52,6 +52,26 @@ class SyntheticTokenizer:
     def detokenizer(self) -> SyntheticTokenizer:
         return self
 
+    # A grammar (engine/serving/grammar.py) matches over the default model's pieces, so a benchmark can constrain
+    # its replies; the ids past them match nothing.
+    @property
+    def vocab_size(self) -> int:
+        return self._text.vocab_size
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._text.eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._text.bos_id
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._text.token_bytes(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        return self._text.is_special(token_id)
+
     def push(self, token: int) -> str:
         return f" #{token}"
 

@@ -163,7 +163,8 @@ class Vocabulary:
     match nothing), and the matchers of the grammars used on it."""
 
     def __init__(self, tokenizer: Tokenizer, size: int):
-        stops = sorted(tokenizer.stop_ids)
+        # a benchmark's synthetic tokenizer stops at nothing (its token counts are forced): its EOS still ends grammars
+        stops = sorted(tokenizer.stop_ids | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
         if not stops:
             raise GrammarError("the model's tokenizer names no end-of-text token, which a grammar needs to end on")
         if tokenizer.eos_id in stops:  # llguidance's main EOS first

@@ -148,7 +148,7 @@ class ModelRunner:
             words = bitmask_words(self.model.config.vocab_size)
             pinned = self.model.device.type == "cuda"
             self._host_bitmask = torch.zeros(len(self.sampler.tables.ints), words, dtype=torch.int32, pin_memory=pinned)
-        fill_bitmasks([seq.grammar for seq in constrained], self._host_bitmask)
+        fill_bitmasks([seq.grammar for seq in constrained if seq.grammar is not None], self._host_bitmask)
         self.sampler.write_bitmasks([cast(int, seq.sampler_slot) for seq in constrained], self._host_bitmask)
 
     def complete(self, step: LaunchedStep) -> list[Sampled]:

@@ -33,7 +33,7 @@ from llamaterm.engine.api import (
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
-from llamaterm.engine.serving.grammar import GrammarCompiler
+from llamaterm.engine.serving.grammar import vocabulary
 from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
@@ -179,7 +179,6 @@ class EngineProcess:
             tokenizer.vocab = reply.vocab_size
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer)
-        self.grammars = GrammarCompiler(tokenizer)  # checks a request's grammar here, so a bad one is refused at once
         self._send_lock = threading.Lock()
         self._handles: dict[int, ProcessHandle] = {}
         self._stats = EngineStats(model=self.model_name, device=self.device)
@@ -205,8 +204,8 @@ class EngineProcess:
         r = self._ready
         check_prompt(ids, r.vocab_size, r.max_context, r.sequence_limit)
         params.check_vocabulary(r.vocab_size)
-        if params.grammar is not None:
-            self.grammars.check(params.grammar)
+        if params.grammar is not None:  # refused here, at once, rather than by the engine after the pipe
+            vocabulary(self.tokenizer, r.vocab_size).check(params.grammar)
         request_id = next(self._ids)
         output = OutputState(self.tokenizer, params.stop, THINK_OPEN if opens else "")
         handle = self._handles[request_id] = ProcessHandle(request_id, output, len(ids), self.max_context)

@@ -1,0 +1,80 @@
+"""Replies under a grammar (SamplingParams.grammar): a random model's sampled replies match the JSON schema, the
+regular expression or the Lark grammar they were given (pydantic, re and a hand-written parse are the oracles),
+alone and in batches beside free rows, with steps overlapped or not; seeded replies repeat; a grammar that never
+ends stops at max_tokens."""
+
+import json
+import re
+from typing import Annotated
+
+import pydantic
+import pytest
+
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving.engine import Engine
+from tests.support.tiny_models import write_tiny_llama
+
+
+class Person(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=12)
+    age: int
+    tags: list[Annotated[str, pydantic.StringConstraints(max_length=8)]] = pydantic.Field(max_length=3)  # bounded noise
+
+
+PERSON = Grammar("json_schema", json.dumps(Person.model_json_schema()))
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+SUM = 'start: NUMBER " + " NUMBER " = " NUMBER\nNUMBER: /[1-9][0-9]{0,2}/'
+SAMPLED = dict(temperature=1.0, top_p=0.95, max_tokens=120)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["stepwise", "overlapped"])
+def engine(request, tmp_path_factory):
+    """A random Llama with the default model's vocabulary: its replies are noise unless a grammar holds them."""
+    model = write_tiny_llama(tmp_path_factory.mktemp("grammar") / "tiny.gguf", context_length=512)
+    with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=request.param)) as e:
+        yield e
+
+
+def reply(engine: Engine, grammar: Grammar, seed: int, **params) -> tuple[str, str | None]:
+    events = list(engine.submit("Hi", SamplingParams(grammar=grammar, seed=seed, **(SAMPLED | params))).events())
+    assert events[-1].error is None, events[-1].error
+    return "".join(e.text for e in events), events[-1].finish_reason
+
+
+def test_json_schema_regex_and_lark_replies_match_in_one_batch(engine):
+    handles = []
+    for seed in range(3):
+        for grammar in (PERSON, Grammar("regex", DATE), Grammar("lark", SUM), None):
+            params = SamplingParams(grammar=grammar, seed=seed, **SAMPLED)
+            handles.append((grammar, engine.submit("Hi", params)))
+    for grammar, handle in handles:
+        events = list(handle.events())
+        text, end = "".join(e.text for e in events), events[-1]
+        assert end.error is None, end.error
+        if grammar is None:
+            continue
+        assert end.finish_reason == "stop", (grammar, text)
+        if grammar is PERSON:
+            Person.model_validate_json(text)
+        elif grammar.kind == "regex":
+            assert re.fullmatch(DATE, text), text
+        else:
+            a, b, c = map(int, re.fullmatch(r"(\d+) \+ (\d+) = (\d+)", text).groups())
+            assert max(a, b, c) < 1000
+
+
+def test_a_seeded_constrained_reply_repeats_alone_and_in_a_batch(engine):
+    alone = reply(engine, PERSON, seed=11)
+    crowd = [engine.submit("Hi", SamplingParams(seed=s, **SAMPLED)) for s in range(5)]
+    again = reply(engine, PERSON, seed=11)
+    for h in crowd:
+        list(h.events())
+    assert again == alone
+
+
+def test_a_grammar_the_model_never_ends_stops_at_max_tokens(engine):
+    never = ((engine.tokenizer.eos_id, -100.0),)  # the grammar may end after any "ab": the model never ends it
+    text, reason = reply(engine, Grammar("regex", "(ab)+"), seed=1, max_tokens=9, logit_bias=never)
+    assert reason == "length" and re.fullmatch("(ab)+a?", text), text
