@@ -198,7 +198,6 @@ def test_parse_returns_an_object_from_the_default_model():
 # ---- llamaterm run --json-schema / --regex / --grammar ----
 
 
-
 CITY = Capital.model_json_schema()
 
 
