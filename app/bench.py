@@ -11,12 +11,17 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from llamaterm.app.console import fail, interrupts_held
+from llamaterm.app.inputs import reply_grammar
 from llamaterm.engine.workload import PromptMix
+
+if TYPE_CHECKING:
+    from llamaterm.engine.sampling_params import Grammar
 
 GRID = [(i, o, b) for i in (128, 512, 1024) for o in (128, 256) for b in (16, 32, 64)]
 
@@ -116,6 +121,10 @@ def bench(
     warmup: Annotated[float, typer.Option(min=0.0, help="Seconds the closed loop runs before that.")] = 3.0,
     eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs: launch every kernel.")] = False,
     kv_tokens: Annotated[int | None, typer.Option(min=16, help="KV cache pool size in tokens.")] = None,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(help="Every reply follows this JSON schema (a file), as `run --json-schema` constrains one."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Measure decode tok/s by sessions, a session's gap between tokens, TTFT and start-up, against the weight-read
@@ -130,6 +139,8 @@ def bench(
       llamaterm bench --serve --sessions 64
 
       llamaterm bench --device cpu --peer hf --sessions 1
+
+      llamaterm bench --json-schema tests/benchmarks/people.schema.json
     """
     if workload not in WORKLOADS:
         fail(f"unknown workload {workload!r}: chat or ids", 2)
@@ -158,6 +169,9 @@ def bench(
     mix = PromptMix.chat() if prompt_mix == "chat" else PromptMix.fixed(prompt, (64, 448))
     if url and not serve:
         fail("--url is the server --serve drives: add --serve", 2)
+    if json_schema and serve:
+        fail("--json-schema constrains the engine's replies: leave out --serve", 2)
+    grammar = reply_grammar(json_schema, None, None)
     if serve:
         from llamaterm.app.serve_load import format_serve_load, run_serve_load
 
@@ -174,7 +188,7 @@ def bench(
         )
         typer.echo(json.dumps(result, indent=1) if as_json else format_serve_load(result))
         return
-    what = Workload(prompts == "chat", FILTERS if sampler == "filters" else GREEDY, kind == "process", mix)
+    what = Workload(prompts == "chat", FILTERS if sampler == "filters" else GREEDY, kind == "process", mix, grammar)
     result = run_bench(model, device, counts, what, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens)
     typer.echo(json.dumps(result, indent=1) if as_json else format_tables(result))
 
@@ -185,6 +199,7 @@ class Workload:
     sampling: dict  # engine/workload.py's FILTERS or GREEDY
     process: bool  # the engine process, else the engine in this process
     mix: PromptMix  # for the closed loop
+    grammar: Grammar | None = None  # every reply's (--json-schema)
 
     def describe(self) -> str:
         sampled = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.sampling.items() if k != "temperature")
@@ -193,6 +208,7 @@ class Workload:
             ("chat messages" if self.chat else "token-id prompts")
             + f", {sampling}{', ' + sampled if sampled and sampling != 'greedy' else ''}, "
             + ("through the engine process" if self.process else "the engine in this process")
+            + (", replies under a JSON schema" if self.grammar else "")
         )
 
 
@@ -245,7 +261,7 @@ def run_bench(
     try:
         ctx = client.max_context
         vocab = client.model.config.vocab_size if inline else client.vocab_size
-        sessions = wl.Sessions(client, what.chat, what.sampling, vocab)
+        sessions = wl.Sessions(client, what.chat, what.sampling, vocab, grammar=what.grammar)
         t = time.perf_counter()
         list(sessions.start(8, 1).events())
         first = time.perf_counter() - t

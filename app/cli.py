@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import typer
 
 from llamaterm.app import bench, models_cli
 from llamaterm.app.console import fail, interrupts_held, say
+from llamaterm.app.inputs import read_file, read_prompt, reply_grammar
 from llamaterm.app.terminal import TerminalStream, shown
 
 app = typer.Typer(
@@ -71,55 +71,6 @@ def load_engine(
 
     config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions))
     return Engine.from_model(config)
-
-
-def read_prompt(prompt: str | None) -> str:
-    if prompt is None or prompt == "-":
-        if prompt is None and sys.stdin.isatty():
-            fail("give a PROMPT, or pipe one on stdin (see llamaterm run --help)", 2)
-        return as_text(sys.stdin.buffer.read(), "stdin")
-    return as_text(os.fsencode(prompt), "the prompt")  # argv's undecodable bytes come as surrogates: find them
-
-
-def read_file(path: Path, option: str = "--file") -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as e:  # missing, a directory, unreadable
-        fail(f"cannot read {option} {path}: {e.strerror or e}", 2)
-    return as_text(data, str(path))
-
-
-def reply_grammar(json_schema: Path | None, regex: str | None, grammar_file: Path | None):
-    """The Grammar the reply must match (--json-schema, --regex or --grammar), checked; None without one."""
-    given = [o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar_file)) if v]
-    if len(given) > 1:
-        fail(f"give one of {' and '.join(given)}: a reply follows one grammar", 2)
-    if not given:
-        return None
-    with interrupts_held():
-        from llamaterm.engine.errors import RequestError
-        from llamaterm.engine.sampling_params import Grammar
-        from llamaterm.engine.serving import grammar
-
-    try:
-        if json_schema:
-            wanted = Grammar("json_schema", read_file(json_schema, "--json-schema"))
-        elif grammar_file:
-            wanted = grammar.lark_from_ebnf(read_file(grammar_file, "--grammar"))
-        else:
-            wanted = Grammar("regex", regex or "")
-        grammar.check(wanted)
-    except RequestError as e:
-        fail(f"{given[0]} {json_schema or grammar_file or regex}: {e}", 2)
-    return wanted
-
-
-def as_text(data: bytes, source: str) -> str:
-    """Prompts are UTF-8 text; anything else (binary data, another encoding) is refused by name."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        fail(f"{source} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): give text prompts", 2)
 
 
 def messages_for(prompt: str, system: str | None) -> list[dict]:

@@ -18,7 +18,7 @@ import torch
 from llamaterm.engine.api import EngineConfig, EngineStats, RequestStream
 from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine, Sink
 from llamaterm.engine.serving.model import Model, Weight
@@ -229,14 +229,22 @@ class Sessions:
     `serve` use), with chat messages or token-id prompts, sampled how (engine/workload.py). Token counts are
     forced, so every session makes the tokens it asks for."""
 
-    def __init__(self, client: Engine | EngineProcess, chat: bool, sampling: dict, vocab: int, seed: int = 0):
-        self.client, self.chat, self.sampling = client, chat, sampling
+    def __init__(
+        self,
+        client: Engine | EngineProcess,
+        chat: bool,
+        sampling: dict,
+        vocab: int,
+        seed: int = 0,
+        grammar: Grammar | None = None,
+    ):
+        self.client, self.chat, self.sampling, self.grammar = client, chat, sampling, grammar
         self.rng = random.Random(seed)
         self.prompts = Prompts(vocab, seed)
 
     def start(self, prompt_len: int, max_tokens: int) -> RequestStream:
         """A prompt that leaves room for the reply in the context (a word of chat is at most about two tokens)."""
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **self.sampling)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, grammar=self.grammar, **self.sampling)
         room = self.client.max_context - max_tokens - 16
         if self.chat:
             return self.client.submit(chat_message(self.rng, min(prompt_len, room // 2)), params)

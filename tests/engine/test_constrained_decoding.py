@@ -29,11 +29,17 @@ SUM = 'start: NUMBER " + " NUMBER " = " NUMBER\nNUMBER: /[1-9][0-9]{0,2}/'
 SAMPLED = dict(temperature=1.0, top_p=0.95, max_tokens=120)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["stepwise", "overlapped"])
+@pytest.fixture(
+    scope="module",
+    params=[("cpu", False), ("cpu", True), pytest.param(("cuda", None), marks=pytest.mark.cuda)],
+    ids=["stepwise", "overlapped", "cuda"],
+)
 def engine(request, tmp_path_factory):
-    """A random Llama with the default model's vocabulary: its replies are noise unless a grammar holds them."""
+    """A random Llama with the default model's vocabulary: its replies are noise unless a grammar holds them. On
+    CUDA the steps overlap and replay from graphs, the masks written between the forward pass and the sampler."""
+    device, overlap = request.param
     model = write_tiny_llama(tmp_path_factory.mktemp("grammar") / "tiny.gguf", context_length=512)
-    with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=request.param)) as e:
+    with Engine.from_model(EngineConfig(model=str(model), device=device, overlap=overlap)) as e:
         yield e
 
 

@@ -49,11 +49,19 @@ def tiny(tmp_path_factory):
     return model, folder
 
 
-@pytest.mark.parametrize("where", ["engine", pytest.param("process", marks=pytest.mark.slow)])
-def test_logprobs_are_the_models_log_softmax(tiny, where):
+@pytest.mark.parametrize(
+    "where, device",
+    [
+        ("engine", "cpu"),
+        pytest.param("process", "cpu", marks=pytest.mark.slow),
+        pytest.param("engine", "cuda", marks=pytest.mark.cuda),  # fp16 weights: to 1e-2
+    ],
+)
+def test_logprobs_are_the_models_log_softmax(tiny, where, device):
     model, folder = tiny
-    config = EngineConfig(model=str(folder), device="cpu", kv_tokens=1024)
+    config = EngineConfig(model=str(folder), device=device, kv_tokens=1024)
     engine = Engine.from_model(config) if where == "engine" else EngineProcess(config)
+    tol = 1e-3 if device == "cpu" else 1e-2
     try:
         handles = [engine.submit(None, p, prompt_ids=ids) for ids, p in zip(PROMPTS, PARAMS, strict=True)]
         for ids, p, handle in zip(PROMPTS, PARAMS, handles, strict=True):
@@ -63,10 +71,10 @@ def test_logprobs_are_the_models_log_softmax(tiny, where):
             assert len(tokens) == len(logprobs) == p.max_tokens
             for i, lp in enumerate(logprobs):
                 want = torch.log_softmax(hf_logits(model, ids + tokens[:i])[-1], -1)
-                assert lp.token_id == tokens[i] and abs(lp.logprob - want[tokens[i]]) <= 1e-3
+                assert lp.token_id == tokens[i] and abs(lp.logprob - want[tokens[i]]) <= tol
                 top_ids, top_values = [t for t, _ in lp.top], torch.tensor([v for _, v in lp.top])
-                assert torch.allclose(top_values, want.topk(p.logprobs).values, atol=1e-3)
-                assert torch.allclose(want[top_ids], top_values, atol=1e-3)
+                assert torch.allclose(top_values, want.topk(p.logprobs).values, atol=tol)
+                assert torch.allclose(want[top_ids], top_values, atol=tol)
     finally:
         engine.shutdown()
 
