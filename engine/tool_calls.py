@@ -435,6 +435,8 @@ class ToolCallStream:
     def push(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
         parsed = parse(self.text, self.family, final)
+        if final and len(parsed.calls) < len(self.ids):  # a call announced, then cut short: it stays a call
+            parsed = parse(self.text, self.family, False)
         content = parsed.content[self.content_sent :]  # the content so far only grows: held text comes later
         self.content_sent += len(content)
         deltas = []

@@ -307,7 +307,7 @@ class Tokenizer:
     # ---- chat ----
 
     @cached_property
-    def _chat_template(self) -> ChatTemplate:
+    def chat_template(self) -> ChatTemplate:
         # Compiled on first use, so a model with a broken template still loads for raw prompts
         return ChatTemplate(self._chat_template_source or CHATML_TEMPLATE)
 
@@ -321,7 +321,7 @@ class Tokenizer:
         """Messages ({'role', 'content'}, and OpenAI's tool_calls and tool replies) -> prompt text by the model's
         template (ChatML if it has none). enable_thinking: the template's thinking switch, where it has one (None:
         its default). tools: OpenAI's function tools, for templates that render them (engine/tool_calls.py)."""
-        return self._chat_template.render(
+        return self.chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token="" if self.bos_id is None else self._tokens[self.bos_id],
@@ -377,7 +377,7 @@ class Tokenizer:
         if not found:
             return value, {}
         # A stand-in must come from nowhere else in the rendered text: not the template, not a message
-        used = set(self._chat_template.source).union(*strings)
+        used = set(self.chat_template.source).union(*strings)
         free = (c for c in map(chr, _STAND_INS) if c not in used)
         stand_in = dict(zip(found, free, strict=False))
         if len(stand_in) < len(found):
