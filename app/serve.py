@@ -304,6 +304,8 @@ def tool_reply(m: dict, i: int) -> dict:
 def tool_calls(calls: object, i: int) -> list[dict]:
     """An assistant message's calls, as OpenAI sends them back: id, type "function", name, arguments (a JSON
     object as text)."""
+    from llamaterm.engine.tool_calls import MAX_NESTING, nesting  # noqa: PLC0415 (llguidance, when tools come)
+
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise APIError(400, f"{where} must be an array of calls", where)
@@ -313,14 +315,15 @@ def tool_calls(calls: object, i: int) -> list[dict]:
         name = function.get("name") if isinstance(function, dict) else None
         arguments = function.get("arguments") if isinstance(function, dict) else None
         try:
-            whole = isinstance(arguments, str) and isinstance(json.loads(arguments), dict)
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+            whole = isinstance(parsed, dict) and nesting(parsed) <= MAX_NESTING
         except (ValueError, RecursionError):
             whole = False
         if not (isinstance(call, dict) and isinstance(call.get("id"), str) and isinstance(name, str) and whole):
             raise APIError(
                 400,
                 f'{where}[{j}] must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": '
-                '"a JSON object as text"}}',
+                f'"a JSON object as text, nested at most {MAX_NESTING} deep"}}}}',
                 f"{where}[{j}]",
             )
         out.append({"id": call["id"], "type": "function", "function": {"name": name, "arguments": arguments}})

@@ -36,6 +36,19 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 PROBE_TOOL = "llamaterm_probe_tool"  # a name no template writes unless it renders the tools it is given
 # Compact JSON in forced calls: flexible whitespace would let a weak model write spaces until max_tokens
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_NESTING = 64  # of a tool's parameters schema or a call's arguments: real ones nest a few levels
+
+
+def nesting(value: object) -> int:
+    """How deep JSON values nest (dicts and lists), counted without recursion: a request's JSON may nest as deep
+    as the parser allows."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            todo += [(x, depth + 1) for x in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 class ToolError(RequestError):
@@ -488,6 +501,8 @@ def _check_tool(tool: object, where: str) -> str:
     params, field_name = function.get("parameters", {"type": "object"}), f"{where}.function.parameters"
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise ToolError(f"{field_name} must be a JSON schema of an object", field_name)
+    if nesting(params) > MAX_NESTING:
+        raise ToolError(f"{field_name} nests deeper than {MAX_NESTING} levels", field_name)
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(params))
     if error:
         raise ToolError(f"{field_name} is not a JSON schema this server can enforce: {error}", field_name)

@@ -160,6 +160,18 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_the_reply_as_text(fa
 
 TOOL_REPLY = {"role": "tool", "tool_call_id": "call_1", "content": "21"}
 ASKED = {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add"}}]}
+DEEP_SCHEMA: dict = {"type": "string"}
+for _ in range(200):
+    DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
+DEEP_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": DEEP_SCHEMA}}},
+}
+DEEP_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "f", "arguments": '{"a": ' + "[" * 900 + "]" * 900 + "}"},
+}
 
 
 @pytest.mark.parametrize(
@@ -198,6 +210,12 @@ ASKED = {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"
         ({"messages": [*QUESTION, {"role": "tool", "content": "21"}]}, "messages[1].tool_call_id", "tool_call_id"),
         ({"messages": [*QUESTION, ASKED, TOOL_REPLY]}, "messages[1].tool_calls[0]", "arguments"),
         ({"messages": [*QUESTION, ASKED | {"tool_calls": "add"}]}, "messages[1].tool_calls", "array"),
+        ({"tools": [DEEP_TOOL]}, "tools[0].function.parameters", "nests deeper"),
+        (
+            {"messages": [*QUESTION, {"role": "assistant", "tool_calls": [DEEP_CALL]}]},
+            "messages[1].tool_calls[0]",
+            "nested",
+        ),
     ],
 )
 def test_bad_tools_and_tool_messages_get_a_400_naming_the_field(fake_url, client, fields, param, words):
