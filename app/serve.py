@@ -122,7 +122,7 @@ class Completion:
     enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
     tools: list[dict] | None = None  # OpenAI's function tools, checked
     tool_choice: str | None = None  # "none", "auto", "required" or a tool's name (None: no tools)
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
     prompt_ids: list[int] | None = None  # the prompt rendered with its tools (with_tool_prompt)
 
     @property
@@ -208,10 +208,12 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
 
 def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, bool]:
     """tools, tool_choice and parallel_tool_calls: (the tools, checked; "none", "auto", "required" or a tool's name;
-    whether several calls may come)."""
+    whether a forced reply may hold several calls). A reply read freely ("auto") may hold several calls whatever
+    parallel_tool_calls says. Forced, several are allowed only where the client asks (llama.cpp's server's
+    default, not OpenAI's): a small model, once allowed another call, repeats its first until max_tokens."""
     from llamaterm.engine.tool_calls import ToolError, check_tools  # noqa: PLC0415 (llguidance, when tools come)
 
-    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True)
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", False)
     if not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
     if tools is None or tools == []:
@@ -824,7 +826,8 @@ def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Complet
     params = req.params
     if req.tools is not None and req.tool_choice not in ("none", "auto"):
         name = None if req.tool_choice == "required" else req.tool_choice
-        grammar = tool_calls.call_grammar(fmt, req.tools, name, req.parallel_tool_calls, tokenizer.token_id)
+        parallel = name is None and req.parallel_tool_calls  # a named function: one call to it, as vLLM forces it
+        grammar = tool_calls.call_grammar(fmt, req.tools, name, parallel, tokenizer.token_id)
         params = replace(params, grammar=grammar)
     return replace(req, prompt_ids=ids, params=params), fmt.family
 
