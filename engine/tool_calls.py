@@ -18,6 +18,7 @@ whole reply's. Text work only: no torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -83,6 +84,7 @@ def new_call_id(family: str) -> str:
     return "call_" + secrets.token_hex(12)
 
 
+@functools.lru_cache(maxsize=16)  # a server asks for its model's on every request with tools
 def tool_format(template: ChatTemplate) -> ToolFormat:
     """The family from the template's text; native where rendering a tool shows its name."""
     source = template.source
