@@ -116,24 +116,30 @@ def for_template(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat
     if fmt.native:
         return [_arguments_as_objects(m) for m in messages], tools
     out: list[dict] = []
+    replies: dict | None = None  # the user turn that gathers the replies of consecutive tool messages
     for m in messages:
         if m["role"] == "tool":
             reply = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("tool_replies"):
-                out[-1]["content"] += "\n" + reply
+            if replies is None:
+                replies = {"role": "user", "content": reply}
+                out.append(replies)
             else:
-                out.append({"role": "user", "content": reply, "tool_replies": True})
-        elif m.get("tool_calls"):
+                replies["content"] += "\n" + reply
+            continue
+        replies = None
+        if m.get("tool_calls"):
             calls = "".join(
                 f"\n{TOOL_CALL_OPEN}\n"
-                + json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
+                    ensure_ascii=False,
+                )
                 + f"\n{TOOL_CALL_CLOSE}"
                 for c in m["tool_calls"]
             )
             out.append({"role": "assistant", "content": ((m.get("content") or "") + calls).lstrip("\n")})
         else:
             out.append(dict(m))
-    out = [{k: v for k, v in m.items() if k != "tool_replies"} for m in out]
     if tools:
         described = tools_system_text(tools)
         if out[0]["role"] == "system":

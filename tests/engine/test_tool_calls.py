@@ -67,10 +67,11 @@ CONVERSATION = [
         "role": "assistant",
         "content": "",
         "tool_calls": [
-            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
         ],
     },
     {"role": "tool", "tool_call_id": CALL_ID, "content": '{"sky": "clear", "celsius": 21}'},
+    {"role": "tool", "tool_call_id": CALL_ID, "content": "Humidity: 40 %."},
     {"role": "assistant", "content": "Clear, 21 °C."},
     {"role": "user", "content": "And in Oslo?"},
 ]
@@ -119,14 +120,14 @@ def test_each_family_renders_tools_and_calls_as_transformers_does(name):
         add_generation_prompt=True,
     )
     assert got == want[0]
-    assert "get_weather" in got and "Oslo" in got and "21" in got
+    assert "get_weather" in got and "Oslo" in got and "21" in got and "Humidity" in got
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message_as_qwen25_writes_them():
     """SmolLM2's ChatML renders no tools: they go in the system message in the words of Qwen2.5's template, the
     calls and replies as its <tool_call> and <tool_response> text. The oracle: Qwen2.5's template itself, by
-    transformers, whose prompt for the same conversation this one must equal, markers and all, past its system
-    turn's first line."""
+    transformers, whose prompt for the same conversation (a system message given) this one equals, markers and
+    all."""
     fmt = tool_format(ChatTemplate(CHATML_TEMPLATE))
     assert fmt == ToolFormat(HERMES, native=False)
     messages, tools = for_template(CONVERSATION, TOOLS, fmt)
@@ -138,8 +139,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message_as_qwen25_writ
         chat_template=(DATA / "qwen2.5-7b-instruct.jinja").read_text(encoding="utf-8"),
         add_generation_prompt=True,
     )
-    # Qwen2.5 sends tool replies in a "user" turn too; the rest is ChatML as SmolLM2's
-    assert ours == qwen[0]
+    assert ours == qwen[0]  # Qwen2.5 sends tool replies in a user turn too, and is ChatML as SmolLM2 is
 
 
 TOOL_REPLY_CASES = [  # (family, reply, content, [(name, arguments)]) written by hand from each family's format
