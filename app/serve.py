@@ -25,7 +25,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -40,6 +41,10 @@ from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import grammar
+
+if TYPE_CHECKING:
+    from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+    from llamaterm.engine.tool_calls import ToolCallStream
 
 PUMP_S = 0.01  # how often the live requests' events are collected (the engine process sends one message per step)
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
@@ -57,7 +62,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")  # --host values that take connecti
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}  # the names a request to them gives in its Host header
 DONE = "data: [DONE]\n\n"
 log = logging.getLogger("uvicorn.error")  # uvicorn prints it
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Request fields beyond the sampling ones. OpenAI's own that change nothing here are ignored; those asking for
 # what the engine lacks are accepted only at their default; any other name is refused, as the OpenAI API does.
 IGNORED = {
@@ -80,8 +85,6 @@ ONLY_DEFAULT: dict[str, tuple] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
 }
 # Fields that constrain the reply to a grammar: OpenAI's response_format; vLLM's structured_outputs and, from
 # before vLLM 0.12, its guided_* fields; SGLang's regex and ebnf. One a request, at most
@@ -140,6 +143,23 @@ class Completion:
     include_usage: bool
     enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
     grammar_field: str | None = None  # the field that gave params.grammar, which its refusal names
+    tools: list[dict] | None = None  # OpenAI's function tools, checked
+    tool_choice: str | None = None  # "none", "auto", "required" or a tool's name (None: no tools)
+    parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
+    prompt_ids: list[int] | None = None  # the prompt rendered with its tools (with_tool_prompt)
+
+    @property
+    def with_tools(self) -> bool:
+        """Rendered through the tool path: tools given, or a conversation that holds calls and their replies."""
+        return self.tools is not None or (
+            isinstance(self.prompt, list) and any(m["role"] == "tool" or "tool_calls" in m for m in self.prompt)
+        )
+
+    @property
+    def reads_calls(self) -> bool:
+        """The reply is read for calls (tool_choice "none" keeps the tools in the prompt, as vLLM does, and the
+        reply as text)."""
+        return self.tools is not None and self.tool_choice != "none"
 
 
 # ---- request parsing: pure functions of the body ----
@@ -197,6 +217,9 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
         raise APIError(400, "stream must be true or false and stream_options an object", "stream")
     params = parse_params(body, max_context)
     reply_grammar, field = parse_grammar(body)
+    tools, tool_choice, parallel = parse_tools(body, chat)
+    if field is not None and tool_choice not in (None, "none", "auto"):
+        raise APIError(400, f"tool_choice {tool_choice!r} and {field} each constrain the reply: give one", field)
     return Completion(
         prompt,
         not chat,
@@ -205,7 +228,45 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
         bool(options.get("include_usage")),
         parse_thinking(body.get("chat_template_kwargs"), chat),
         field,
+        tools,
+        tool_choice,
+        parallel,
     )
+
+
+def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, bool]:
+    """tools, tool_choice and parallel_tool_calls: (the tools, checked; "none", "auto", "required" or a tool's name;
+    whether a forced reply may hold several calls). A reply read freely ("auto") may hold several calls whatever
+    parallel_tool_calls says. Forced, several are allowed only where the client asks (llama.cpp's server's
+    default, not OpenAI's): a small model, once allowed another call, repeats its first until max_tokens."""
+    from llamaterm.engine.tool_calls import ToolError, check_tools  # noqa: PLC0415 (llguidance, when tools come)
+
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", False)
+    if not isinstance(parallel, bool):
+        raise APIError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise APIError(400, f"tool_choice {choice!r} needs tools: give them", "tool_choice")
+        return None, None, parallel
+    if not chat:
+        raise APIError(400, "tools are taken by chat completions only", "tools")
+    try:
+        checked = check_tools(tools)
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    names = [t["function"]["name"] for t in checked]
+    if choice is None or choice in ("none", "auto", "required"):
+        return checked, choice or "auto", parallel
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
+        raise APIError(
+            400,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if named not in names:
+        raise APIError(400, f"tool_choice names {named!r}, which is not in tools ({', '.join(names)})", "tool_choice")
+    return checked, named, parallel
 
 
 def parse_thinking(kwargs: object, chat: bool) -> bool | None:
@@ -229,6 +290,7 @@ def parse_thinking(kwargs: object, chat: bool) -> bool | None:
 def check_prompt_bytes(prompt: list[dict] | str, max_context: int, param: str) -> None:
     """Refuse, before it is tokenized, a prompt too long to fit in any tokenizing."""
     texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    texts += [json.dumps(m["tool_calls"]) for m in prompt if isinstance(m, dict) and "tool_calls" in m]
     size, limit = sum(len(t.encode()) for t in texts), PROMPT_BYTES_PER_TOKEN * max_context
     if size > limit:
         raise APIError(
@@ -250,7 +312,51 @@ def parse_messages(messages: object) -> list[dict]:
             raise APIError(
                 400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}", f"messages[{i}].role"
             )
-        out.append({"role": ROLES[role], "content": message_text(m.get("content"), i)})
+        if ROLES[role] == "tool":
+            out.append(tool_reply(m, i))
+        elif role == "assistant" and m.get("tool_calls"):
+            content = None if m.get("content") is None else message_text(m["content"], i)
+            out.append({"role": "assistant", "content": content or "", "tool_calls": tool_calls(m["tool_calls"], i)})
+        else:
+            out.append({"role": ROLES[role], "content": message_text(m.get("content"), i)})
+    return out
+
+
+def tool_reply(m: dict, i: int) -> dict:
+    """A tool's reply: its call's id and its text."""
+    call_id = m.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        where = f"messages[{i}].tool_call_id"
+        raise APIError(400, f"messages[{i}] is a tool's reply: it needs the tool_call_id of its call", where)
+    return {"role": "tool", "tool_call_id": call_id, "content": message_text(m.get("content"), i)}
+
+
+def tool_calls(calls: object, i: int) -> list[dict]:
+    """An assistant message's calls, as OpenAI sends them back: id, type "function", name, arguments (a JSON
+    object as text)."""
+    from llamaterm.engine.tool_calls import MAX_NESTING, nesting  # noqa: PLC0415 (llguidance, when tools come)
+
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be an array of calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+            whole = isinstance(parsed, dict) and nesting(parsed) <= MAX_NESTING
+        except (ValueError, RecursionError):
+            whole = False
+        if not (isinstance(call, dict) and isinstance(call.get("id"), str) and isinstance(name, str) and whole):
+            raise APIError(
+                400,
+                f'{where}[{j}] must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": '
+                f'"a JSON object as text, nested at most {MAX_NESTING} deep"}}}}',
+                f"{where}[{j}]",
+            )
+        out.append({"id": call["id"], "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
 
@@ -305,7 +411,7 @@ def check_fields(body: dict) -> None:
         | set(GRAMMAR_FIELDS)
         | set(FLOATS)
         | set(INTS)
-        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos"}
+        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"}
     )
     for name in body:
         if name not in known:
@@ -464,9 +570,21 @@ class EventPump:
 
 
 class SupervisedEngine(EngineClient, Protocol):
-    """An engine whose end a server can see (engine/serving/process.py's EngineProcess)."""
+    """An engine whose end a server can see (engine/serving/process.py's EngineProcess), and whose tokenizer renders
+    the prompts that hold tools."""
 
     exited: threading.Event  # set once it has exited and its requests have ended with an error event
+    tokenizer: Tokenizer
+
+    def submit(
+        self,
+        prompt: list[dict] | str | None,
+        params: SamplingParams | None = None,
+        *,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> RequestStream: ...
 
     @property
     def exitcode(self) -> int | None: ...  # once shut down
@@ -596,9 +714,10 @@ class Responder:
         self.created = int(time.time())
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict:
+    def whole(self, text: str | None, finish_reason: str | None, usage: dict, calls: list[dict] | None = None) -> dict:
+        message = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            {"index": 0, "message": message, "logprobs": None}
             if self.chat
             else {"index": 0, "text": text, "logprobs": None}
         )
@@ -608,9 +727,19 @@ class Responder:
             usage=usage,
         )
 
-    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False, **extra: object) -> dict:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        role: bool = False,
+        calls: list[dict] | None = None,
+        **extra: object,
+    ) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+            )
+            delta |= {"tool_calls": calls} if calls else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -787,6 +916,9 @@ class Handlers:
         req = parse_request(body, engine.model_name, engine.max_context, chat)
         if req.params.grammar is not None:
             await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
+        family = None
+        if req.with_tools:
+            req, family = await run_in_threadpool(with_tool_prompt, engine, req)
         stream = await submit(engine, req, chat)
         try:
             queue = self.service.pump.watch(stream)
@@ -794,9 +926,45 @@ class Handlers:
             cancel(engine, stream)
             raise
         responder = Responder(engine.model_name, chat)
+        calls = call_reader(family, req)
         if req.stream:
-            return EngineStreamResponse(stream_events(queue, stream, responder, req.include_usage), engine, stream)
-        return await whole_reply(request, engine, queue, stream, responder)
+            events = stream_events(queue, stream, responder, req.include_usage, calls)
+            return EngineStreamResponse(events, engine, stream)
+        return await whole_reply(request, engine, queue, stream, responder, calls)
+
+
+def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Completion, str]:
+    """The request with its prompt rendered with its tools (and its calls and their replies) as token ids, and the
+    grammar its tool_choice asks for; and the family of calls its reply is read for (engine/tool_calls.py)."""
+    from llamaterm.engine import tool_calls  # noqa: PLC0415 (llguidance, when tools come)
+
+    tokenizer = engine.tokenizer
+    fmt = tool_calls.tool_format(tokenizer.chat_template)
+    assert isinstance(req.prompt, list)  # chat: tools were refused on completions
+    messages, tools = tool_calls.for_template(req.prompt, req.tools, fmt)
+    try:
+        ids = tokenizer.encode_chat(messages, enable_thinking=req.enable_thinking, tools=tools)
+    except RequestError as e:
+        raise APIError(400, str(e), "messages") from None
+    params = req.params
+    if req.tools is not None and req.tool_choice not in ("none", "auto"):
+        name = None if req.tool_choice == "required" else req.tool_choice
+        parallel = name is None and req.parallel_tool_calls  # a named function: one call to it, as vLLM forces it
+        grammar = tool_calls.call_grammar(fmt, req.tools, name, parallel, tokenizer.token_id)
+        params = replace(params, grammar=grammar)
+    return replace(req, prompt_ids=ids, params=params), fmt.family
+
+
+def call_reader(family: str | None, req: Completion) -> ToolCallStream | None:
+    """What reads the reply for calls, where it is read for them."""
+    from llamaterm.engine.tool_calls import ToolCallStream  # noqa: PLC0415
+
+    return ToolCallStream(family) if family is not None and req.reads_calls else None
+
+
+def finish_reason(reason: str | None, calls: ToolCallStream | None) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended with calls."""
+    return "tool_calls" if reason == "stop" and calls is not None and calls.ids else reason
 
 
 async def read_body_in_time(request: Request, engine: EngineClient) -> bytes:
@@ -809,9 +977,11 @@ async def read_body_in_time(request: Request, engine: EngineClient) -> bytes:
         ) from None
 
 
-async def submit(engine: EngineClient, req: Completion, chat: bool) -> RequestStream:
+async def submit(engine: SupervisedEngine, req: Completion, chat: bool) -> RequestStream:
     """The request submitted (tokenized in the thread pool); a refusal as the API's error."""
     try:
+        if req.prompt_ids is not None:
+            return await run_in_threadpool(partial(engine.submit, None, req.params, prompt_ids=req.prompt_ids))
         return await run_in_threadpool(
             engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
         )
@@ -825,7 +995,11 @@ async def submit(engine: EngineClient, req: Completion, chat: bool) -> RequestSt
 
 
 async def stream_events(
-    queue: asyncio.Queue[list[Event]], stream: RequestStream, responder: Responder, include_usage: bool
+    queue: asyncio.Queue[list[Event]],
+    stream: RequestStream,
+    responder: Responder,
+    include_usage: bool,
+    calls: ToolCallStream | None = None,
 ) -> AsyncIterator[str]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null in every chunk but the last
     yield sse(responder.chunk("", role=True, **extra))
@@ -840,13 +1014,16 @@ async def stream_events(
             if error is not None:
                 yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body) + DONE
                 return
-            out = [sse(responder.chunk(text + last.text, last.finish_reason, **extra))]
+            text, deltas = (text + last.text, None) if calls is None else calls.push(text + last.text, final=True)
+            reason = finish_reason(last.finish_reason, calls)
+            out = [sse(responder.chunk(text, reason, calls=deltas, **extra))]
             if include_usage:
                 out.append(sse(responder.envelope(responder.chunk_kind, [], usage=usage(stream))))
             yield "".join(out) + DONE
             return
-        if text + last.text:
-            yield sse(responder.chunk(text + last.text, **extra))
+        text, deltas = (text + last.text, None) if calls is None else calls.push(text + last.text)
+        if text or deltas:
+            yield sse(responder.chunk(text, calls=deltas, **extra))
 
 
 async def whole_reply(
@@ -855,6 +1032,7 @@ async def whole_reply(
     queue: asyncio.Queue[list[Event]],
     stream: RequestStream,
     responder: Responder,
+    calls: ToolCallStream | None = None,
 ) -> Response:
     text = []
     while True:
@@ -870,7 +1048,13 @@ async def whole_reply(
             error = failure(events[-1])
             if error is not None:
                 raise error
-            return JSONResponse(responder.whole("".join(text), events[-1].finish_reason, usage(stream)))
+            reason = events[-1].finish_reason
+            if calls is None:
+                return JSONResponse(responder.whole("".join(text), reason, usage(stream)))
+            content, _ = calls.push("".join(text), final=True)
+            found = [c.openai() for c in calls.calls()]
+            reply = responder.whole(content or None, finish_reason(reason, calls), usage(stream), found)
+            return JSONResponse(reply)
 
 
 async def api_error(request: Request, exc: Exception) -> Response:

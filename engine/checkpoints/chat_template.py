@@ -268,9 +268,11 @@ class ChatTemplate:
         bos_token: str,
         eos_token: str,
         enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """enable_thinking: the thinking switch of templates that have one (Qwen3's); None leaves it undefined, so
-        each template takes its own default."""
+        each template takes its own default. tools: OpenAI's function tools ({"type": "function", "function":
+        {...}}), given to the template as transformers' apply_chat_template gives them."""
         switches = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         chunks = self._template.generate(
             **switches,
@@ -279,7 +281,7 @@ class ChatTemplate:
             bos_token=bos_token,
             eos_token=eos_token,
             # Templates test `tools is not none`; an undefined variable would pass that test
-            tools=None,
+            tools=tools,
             documents=None,
         )
         try:

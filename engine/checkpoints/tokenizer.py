@@ -12,8 +12,10 @@ import codecs
 import json
 import re
 import threading
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
@@ -314,36 +316,47 @@ class Tokenizer:
     # ---- chat ----
 
     @cached_property
-    def _chat_template(self) -> ChatTemplate:
+    def chat_template(self) -> ChatTemplate:
         # Compiled on first use, so a model with a broken template still loads for raw prompts
         return ChatTemplate(self._chat_template_source or CHATML_TEMPLATE)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """Messages ({'role', 'content'}) -> prompt text by the model's template (ChatML if it has none).
-        enable_thinking: the template's thinking switch, where it has one (None: its default)."""
-        return self._chat_template.render(
+        """Messages ({'role', 'content'}, and OpenAI's tool_calls and tool replies) -> prompt text by the model's
+        template (ChatML if it has none). enable_thinking: the template's thinking switch, where it has one (None:
+        its default). tools: OpenAI's function tools, for templates that render them (engine/tool_calls.py)."""
+        return self.chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token="" if self.bos_id is None else self._tokens[self.bos_id],
             eos_token="" if self.eos_id is None else self._tokens[self.eos_id],
             enable_thinking=enable_thinking,
+            tools=tools,
         )
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The prompt's ids: the template's markers parsed as special tokens, BOS added once if the model asks.
 
         Special-token text inside a message stays text, so a message cannot forge a turn ('<|im_end|>' in a user's
-        content is the tokens of those characters). The template renders the message with a stand-in character in
+        content is the tokens of those characters); so does such text in a tool's description or a call's
+        arguments, at any depth. The template renders the message with a stand-in character in
         place of that text; the rendered prompt is cut at the template's own special tokens, and each stretch
         between them, the text put back, is encoded with special-token parsing off. A prompt without such text is
         encoded whole, as the model's own tokenizer encodes it: stretches encoded apart can differ where they were
         cut (a Hugging Face Metaspace pre-tokenizer with prepend_scheme "first" puts '▁' before each)."""
-        hidden, stand_ins = self._hide_special_text(messages)
-        text = self.apply_chat_template(hidden, add_generation_prompt, enable_thinking)
+        (hidden, hidden_tools), stand_ins = self._hide_special_text((messages, tools))
+        text = self.apply_chat_template(hidden, add_generation_prompt, enable_thinking, hidden_tools)
         if stand_ins:
             runs, specials = self._split_at_special_tokens(text)
             ids = self.encode(runs[0].translate(stand_ins), add_special=False)
@@ -355,29 +368,39 @@ class Tokenizer:
             ids[:0] = self._bos
         return ids
 
-    def _hide_special_text(self, messages: list[dict]) -> tuple[list[dict], dict[int, str]]:
-        """The messages with the special-token text in their strings swapped for stand-in characters, and the
-        str.translate table that swaps it back; the messages as given where they hold none."""
-        strings = [v for m in messages for v in m.values() if isinstance(v, str)]
+    def token_id(self, text: str) -> int | None:
+        """The id of the one token that `text` is, special tokens too (Qwen's '<tool_call>', Mistral's
+        '[TOOL_CALLS]'), or None where the vocabulary spells it in several."""
+        ids = self.encode(text, add_special=False, parse_special=True)
+        return ids[0] if len(ids) == 1 else None
+
+    def _hide_special_text(self, value: Any) -> tuple[Any, dict[int, str]]:
+        """The value (messages, tools: dicts and lists nested) with the special-token text in its strings swapped
+        for stand-in characters, and the str.translate table that swaps it back; the value as given where it
+        holds none."""
+        strings = list(_strings(value))
         for s in strings:
             check_unicode(s)
         cut = {s: self._split_at_special_tokens(s) for s in strings}
         found = dict.fromkeys(text for _, specials in cut.values() for _, text in specials)
         if not found:
-            return messages, {}
+            return value, {}
         # A stand-in must come from nowhere else in the rendered text: not the template, not a message
-        used = set(self._chat_template.source).union(*strings)
+        used = set(self.chat_template.source).union(*strings)
         free = (c for c in map(chr, _STAND_INS) if c not in used)
         stand_in = dict(zip(found, free, strict=False))
         if len(stand_in) < len(found):
             raise RequestError("the messages use up every private-use character of Unicode's plane 15")
 
-        def hide(s: str) -> str:
-            runs, specials = cut[s]
-            return runs[0] + "".join(stand_in[text] + run for (_, text), run in zip(specials, runs[1:], strict=True))
+        def hide(v: Any) -> Any:
+            if isinstance(v, str):
+                runs, specials = cut[v]
+                return runs[0] + "".join(stand_in[t] + run for (_, t), run in zip(specials, runs[1:], strict=True))
+            if isinstance(v, dict):
+                return {k: hide(x) for k, x in v.items()}
+            return [hide(x) for x in v] if isinstance(v, list | tuple) else v
 
-        hidden = [{k: hide(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
-        return hidden, {ord(c): text for text, c in stand_in.items()}
+        return hide(value), {ord(c): text for text, c in stand_in.items()}
 
     def _split_at_special_tokens(self, text: str) -> tuple[list[str], list[tuple[int, str]]]:
         """Where encode(text, parse_special=True) finds special tokens: the stretches of text between them (one
@@ -421,6 +444,18 @@ class Tokenizer:
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < len(self._tokens):
             raise ValueError(f"token id {token_id} is outside the vocabulary (0..{len(self._tokens) - 1})")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string value in dicts and lists nested (not the keys: the template's own names)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
 
 
 class Detokenizer:
