@@ -15,6 +15,7 @@ requests are bounded in time (headers, body) and size (body, prompt bytes, stop 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -37,9 +38,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
+from llamaterm.app.openai_shapes import Responder
+from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream, TokenLogprob
 from llamaterm.engine.errors import LlamatermError, RequestError
-from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.sampling_params import MAX_BIAS, MAX_LOGPROBS, Grammar, SamplingParams
 from llamaterm.engine.serving import grammar
 
 if TYPE_CHECKING:
@@ -78,14 +80,11 @@ IGNORED = {
     "chat_template_kwargs",
 }
 ONLY_DEFAULT: dict[str, tuple] = {
-    "n": (1,),
-    "best_of": (1,),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
 }
+MAX_N = 16  # choices a request may ask for (n): they share the prompt's computation (engine/serving/scheduler.py)
 # Fields that constrain the reply to a grammar: OpenAI's response_format; vLLM's structured_outputs and, from
 # before vLLM 0.12, its guided_* fields; SGLang's regex and ebnf. One a request, at most
 GRAMMAR_FIELDS = (
@@ -147,6 +146,7 @@ class Completion:
     tool_choice: str | None = None  # "none", "auto", "required" or a tool's name (None: no tools)
     parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
     prompt_ids: list[int] | None = None  # the prompt rendered with its tools (with_tool_prompt)
+    n: int = 1  # choices, each its own request to the engine
 
     @property
     def with_tools(self) -> bool:
@@ -215,7 +215,7 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise APIError(400, "stream must be true or false and stream_options an object", "stream")
-    params = parse_params(body, max_context)
+    params = parse_params(body, max_context, chat)
     reply_grammar, field = parse_grammar(body)
     tools, tool_choice, parallel = parse_tools(body, chat)
     if field is not None and tool_choice not in (None, "none", "auto"):
@@ -231,6 +231,7 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
         tools,
         tool_choice,
         parallel,
+        n=parse_n(body.get("n")),
     )
 
 
@@ -379,7 +380,7 @@ def parse_prompt(prompt: object) -> str:
     return prompt
 
 
-def parse_params(body: dict, max_context: int) -> SamplingParams:
+def parse_params(body: dict, max_context: int, chat: bool) -> SamplingParams:
     check_fields(body)
     values = numbers(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -397,10 +398,60 @@ def parse_params(body: dict, max_context: int) -> SamplingParams:
         raise APIError(400, "stop must be a string or an array of strings", "stop")
     if not isinstance(body.get("ignore_eos", False), bool):
         raise APIError(400, "ignore_eos must be true or false", "ignore_eos")
+    values["logprobs"] = parse_logprobs(body, chat)
+    values["logit_bias"] = parse_logit_bias(body.get("logit_bias"))
     try:
         return SamplingParams(stop=tuple(stop), ignore_eos=body.get("ignore_eos", False), **values)
     except RequestError as e:
         raise APIError(400, str(e)) from None
+
+
+def parse_n(value: object) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_N:
+        raise APIError(400, f"n must be a whole number from 1 to {MAX_N}, not {value!r}", "n")
+    return value
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """SamplingParams.logprobs: chat's logprobs (true or false) and top_logprobs (0-20, with logprobs); a text
+    completion's logprobs (how many alternatives, 0-20)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if wanted is not None and not isinstance(wanted, bool):
+            raise APIError(400, "logprobs must be true or false", "logprobs")
+        if top is not None and not wanted:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        field, count = "top_logprobs", top if wanted else None
+    else:
+        if top is not None:
+            raise APIError(
+                400, "top_logprobs is a chat field: text completions take logprobs (a count)", "top_logprobs"
+            )
+        field, count = "logprobs", wanted
+    if count is None:
+        return 0 if wanted is True else None
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LOGPROBS:
+        raise APIError(400, f"{field} must be a whole number from 0 to {MAX_LOGPROBS}, not {count!r}", field)
+    return count
+
+
+def parse_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings) to biases in [-100, 100]; the ids are checked against the model's
+    vocabulary when the request is submitted."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise APIError(400, "logit_bias must be an object of token ids to numbers", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not key.isdigit() or len(key) > 9:
+            raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise APIError(400, f"logit_bias values are numbers from -100 to 100, not {bias!r}", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def check_fields(body: dict) -> None:
@@ -412,6 +463,7 @@ def check_fields(body: dict) -> None:
         | set(FLOATS)
         | set(INTS)
         | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"}
+        | {"n", "logprobs", "top_logprobs", "logit_bias"}
     )
     for name in body:
         if name not in known:
@@ -530,26 +582,48 @@ def check_grammar(wanted: Grammar, field: str | None) -> None:
 # ---- engine events to asyncio ----
 
 
+Events = asyncio.Queue[tuple[int, list[Event]]]  # a response's events: (its choice's index, the events that came)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One of a response's n choices, as its events arrive: its own request to the engine, and its reply so far."""
+
+    stream: RequestStream
+    calls: ToolCallStream | None  # what reads its reply for tool calls, where it is read for them
+    text: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    streamed: int = 0  # characters sent so far (a stream's text offsets)
+    finish_reason: str | None = None
+
+    def read(self, text: str, final: bool = False) -> tuple[str, list[dict] | None]:
+        """A stream's new text: as it is, or less what is a tool call (and the call's deltas)."""
+        return (text, None) if self.calls is None else self.calls.push(text, final=final)
+
+
 class EventPump:
     """Moves every live request's events from its thread-safe queue to an asyncio queue, a batch per poll."""
 
     def __init__(self) -> None:
-        self.live: dict[RequestStream, asyncio.Queue[list[Event]]] = {}
+        self.live: dict[RequestStream, tuple[Events, int]] = {}
         self.wake = asyncio.Event()
         self.closed = False  # the server is stopping: its last requests have ended
 
-    def watch(self, stream: RequestStream) -> asyncio.Queue[list[Event]]:
+    def watch(self, streams: list[RequestStream]) -> Events:
+        """One queue for a response's streams (its n choices): (the stream's index, its new events)."""
         if self.closed:
             raise shutting_down()
-        queue = self.live[stream] = asyncio.Queue()
+        queue: Events = asyncio.Queue()
+        for i, stream in enumerate(streams):
+            self.live[stream] = queue, i
         self.wake.set()
         return queue
 
     def end_all(self) -> None:
         """Ends every live request now, as cancelled by the server's stop, and watches no more."""
         self.closed = True
-        for stream, queue in self.live.items():
-            queue.put_nowait([Event(stream.id, finished=True, finish_reason="cancelled")])
+        for stream, (queue, i) in self.live.items():
+            queue.put_nowait((i, [Event(stream.id, finished=True, finish_reason="cancelled")]))
         self.live.clear()
 
     async def run(self) -> None:
@@ -557,10 +631,10 @@ class EventPump:
             if not self.live:
                 await self.wake.wait()
                 self.wake.clear()
-            for stream, queue in list(self.live.items()):
+            for stream, (queue, i) in list(self.live.items()):
                 events = stream.poll()
                 if events:
-                    queue.put_nowait(events)
+                    queue.put_nowait((i, events))
                     if events[-1].finished:
                         del self.live[stream]
             await asyncio.sleep(PUMP_S)
@@ -590,11 +664,15 @@ class SupervisedEngine(EngineClient, Protocol):
     def exitcode(self) -> int | None: ...  # once shut down
 
 
-def cancel(engine: EngineClient, stream: RequestStream) -> None:
-    try:
-        engine.cancel(stream)
-    except LlamatermError:  # the engine has exited: the request ended with it
-        pass
+def cancel_all(engine: EngineClient, streams: list[RequestStream]) -> None:
+    """Cancel those still running (a response's choices)."""
+    for stream in streams:
+        if stream.stats().finished:
+            continue
+        try:
+            engine.cancel(stream)
+        except LlamatermError:  # the engine has exited: the request ended with it
+            pass
 
 
 def exit_text(code: int | None) -> str:
@@ -674,21 +752,21 @@ class Service:
     def stop(self) -> None:
         """Ends every request in flight with an error, and takes no more."""
         self.draining = True
-        for stream in self.pump.live:
-            cancel(self.supervisor.engine, stream)
+        cancel_all(self.supervisor.engine, list(self.pump.live))
         self.pump.end_all()
 
 
 # ---- responses ----
 
 
-def usage(stream: RequestStream) -> dict:
-    st = stream.stats()
+def usage(streams: list[RequestStream]) -> dict:
+    """The prompt once (as OpenAI counts n choices), the completions of every choice."""
+    first, generated = streams[0].stats(), sum(s.stats().generated_tokens for s in streams)
     return {
-        "prompt_tokens": st.prompt_tokens,
-        "completion_tokens": st.generated_tokens,
-        "total_tokens": st.prompt_tokens + st.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": first.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -705,71 +783,19 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class Responder:
-    """The JSON shapes of one response, chat or text completion."""
-
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        self.created = int(time.time())
-        self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def whole(self, text: str | None, finish_reason: str | None, usage: dict, calls: list[dict] | None = None) -> dict:
-        message = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
-        choice = (
-            {"index": 0, "message": message, "logprobs": None}
-            if self.chat
-            else {"index": 0, "text": text, "logprobs": None}
-        )
-        return self.envelope(
-            "chat.completion" if self.chat else "text_completion",
-            [{**choice, "finish_reason": finish_reason}],
-            usage=usage,
-        )
-
-    def chunk(
-        self,
-        text: str,
-        finish_reason: str | None = None,
-        role: bool = False,
-        calls: list[dict] | None = None,
-        **extra: object,
-    ) -> dict:
-        if self.chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text} if role else {"content": text} if text else {}
-            )
-            delta |= {"tool_calls": calls} if calls else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self.envelope(self.chunk_kind, [choice], **extra)
-
-    def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-
 class EngineStreamResponse(StreamingResponse):
     """Server-sent events of one request; however the response ends (a client that left, a server stopping),
     a request still running is cancelled."""
 
-    def __init__(self, content: AsyncIterator[str], engine: EngineClient, stream: RequestStream):
+    def __init__(self, content: AsyncIterator[str], engine: EngineClient, streams: list[RequestStream]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.engine, self.stream = engine, stream
+        self.engine, self.streams = engine, streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.stream.stats().finished:
-                cancel(self.engine, self.stream)
+            cancel_all(self.engine, self.streams)
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -919,18 +945,19 @@ class Handlers:
         family = None
         if req.with_tools:
             req, family = await run_in_threadpool(with_tool_prompt, engine, req)
-        stream = await submit(engine, req, chat)
+        streams = await submit(engine, req, chat)
         try:
-            queue = self.service.pump.watch(stream)
+            queue = self.service.pump.watch(streams)
         except APIError:
-            cancel(engine, stream)
+            cancel_all(engine, streams)
             raise
-        responder = Responder(engine.model_name, chat)
-        calls = call_reader(family, req)
+        asked = req.params.logprobs is not None
+        responder = Responder(engine.model_name, chat, engine.tokenizer.token_bytes if asked else None)
+        choices = [Choice(stream, call_reader(family, req)) for stream in streams]
         if req.stream:
-            events = stream_events(queue, stream, responder, req.include_usage, calls)
-            return EngineStreamResponse(events, engine, stream)
-        return await whole_reply(request, engine, queue, stream, responder, calls)
+            events = stream_events(queue, choices, responder, req.include_usage)
+            return EngineStreamResponse(events, engine, streams)
+        return await whole_reply(request, engine, queue, choices, responder, asked)
 
 
 def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Completion, str]:
@@ -977,84 +1004,97 @@ async def read_body_in_time(request: Request, engine: EngineClient) -> bytes:
         ) from None
 
 
-async def submit(engine: SupervisedEngine, req: Completion, chat: bool) -> RequestStream:
-    """The request submitted (tokenized in the thread pool); a refusal as the API's error."""
+async def submit(engine: SupervisedEngine, req: Completion, chat: bool) -> list[RequestStream]:
+    """The request submitted, once a choice (a seeded request's choices take the seeds that follow its own); a
+    refusal as the API's error, and nothing left running."""
+    streams: list[RequestStream] = []
+    try:
+        for i in range(req.n):
+            seed = req.params.seed
+            params = req.params if seed is None else replace(req.params, seed=(seed + i) % 2**64)
+            streams.append(await submit_one(engine, req, params, chat))
+    except BaseException:
+        cancel_all(engine, streams)
+        raise
+    return streams
+
+
+async def submit_one(engine: SupervisedEngine, req: Completion, params: SamplingParams, chat: bool) -> RequestStream:
+    """One request submitted (tokenized in the thread pool); a refusal as the API's error."""
     try:
         if req.prompt_ids is not None:
-            return await run_in_threadpool(partial(engine.submit, None, req.params, prompt_ids=req.prompt_ids))
+            return await run_in_threadpool(partial(engine.submit, None, params, prompt_ids=req.prompt_ids))
         return await run_in_threadpool(
-            engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
+            engine.submit, req.prompt, params, raw=req.raw, enable_thinking=req.enable_thinking
         )
     except grammar.GrammarError as e:  # one only the model's vocabulary refuses
         raise APIError(400, f"{req.grammar_field}: {e}", req.grammar_field) from None
     except RequestError as e:
         code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
-        raise APIError(400, str(e), "messages" if chat else "prompt", code) from None
+        param = "logit_bias" if str(e).startswith("logit_bias") else "messages" if chat else "prompt"
+        raise APIError(400, str(e), param, code) from None
     except LlamatermError as e:
         raise APIError(503, str(e), kind="server_error") from None
 
 
 async def stream_events(
-    queue: asyncio.Queue[list[Event]],
-    stream: RequestStream,
-    responder: Responder,
-    include_usage: bool,
-    calls: ToolCallStream | None = None,
+    queue: Events, choices: list[Choice], responder: Responder, include_usage: bool
 ) -> AsyncIterator[str]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null in every chunk but the last
-    yield sse(responder.chunk("", role=True, **extra))
-    while True:
-        events = await queue.get()
-        last = events[-1]
+    yield "".join(sse(responder.chunk("", role=True, index=i, **extra)) for i in range(len(choices)))
+    running = len(choices)
+    while running:
+        i, events = await queue.get()
+        choice, last = choices[i], events[-1]
         # the tokens that arrived since the last poll go as one chunk: at tens of thousands of tokens a second,
         # a chunk per token would cost the server more than the engine
         text = "".join(e.text for e in events[:-1])
-        if last.finished:
-            error = failure(last)
-            if error is not None:
-                yield (sse(responder.chunk(text, **extra)) if text else "") + sse(error.body) + DONE
-                return
-            text, deltas = (text + last.text, None) if calls is None else calls.push(text + last.text, final=True)
-            reason = finish_reason(last.finish_reason, calls)
-            out = [sse(responder.chunk(text, reason, calls=deltas, **extra))]
-            if include_usage:
-                out.append(sse(responder.envelope(responder.chunk_kind, [], usage=usage(stream))))
-            yield "".join(out) + DONE
+        logprobs = [lp for e in events for lp in e.logprobs]
+        if last.finished and (error := failure(last)) is not None:
+            yield (sse(responder.chunk(text, index=i, **extra)) if text else "") + sse(error.body) + DONE
             return
-        text, deltas = (text + last.text, None) if calls is None else calls.push(text + last.text)
-        if text or deltas:
-            yield sse(responder.chunk(text, calls=deltas, **extra))
+        text, deltas = choice.read(text + last.text, final=last.finished)
+        reason = finish_reason(last.finish_reason, choice.calls) if last.finished else None
+        if text or deltas or logprobs or reason:
+            at = choice.streamed
+            yield sse(responder.chunk(text, reason, calls=deltas, index=i, logprobs=logprobs, offset=at, **extra))
+        choice.streamed += len(text)
+        running -= last.finished
+    if include_usage:
+        yield sse(responder.envelope(responder.chunk_kind, [], usage=usage([c.stream for c in choices])))
+    yield DONE
 
 
 async def whole_reply(
-    request: Request,
-    engine: EngineClient,
-    queue: asyncio.Queue[list[Event]],
-    stream: RequestStream,
-    responder: Responder,
-    calls: ToolCallStream | None = None,
+    request: Request, engine: EngineClient, queue: Events, choices: list[Choice], responder: Responder, asked: bool
 ) -> Response:
-    text = []
-    while True:
+    """Every choice's whole reply, once all have ended. asked: the request asked for logprobs."""
+    streams, running = [c.stream for c in choices], len(choices)
+    while running:
         try:
-            events = await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
+            i, events = await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
         except TimeoutError:
             if await request.is_disconnected():
-                cancel(engine, stream)
+                cancel_all(engine, streams)
                 return Response(status_code=499)
             continue
-        text += [e.text for e in events]
-        if events[-1].finished:
-            error = failure(events[-1])
-            if error is not None:
+        choice, last = choices[i], events[-1]
+        choice.text += [e.text for e in events]
+        choice.logprobs += [lp for e in events for lp in e.logprobs]
+        if last.finished:
+            if (error := failure(last)) is not None:
+                cancel_all(engine, streams)
                 raise error
-            reason = events[-1].finish_reason
-            if calls is None:
-                return JSONResponse(responder.whole("".join(text), reason, usage(stream)))
-            content, _ = calls.push("".join(text), final=True)
-            found = [c.openai() for c in calls.calls()]
-            reply = responder.whole(content or None, finish_reason(reason, calls), usage(stream), found)
-            return JSONResponse(reply)
+            choice.finish_reason, running = last.finish_reason, running - 1
+    shown = []
+    for i, c in enumerate(choices):
+        content, _ = c.read("".join(c.text), final=True)
+        found = [call.openai() for call in c.calls.calls()] if c.calls is not None else None
+        logprobs = c.logprobs if asked else None
+        reason = finish_reason(c.finish_reason, c.calls)
+        text = content or None if c.calls is not None else content  # with tools, no text is null, as OpenAI
+        shown.append(responder.choice(i, text, reason, found, logprobs))
+    return JSONResponse(responder.whole(shown, usage(streams)))
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
