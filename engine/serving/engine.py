@@ -395,7 +395,7 @@ class Engine:
         output = self._outputs.pop(handle.id)
         if reason in ("length", "stop") and not error:
             text += output.finish()
-        handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error))
+        handle.events_queue.put(Event(handle.id, text, token_ids, finished=True, finish_reason=reason, error=error))
 
 
 @contextmanager

@@ -117,7 +117,9 @@ class ProcessHandle(ArrivalStats, EventStream):
         if reason in ("length", "stop") and error is None:
             text += self.output.finish()
         self.end = now
-        self.events_queue.put(Event(self.id, text, (token,) if token >= 0 else (), True, reason, error))
+        self.events_queue.put(
+            Event(self.id, text, (token,) if token >= 0 else (), finished=True, finish_reason=reason, error=error)
+        )
         return True, stopped
 
 

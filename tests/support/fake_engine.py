@@ -170,7 +170,7 @@ class FakeEngine:
     def _finish(self, handle: FakeHandle, reason: str) -> None:
         self._live.remove(handle)
         handle.finished = True
-        handle.events_queue.put(Event(handle.id, "", (), True, reason))
+        handle.events_queue.put(Event(handle.id, finished=True, finish_reason=reason))
 
 
 def common_prefix(a: list[str], b: list[str]) -> int:
