@@ -37,6 +37,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream
+from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -117,6 +118,7 @@ class Completion:
     stream: bool
     include_usage: bool
     enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
+    parse_special: bool = True  # a raw prompt's special-token text becomes those tokens (False: plain text)
 
 
 # ---- request parsing: pure functions of the body ----
@@ -156,7 +158,11 @@ def check_text(value: object) -> None:
             todo += item
 
 
-def parse_request(body: object, model_name: str, max_context: int, chat: bool) -> Completion:
+def parse_request(
+    body: object, model_name: str, max_context: int, chat: bool, defaults: SamplingDefaults
+) -> Completion:
+    """The request, its absent sampling fields filled from the model's defaults (as vLLM fills them from
+    generation_config.json)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -175,11 +181,24 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
     return Completion(
         prompt,
         not chat,
-        parse_params(body, max_context),
+        parse_params(body, max_context, defaults),
         stream,
         bool(options.get("include_usage")),
         parse_thinking(body.get("chat_template_kwargs"), chat),
+        parse_special(body.get("parse_special", True), chat),
     )
+
+
+def parse_special(value: object, chat: bool) -> bool:
+    """Whether a /v1/completions prompt's special-token text ('<|im_start|>') becomes those tokens (the default,
+    as vLLM and llama.cpp's server read it) or stays text. A chat message's content is always text."""
+    if chat and value is not True:
+        raise APIError(
+            400, "parse_special is for /v1/completions: a chat message's content is always text", "parse_special"
+        )
+    if not isinstance(value, bool):
+        raise APIError(400, "parse_special must be true or false", "parse_special")
+    return value
 
 
 def parse_thinking(kwargs: object, chat: bool) -> bool | None:
@@ -247,9 +266,9 @@ def parse_prompt(prompt: object) -> str:
     return prompt
 
 
-def parse_params(body: dict, max_context: int) -> SamplingParams:
+def parse_params(body: dict, max_context: int, defaults: SamplingDefaults) -> SamplingParams:
     check_fields(body)
-    values = numbers(body)
+    values: dict[str, Any] = numbers(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
@@ -266,7 +285,7 @@ def parse_params(body: dict, max_context: int) -> SamplingParams:
     if not isinstance(body.get("ignore_eos", False), bool):
         raise APIError(400, "ignore_eos must be true or false", "ignore_eos")
     try:
-        return SamplingParams(stop=tuple(stop), ignore_eos=body.get("ignore_eos", False), **values)
+        return defaults.params(values | {"stop": tuple(stop), "ignore_eos": body.get("ignore_eos", False)})
     except RequestError as e:
         raise APIError(400, str(e)) from None
 
@@ -278,7 +297,7 @@ def check_fields(body: dict) -> None:
         | ONLY_DEFAULT.keys()
         | set(FLOATS)
         | set(INTS)
-        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos"}
+        | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos", "parse_special"}
     )
     for name in body:
         if name not in known:
@@ -665,7 +684,7 @@ class Handlers:
         self.check_engine()
         engine = self.service.supervisor.engine
         body = parse_json(await read_body_in_time(request, engine))
-        req = parse_request(body, engine.model_name, engine.max_context, chat)
+        req = parse_request(body, engine.model_name, engine.max_context, chat, engine.sampling_defaults)
         stream = await submit(engine, req, chat)
         try:
             queue = self.service.pump.watch(stream)
@@ -692,7 +711,12 @@ async def submit(engine: EngineClient, req: Completion, chat: bool) -> RequestSt
     """The request submitted (tokenized in the thread pool); a refusal as the API's error."""
     try:
         return await run_in_threadpool(
-            engine.submit, req.prompt, req.params, raw=req.raw, enable_thinking=req.enable_thinking
+            engine.submit,
+            req.prompt,
+            req.params,
+            raw=req.raw,
+            enable_thinking=req.enable_thinking,
+            parse_special=req.parse_special,
         )
     except RequestError as e:
         code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None

@@ -42,7 +42,7 @@ def test_models_lists_the_served_model(client, model):
 
 
 def test_chat_streamed_and_whole_agree(client, model):
-    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8)
+    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
     assert "Paris" in whole.choices[0].message.content
     usage = whole.usage
     assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 8
@@ -51,7 +51,12 @@ def test_chat_streamed_and_whole_agree(client, model):
 
     chunks = list(
         client.chat.completions.create(
-            model=model, messages=QUESTION, max_tokens=8, stream=True, stream_options={"include_usage": True}
+            model=model,
+            messages=QUESTION,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
@@ -63,8 +68,8 @@ def test_chat_streamed_and_whole_agree(client, model):
 
 def test_completions_streamed_and_whole_agree(client, model):
     prompt = "The capital of France is"
-    whole = client.completions.create(model=model, prompt=prompt, max_tokens=8)
-    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=8, stream=True)
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True)
     text = whole.choices[0].text
     assert text.strip() and "".join(c.choices[0].text for c in streamed) == text
     # raw text: no chat template, so the prompt is its own tokens and fewer than the chat's
@@ -200,10 +205,10 @@ def test_text_that_is_not_unicode_is_refused_and_the_server_keeps_serving(server
 class FailingEngine(FakeEngine):
     """A fake engine whose submit fails with an exception no engine should raise, for the prompt "fail"."""
 
-    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None):
+    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True):
         if prompt == "fail":
             raise RuntimeError("a bug")
-        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking)
+        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking, parse_special=parse_special)
 
 
 def test_an_unforeseen_failure_is_an_openai_error_and_the_server_keeps_serving():
@@ -220,7 +225,7 @@ def llamaterm(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_run_on_the_server_answers_as_the_local_engine(server):
-    args = ["run", "--json", "--max-tokens", "8", "What is the capital of France?"]
+    args = ["run", "--json", "--temperature", "0", "--max-tokens", "8", "What is the capital of France?"]
     remote = llamaterm(*args, "--server", server, "--api-key", KEY)
     local = llamaterm(*args, "--device", "cpu")
     assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
