@@ -185,14 +185,17 @@ def parse_request(
         stream,
         bool(options.get("include_usage")),
         parse_thinking(body.get("chat_template_kwargs"), chat),
-        parse_special(body.get("parse_special", True), chat),
+        parse_special(body.get("parse_special"), chat),
     )
 
 
 def parse_special(value: object, chat: bool) -> bool:
     """Whether a /v1/completions prompt's special-token text ('<|im_start|>') becomes those tokens (the default,
-    as vLLM and llama.cpp's server read it) or stays text. A chat message's content is always text."""
-    if chat and value is not True:
+    as vLLM and llama.cpp's server read it) or stays text. A chat message's content is always text: the field is
+    refused there, whatever it says."""
+    if value is None:
+        return True
+    if chat:
         raise APIError(
             400, "parse_special is for /v1/completions: a chat message's content is always text", "parse_special"
         )

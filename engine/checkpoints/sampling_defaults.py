@@ -145,8 +145,8 @@ def from_gguf(metadata: Mapping[str, Any], where: str) -> SamplingDefaults:
     found = {}
     for name, key in GGUF_KEYS.items():
         value = metadata.get(key)
-        if isinstance(value, np.floating):  # float32: 0.95 as written, not 0.949999988
-            value = float(str(value))
+        if isinstance(value, float | np.floating):  # llama.cpp writes float32: 0.95 as written, not 0.949999988
+            value = float(str(np.float32(value)))
         elif isinstance(value, np.integer):
             value = int(value)
         if value is not None:

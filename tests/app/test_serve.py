@@ -9,6 +9,9 @@ import httpx2
 import openai
 import pytest
 
+from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, from_values
+from llamaterm.engine.sampling_params import SamplingParams
+from tests.support import DATA
 from tests.support.fake_engine import FakeEngine
 from tests.support.serve_support import LLAMATERM, app_server, llamaterm_serve, metrics
 
@@ -259,3 +262,32 @@ def test_a_port_in_use_fails_before_the_model_loads(server):
     out = llamaterm("serve", "--port", port)
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_completions_read_special_token_text_as_those_tokens(client, model):
+    """As vLLM and llama.cpp's server read a prompt; parse_special: false keeps it text. The oracle: llama.cpp's ids
+    for the default model (tests/data/smollm2_tokenizer.json)."""
+    case = next(c for c in json.loads((DATA / "smollm2_tokenizer.json").read_text())["cases"] if "<|im_" in c["text"])
+    parsed = client.completions.create(model=model, prompt=case["text"], max_tokens=1)
+    literal = client.completions.create(
+        model=model, prompt=case["text"], max_tokens=1, extra_body={"parse_special": False}
+    )
+    assert (parsed.usage.prompt_tokens, literal.usage.prompt_tokens) == (
+        len(case["ids_parse_special"]),
+        len(case["ids"]),
+    )
+    with pytest.raises(openai.BadRequestError) as err:  # a chat message's content is always text
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, extra_body={"parse_special": True})
+    assert err.value.body["param"] == "parse_special"
+
+
+def test_absent_sampling_fields_take_the_model_defaults():
+    """As vLLM fills them from generation_config.json: here a model whose defaults a GGUF gave."""
+    defaults = from_values({"temperature": 0.6, "top_k": 20}, "gguf", "m.gguf", GGUF_KEYS)
+    with FakeEngine(model_name="m", sampling_defaults=defaults) as engine, app_server(engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        client.chat.completions.create(model="m", messages=QUESTION, max_tokens=1)
+        client.completions.create(model="m", prompt="hi", max_tokens=1, temperature=0, extra_body={"min_p": 0.2})
+        (_, model_own), (_, told) = engine.submitted
+    assert model_own == SamplingParams(max_tokens=1, temperature=0.6, top_k=20, top_p=0.95, min_p=0.05)
+    assert told == SamplingParams(max_tokens=1, temperature=0, top_k=20, top_p=0.95, min_p=0.2)
