@@ -146,7 +146,7 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
 def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
     """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat."""
     out = subprocess.run(
-        [LLAMATERM, "chat", "--plain", "--max-tokens", "8"],
+        [LLAMATERM, "chat", "--plain", "--temperature", "0", "--max-tokens", "8"],
         capture_output=True,
         timeout=300,
         input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n",
