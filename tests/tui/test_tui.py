@@ -17,10 +17,10 @@ from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.screens.chat import ChatScreen
 from llamaterm.app.tui.screens.help import HelpScreen
 from llamaterm.app.tui.screens.history import HistoryScreen
-from llamaterm.app.tui.screens.settings import SettingsScreen
+from llamaterm.app.tui.screens.settings import SettingsScreen, origin
 from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
-from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, from_values
+from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, SERVER_DEFAULTS, from_values
 from llamaterm.engine.errors import ModelNotFound
 from llamaterm.engine.sampling_params import SamplingParams
 from tests.benchmarks.tui_bench import key_latencies
@@ -247,13 +247,14 @@ def test_settings_are_checked_and_used_by_the_next_request():
 def test_settings_show_every_sampling_parameter_and_where_its_value_comes_from():
     """The engine's sampling fields (SamplingParams' own names), each blank by default with the model's value and
     its source beside it; a value typed there is the user's, and the next request takes it and the model's rest."""
-    defaults = from_values({"temperature": 0.6, "top_k": 20}, "gguf", "m.gguf", GGUF_KEYS)
+    defaults = from_values({"temperature": 0.6, "top_k": 20, "top_p": 1.5}, "gguf", "m.gguf", GGUF_KEYS)
     engine = FakeEngine(sampling_defaults=defaults)
     app = make_app(engine)
     sampling = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
 
     async def scenario(pilot):
         await engine_ready(pilot)
+        assert any("m.gguf: general.sampling.top_p = 1.5" in n for n in notifications(app))  # skipped, and said
         await pilot.press("ctrl+s")
         screen = app.screen
         assert isinstance(screen, SettingsScreen)
@@ -278,6 +279,7 @@ def test_settings_show_every_sampling_parameter_and_where_its_value_comes_from()
         assert params == SamplingParams(max_tokens=1024, temperature=0.6, top_k=20, top_p=0.95, min_p=0.1)
 
     run(app, scenario)
+    assert origin("top_k", "", SERVER_DEFAULTS) == "the server's default"  # a pane on a server: it fills the rest
 
 
 def test_escape_stops_and_regenerate_and_edit_resend():
