@@ -9,7 +9,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from llamaterm.app.remote import request_body
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.prompt import PromptEncoder
 from llamaterm.engine.store.loader import load_tokenizer
 from llamaterm.engine.store.model_store import resolve_model
@@ -77,3 +79,10 @@ def test_run_raw_parses_special_tokens_unless_told_not_to():
 
     assert prompt_tokens() == len(VECTOR["ids_parse_special"])
     assert prompt_tokens("--no-parse-special") == len(VECTOR["ids"])
+
+
+def test_a_remote_engine_asks_the_server_for_the_literal_reading_only_when_told():
+    """llama.cpp's server and llamaterm serve read parse_special; other servers never see the field unless asked."""
+    _, parsed = request_body("m", VECTOR["text"], SamplingParams(), raw=True)
+    _, literal = request_body("m", VECTOR["text"], SamplingParams(), raw=True, parse_special=False)
+    assert "parse_special" not in parsed and literal["parse_special"] is False
