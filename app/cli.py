@@ -41,14 +41,26 @@ KvTokensOpt = Annotated[
 ]
 
 
-def sampling_params(**values):
+def checked_sampling(**given) -> dict:
+    """The sampling values the user gave (None: not given), checked now: a bad flag value is a usage error, before
+    any model loads."""
     from llamaterm.engine.errors import RequestError
     from llamaterm.engine.sampling_params import SamplingParams
 
     try:
-        return SamplingParams(**values)
-    except RequestError as e:  # a bad flag value: a usage error
+        SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    except RequestError as e:
         fail(str(e), 2)
+    return given
+
+
+def model_sampling(engine, given: dict):
+    """SamplingParams of the user's values, the engine's model's defaults for the rest (a server's own, for a
+    remote one); what was wrong in the model's files goes to stderr."""
+    defaults = engine.sampling_defaults
+    for warning in defaults.warnings:
+        say(f"llamaterm: warning: {warning}")
+    return defaults.params(given)
 
 
 def load_engine(
@@ -99,13 +111,13 @@ def run(
     model: ModelOpt = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
+    temperature: Annotated[float | None, typer.Option(help="0 is greedy. Default: the model's (see info).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="1 is off. Default: the model's.")] = None,
+    top_k: Annotated[int | None, typer.Option(help="0 is off. Default: the model's.")] = None,
+    min_p: Annotated[float | None, typer.Option(help="0 is off. Default: the model's.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="1 is off. Default: the model's.")] = None,
+    presence_penalty: Annotated[float | None, typer.Option(help="0 is off. Default: the model's.")] = None,
+    frequency_penalty: Annotated[float | None, typer.Option(help="0 is off. Default: the model's.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     json_schema: Annotated[
@@ -117,6 +129,13 @@ def run(
         typer.Option(help="A grammar file (llguidance's Lark syntax, or llama.cpp's GBNF) the reply follows."),
     ] = None,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: the prompt is the model's raw input.")] = False,
+    parse_special: Annotated[
+        bool,
+        typer.Option(
+            help="With --raw: special-token text such as <|im_start|> becomes those tokens, as vLLM and llama.cpp's "
+            "server read a prompt; --no-parse-special keeps it plain text."
+        ),
+    ] = True,
     think: Annotated[
         bool | None,
         typer.Option(
@@ -147,7 +166,7 @@ def run(
 
     Examples: llamaterm run "What is the capital of France?"   |   llamaterm run --json --seed 1 --temperature 0.7 "Hi"
     """
-    params = sampling_params(
+    given = checked_sampling(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -172,8 +191,11 @@ def run(
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
     with load_engine(model, device, kv_tokens, server, api_key, sessions=len(prompts)) as engine:
+        params = model_sampling(engine, given)
         inputs = [p if raw else messages_for(p, system) for p in prompts]
-        handles = [engine.submit(x, params, raw=raw, enable_thinking=think) for x in inputs]
+        handles = [
+            engine.submit(x, params, raw=raw, enable_thinking=think, parse_special=parse_special) for x in inputs
+        ]
         if each_line:
             for handle in handles:  # input order, though all run at once
                 reply = collect(handle, hide_thinking=hide_thinking)
@@ -263,7 +285,9 @@ def chat(
     sessions: Annotated[int, typer.Option(min=1, max=8, help="Conversation panes side by side.")] = 1,
     system: Annotated[str | None, typer.Option(help="System prompt for every session.")] = None,
     plain: Annotated[bool, typer.Option(help="A line-based chat for pipes and dumb terminals.")] = False,
-    temperature: float = 0.0,
+    temperature: Annotated[
+        float | None, typer.Option(help="With --plain: 0 is greedy. Default: the model's (the TUI: a pane's settings).")
+    ] = None,
     max_tokens: int = 1024,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
@@ -276,13 +300,14 @@ def chat(
         from llamaterm.app.tui.backends import Backend
 
         return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key)
-    params = sampling_params(temperature=temperature, max_tokens=max_tokens)
+    given = checked_sampling(temperature=temperature, max_tokens=max_tokens)
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
     with load_engine(models[0] if models else None, device, kv_tokens, server, api_key) as engine:
+        params = model_sampling(engine, given)
         say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
         while True:
             try:
@@ -354,6 +379,8 @@ def serve(
     config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens)
     with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
         engine = supervisor.engine
+        for warning in engine.sampling_defaults.warnings:
+            typer.echo(f"llamaterm: warning: {warning}", err=True)
         typer.echo(
             f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 (Ctrl-C stops)",
             err=True,

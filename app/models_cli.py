@@ -161,6 +161,7 @@ def info(
     with interrupts_held():
         from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE
         from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
+        from llamaterm.engine.checkpoints.sampling_defaults import DESCRIBED, model_sampling_defaults
         from llamaterm.engine.store.model_store import find_model, format_size
 
     path = Path(name).expanduser()
@@ -172,6 +173,7 @@ def info(
         model = find_model(name)
         name, manifest, checkpoint, size = model.name, model.manifest, model.checkpoint, model.size_on_disk()
         ci = read_checkpoint(checkpoint)
+    sampling = model_sampling_defaults(Path(checkpoint), ci.metadata)
     data: dict[str, Any] = {
         "name": name,
         "path": str(checkpoint),
@@ -187,6 +189,8 @@ def info(
         "pulled_at": manifest.get("pulled_at"),
         "files": manifest.get("files"),
         "tensor_types": ci.tensor_types,
+        "sampling_defaults": sampling.to_json(),  # what run, chat and serve sample with unless told otherwise
+        "sampling_warnings": list(sampling.warnings),
         "chat_template": ci.chat_template,
         "metadata": ci.metadata,
     }
@@ -208,6 +212,11 @@ def info(
     summary["tensor types"] = ", ".join(f"{t} x{n}" for t, n in ci.tensor_types.items())
     for key, value in summary.items():
         echo(f"{key:<14}{value}")
+    echo("\nsampling defaults (run, chat and serve use them unless told otherwise)")
+    for key, default in sampling.values.items():
+        echo(f"  {key:<20}{default.value:<8g}{DESCRIBED[default.source]}")
+    for warning in sampling.warnings:
+        echo(f"  warning: {warning}")
     echo("\nmetadata")
     for key, value in ci.metadata.items():
         text = json.dumps(value, default=str) if not isinstance(value, str) else value

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from llamaterm.engine.api import ArrivalStats, EngineStats, Event, EventStream, RequestStream
+from llamaterm.engine.checkpoints.sampling_defaults import SERVER_DEFAULTS
 from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 
@@ -86,6 +87,7 @@ class RemoteEngine:
         self.model_name = str(card["id"])
         self.max_context = count(card.get("max_model_len")) or 0  # vLLM, SGLang and llamaterm say; 0: not known
         self.device = urlsplit(self.base_url).netloc
+        self.sampling_defaults = SERVER_DEFAULTS  # the server fills what the user left unset with its own
         self._ids = itertools.count(1)
         self._live: dict[int, RemoteStream] = {}
         self._closed = False
@@ -97,11 +99,13 @@ class RemoteEngine:
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        parse_special: bool = True,
     ) -> RemoteStream:
         """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
-        path, body = request_body(self.model_name, prompt, params or SamplingParams(), raw, enable_thinking)
+        params = params or SamplingParams()
+        path, body = request_body(self.model_name, prompt, params, raw, enable_thinking, parse_special)
         try:
             content = json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError:  # a lone surrogate: an undecodable byte from argv or stdin
@@ -286,20 +290,27 @@ def api_base(url: str) -> str:
 
 
 def request_body(
-    model: str, prompt: list[dict] | str, params: SamplingParams, raw: bool, enable_thinking: bool | None = None
+    model: str,
+    prompt: list[dict] | str,
+    params: SamplingParams,
+    raw: bool,
+    enable_thinking: bool | None = None,
+    parse_special: bool = True,
 ) -> tuple[str, dict]:
-    """The path and JSON body of a streamed request. Sampling values beyond OpenAI's own (top_k, min_p,
-    repetition_penalty, ignore_eos: vLLM's and SGLang's names) go only when set, so strict servers still accept;
-    so does the template's thinking switch (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it)."""
+    """The path and JSON body of a streamed request. Sampling values the user left unset (params.unset) are left
+    out, for the server's defaults; those beyond OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos: vLLM's
+    and SGLang's names) go only when they change something, so strict servers still accept; so do the template's
+    thinking switch (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it) and a raw prompt's
+    literal reading (parse_special, as llama.cpp's server names it)."""
     body: dict = {
         "model": model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
     }
     optional = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
         "seed": params.seed,
         "stop": list(params.stop) or None,
         "presence_penalty": params.presence_penalty or None,
@@ -309,9 +320,10 @@ def request_body(
         "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
         "ignore_eos": params.ignore_eos or None,
     }
-    body |= {k: v for k, v in optional.items() if v is not None} | grammar_fields(params.grammar)
+    body |= {k: v for k, v in optional.items() if v is not None and k not in params.unset}
+    body |= grammar_fields(params.grammar)
     if raw:
-        return "/completions", body | {"prompt": prompt}
+        return "/completions", body | {"prompt": prompt} | ({} if parse_special else {"parse_special": False})
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if enable_thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}

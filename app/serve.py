@@ -40,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llamaterm.app.openai_shapes import Responder
 from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream, TokenLogprob
+from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import MAX_BIAS, MAX_LOGPROBS, Grammar, SamplingParams
 from llamaterm.engine.serving import grammar
@@ -147,6 +148,7 @@ class Completion:
     parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
     prompt_ids: list[int] | None = None  # the prompt rendered with its tools (with_tool_prompt)
     n: int = 1  # choices, each its own request to the engine
+    parse_special: bool = True  # a raw prompt's special-token text becomes those tokens (False: plain text)
 
     @property
     def with_tools(self) -> bool:
@@ -199,7 +201,11 @@ def check_text(value: object) -> None:
             todo += item
 
 
-def parse_request(body: object, model_name: str, max_context: int, chat: bool) -> Completion:
+def parse_request(
+    body: object, model_name: str, max_context: int, chat: bool, defaults: SamplingDefaults
+) -> Completion:
+    """The request, its absent sampling fields filled from the model's defaults (as vLLM fills them from
+    generation_config.json)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -215,7 +221,7 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise APIError(400, "stream must be true or false and stream_options an object", "stream")
-    params = parse_params(body, max_context, chat)
+    params = parse_params(body, max_context, chat, defaults)
     reply_grammar, field = parse_grammar(body)
     tools, tool_choice, parallel = parse_tools(body, chat)
     if field is not None and tool_choice not in (None, "none", "auto"):
@@ -232,6 +238,7 @@ def parse_request(body: object, model_name: str, max_context: int, chat: bool) -
         tool_choice,
         parallel,
         n=parse_n(body.get("n")),
+        parse_special=parse_special(body.get("parse_special"), chat),
     )
 
 
@@ -268,6 +275,21 @@ def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, 
     if named not in names:
         raise APIError(400, f"tool_choice names {named!r}, which is not in tools ({', '.join(names)})", "tool_choice")
     return checked, named, parallel
+
+
+def parse_special(value: object, chat: bool) -> bool:
+    """Whether a /v1/completions prompt's special-token text ('<|im_start|>') becomes those tokens (the default,
+    as vLLM and llama.cpp's server read it) or stays text. A chat message's content is always text: the field is
+    refused there, whatever it says."""
+    if value is None:
+        return True
+    if chat:
+        raise APIError(
+            400, "parse_special is for /v1/completions: a chat message's content is always text", "parse_special"
+        )
+    if not isinstance(value, bool):
+        raise APIError(400, "parse_special must be true or false", "parse_special")
+    return value
 
 
 def parse_thinking(kwargs: object, chat: bool) -> bool | None:
@@ -380,9 +402,9 @@ def parse_prompt(prompt: object) -> str:
     return prompt
 
 
-def parse_params(body: dict, max_context: int, chat: bool) -> SamplingParams:
+def parse_params(body: dict, max_context: int, chat: bool, defaults: SamplingDefaults) -> SamplingParams:
     check_fields(body)
-    values = numbers(body)
+    values: dict[str, Any] = numbers(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
@@ -401,7 +423,7 @@ def parse_params(body: dict, max_context: int, chat: bool) -> SamplingParams:
     values["logprobs"] = parse_logprobs(body, chat)
     values["logit_bias"] = parse_logit_bias(body.get("logit_bias"))
     try:
-        return SamplingParams(stop=tuple(stop), ignore_eos=body.get("ignore_eos", False), **values)
+        return defaults.params(values | {"stop": tuple(stop), "ignore_eos": body.get("ignore_eos", False)})
     except RequestError as e:
         raise APIError(400, str(e)) from None
 
@@ -463,7 +485,7 @@ def check_fields(body: dict) -> None:
         | set(FLOATS)
         | set(INTS)
         | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"}
-        | {"n", "logprobs", "top_logprobs", "logit_bias"}
+        | {"n", "logprobs", "top_logprobs", "logit_bias", "parse_special"}
     )
     for name in body:
         if name not in known:
@@ -657,6 +679,7 @@ class SupervisedEngine(EngineClient, Protocol):
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        parse_special: bool = True,
         prompt_ids: list[int] | None = None,
     ) -> RequestStream: ...
 
@@ -939,7 +962,7 @@ class Handlers:
         self.check_engine()
         engine = self.service.supervisor.engine
         body = parse_json(await read_body_in_time(request, engine))
-        req = parse_request(body, engine.model_name, engine.max_context, chat)
+        req = parse_request(body, engine.model_name, engine.max_context, chat, engine.sampling_defaults)
         if req.params.grammar is not None:
             await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
         family = None
@@ -1024,9 +1047,10 @@ async def submit_one(engine: SupervisedEngine, req: Completion, params: Sampling
     try:
         if req.prompt_ids is not None:
             return await run_in_threadpool(partial(engine.submit, None, params, prompt_ids=req.prompt_ids))
-        return await run_in_threadpool(
-            engine.submit, req.prompt, params, raw=req.raw, enable_thinking=req.enable_thinking
+        submit = partial(
+            engine.submit, raw=req.raw, enable_thinking=req.enable_thinking, parse_special=req.parse_special
         )
+        return await run_in_threadpool(submit, req.prompt, params)
     except grammar.GrammarError as e:  # one only the model's vocabulary refuses
         raise APIError(400, f"{req.grammar_field}: {e}", req.grammar_field) from None
     except RequestError as e:

@@ -7,9 +7,12 @@ import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from llamaterm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a plain dataclass of the checkpoints' room, named here only for its type
+    from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,17 @@ class RequestStream(Protocol):
 class EngineClient(Protocol):
     """What every engine offers its callers. submit and cancel return at once from any thread; events arrive on
     the returned stream; a request the engine refuses raises RequestError in submit (a remote server's refusal,
-    which submit does not wait for, arrives as the stream's error event)."""
+    which submit does not wait for, arrives as the stream's error event).
+
+    sampling_defaults: the model's recommended sampling values, which user-facing commands apply to what the user
+    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here. raw: the prompt is the
+    model's input, no chat template; its special-token text ('<|im_start|>') becomes those tokens unless
+    parse_special=False."""
 
     model_name: str
     device: str
     max_context: int
+    sampling_defaults: SamplingDefaults
 
     def submit(
         self,
@@ -166,6 +175,7 @@ class EngineClient(Protocol):
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        parse_special: bool = True,
     ) -> RequestStream: ...
 
     def cancel(self, handle: RequestStream | int) -> None: ...

@@ -44,6 +44,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its n likeliest alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before any filter)
     grammar: Grammar | None = None
+    # fields the user did not set and no default filled: a remote engine leaves them out of its request, for the
+    # server's own defaults (engine/checkpoints/sampling_defaults.py)
+    unset: frozenset[str] = frozenset()
 
     def __post_init__(self):
         checks = [

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from llamaterm.app.history import Conversation, History
 from llamaterm.app.tui.backends import Backend
 from llamaterm.engine.api import EngineClient, RequestStats, RequestStream
+from llamaterm.engine.checkpoints.sampling_defaults import FIELDS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -22,8 +23,14 @@ TOPIC_CHARS = 48
 @dataclass(frozen=True)
 class ChatSettings:
     system: str = ""
-    temperature: float = 0.0  # the engine's default: greedy, so panes differ only by what the user changes
-    top_p: float = 1.0
+    # the sampling values the user set; None: the model's default (its engine's sampling_defaults)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     max_tokens: int = 1024
     seed: int | None = None
     model: str = ""  # see Backend: "" is the default model, or the server's first
@@ -31,7 +38,8 @@ class ChatSettings:
     thinking: bool | None = None  # the chat template's thinking switch (Qwen3's enable_thinking); None: its default
 
     def __post_init__(self):
-        self.sampling_params()  # a bad value fails here, where the user typed it, not in the engine
+        # a bad value fails here, where the user typed it, not in the engine
+        SamplingParams(**{k: v for k, v in self.sampling_given().items() if v is not None})
         if self.server:
             from llamaterm.app.remote import api_base
 
@@ -41,10 +49,13 @@ class ChatSettings:
     def backend(self) -> Backend:
         return Backend(self.model, self.server)
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed
-        )
+    def sampling_given(self) -> dict:
+        """What the user set of SamplingParams' fields (None: not set)."""
+        return {name: getattr(self, name) for name in (*FIELDS, "max_tokens", "seed")}
+
+    def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        """The user's values, the model's `defaults` for the rest."""
+        return defaults.params(self.sampling_given())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +136,9 @@ class Session:
         self.queued, self.engine = False, engine
         try:
             self.handle = engine.submit(
-                self.request_messages(), self.settings.sampling_params(), enable_thinking=self.settings.thinking
+                self.request_messages(),
+                self.settings.sampling_params(engine.sampling_defaults),
+                enable_thinking=self.settings.thinking,
             )
         except RequestError as e:
             self._end_reply("error", str(e))

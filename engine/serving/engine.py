@@ -33,6 +33,7 @@ from llamaterm.engine.api import (
     TokenLogprob,
     decode_rate,
 )
+from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, model_sampling_defaults
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -101,6 +102,7 @@ class Engine:
     ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.prompts = PromptEncoder(tokenizer)
+        self.sampling_defaults = LLAMA_CPP_DEFAULTS  # from_model reads the model's
         self.sink = sink
         self._records: list[Record] = []  # this step's, for the sink
         self._cached: list[tuple[int, int]] = []
@@ -165,6 +167,7 @@ class Engine:
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
         engine = cls(model, tokenizer, config, name=shown, sink=sink)
+        engine.sampling_defaults = model_sampling_defaults(Path(path), ckpt.metadata)
         engine.startup_s = {"read checkpoint": t1 - t0, "weights to device": t2 - t1, **engine.startup_s}
         return engine
 
@@ -193,15 +196,16 @@ class Engine:
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        parse_special: bool = True,
         prompt_ids: list[int] | None = None,
         request_id: int | None = None,
     ) -> RequestHandle:
-        """Queue a request: chat messages, a string (a user message, or raw text with raw=True) or token ids,
-        encoded here, in the caller's thread. enable_thinking: the chat template's thinking switch (None: the
-        template's default). request_id: the caller's own id (engine/serving/process.py), unique among its
-        requests."""
+        """Queue a request: chat messages, a string (a user message, or raw text with raw=True, its special-token
+        text parsed unless parse_special=False) or token ids, encoded here, in the caller's thread.
+        enable_thinking: the chat template's thinking switch (None: the template's default). request_id: the
+        caller's own id (engine/serving/process.py), unique among its requests."""
         params = params or SamplingParams()
-        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids)
+        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special)
         limit = self.sequence_limit()
         check_prompt(ids, self.model.config.vocab_size, self.max_context, limit)
         params.check_vocabulary(self.model.config.vocab_size)

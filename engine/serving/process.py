@@ -30,6 +30,7 @@ from llamaterm.engine.api import (
     RequestStream,
     TokenLogprob,
 )
+from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class Ready:
     sequence_limit: int  # the longest prompt plus reply the KV pool holds (Engine.sequence_limit)
     vocab_size: int
     info: dict  # for `llamaterm bench`: where start-up went, weight bytes a decode step reads, CUDA graphs or not
+    sampling_defaults: SamplingDefaults  # the model's (Engine.sampling_defaults)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class EngineProcess:
         self.model_name, self.device, self.max_context = reply.model_name, reply.device, reply.max_context
         self._ready = reply
         self.info, self.vocab_size = reply.info, reply.vocab_size
+        self.sampling_defaults = reply.sampling_defaults
         if isinstance(tokenizer, SyntheticTokenizer):
             tokenizer.vocab = reply.vocab_size
         self.tokenizer = tokenizer
@@ -196,11 +199,12 @@ class EngineProcess:
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        parse_special: bool = True,
         prompt_ids: list[int] | None = None,
     ) -> ProcessHandle:
         """As Engine.submit; a request the model cannot take raises here, in the caller's thread."""
         params = params or SamplingParams()
-        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids)
+        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special)
         r = self._ready
         check_prompt(ids, r.vocab_size, r.max_context, r.sequence_limit)
         params.check_vocabulary(r.vocab_size)
@@ -311,6 +315,7 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
             engine.sequence_limit(),
             engine.model.config.vocab_size,
             engine_info(engine),
+            engine.sampling_defaults,
         )
     )
     forwarder = threading.Thread(target=outbox.forward, args=(engine,), name="llamaterm-forward", daemon=True)

@@ -22,25 +22,36 @@ class PromptEncoder:
         self._cache: OrderedDict[str, tuple[list[int], bool]] = OrderedDict()
 
     def prompt_ids(
-        self, prompt: list[dict] | str | None, raw: bool, enable_thinking: bool | None, given: list[int] | None
+        self,
+        prompt: list[dict] | str | None,
+        raw: bool,
+        enable_thinking: bool | None,
+        given: list[int] | None,
+        parse_special: bool = True,
     ) -> tuple[list[int], bool]:
         """A request's (ids, whether a thinking block is open): the token ids it gives as they are, else its
         prompt encoded."""
         if given is not None:
             return list(given), False
-        return self.encode(prompt or "", raw, enable_thinking)
+        return self.encode(prompt or "", raw, enable_thinking, parse_special)
 
     def encode(
-        self, prompt: list[dict] | str, raw: bool = False, enable_thinking: bool | None = None
+        self,
+        prompt: list[dict] | str,
+        raw: bool = False,
+        enable_thinking: bool | None = None,
+        parse_special: bool = True,
     ) -> tuple[list[int], bool]:
         """Chat messages or a string (a user message, or raw text with raw=True) -> (ids, whether the template
-        left a thinking block open for the reply: R1 distills, QwQ)."""
+        left a thinking block open for the reply: R1 distills, QwQ). Raw text's special-token text
+        ('<|im_start|>') becomes those tokens, as vLLM and llama.cpp's server read a prompt, unless
+        parse_special=False; a message's content is always text (it cannot forge a turn)."""
         if not isinstance(prompt, str | list):
             raise RequestError(f"a prompt is text or a list of chat messages, not {type(prompt).__name__}")
         if isinstance(prompt, str) and raw:
             if not prompt:
                 raise RequestError("the prompt is empty: give some text")
-            return self.tokenizer.encode(prompt), False
+            return self.raw_ids(prompt, parse_special), False
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not messages or not any(m.get("content") for m in messages):
             raise RequestError("the prompt is empty: give some text")
@@ -54,6 +65,15 @@ class PromptEncoder:
         if len(self._cache) > CACHED_PROMPTS:
             self._cache.popitem(last=False)
         return list(ids), entry[1]
+
+    def raw_ids(self, text: str, parse_special: bool) -> list[int]:
+        """Raw text with the BOS the model asks for; a text that begins with the BOS token's own text (a Llama 3
+        prompt written out whole) does not get a second one."""
+        t = self.tokenizer
+        ids = t.encode(text, parse_special=parse_special)
+        if t.add_bos and t.bos_id is not None and ids[:2] == [t.bos_id, t.bos_id]:
+            return ids[1:]
+        return ids
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_context: int, pool_limit: int) -> None:

@@ -35,7 +35,9 @@ def test_help_is_instant_and_torch_free():
 
 
 def test_run_json_from_stdin():
-    out = llamaterm("run", "--json", "--max-tokens", "8", "-", stdin="What is the capital of France?")
+    out = llamaterm(
+        "run", "--json", "--temperature", "0", "--max-tokens", "8", "-", stdin="What is the capital of France?"
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert "Paris" in result["text"]
@@ -50,6 +52,8 @@ def test_each_line_keeps_input_order(tiny):
         "--model",
         str(tiny),
         "--raw",
+        "--temperature",
+        "0",
         "--each-line",
         "--json",
         "--max-tokens",
@@ -60,14 +64,26 @@ def test_each_line_keeps_input_order(tiny):
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(rows) == 3
     alone = [
-        json.loads(llamaterm("run", "--model", str(tiny), "--raw", "--json", "--max-tokens", "3", p).stdout)
+        json.loads(
+            llamaterm(
+                "run", "--model", str(tiny), "--raw", "--temperature", "0", "--json", "--max-tokens", "3", p
+            ).stdout
+        )
         for p in prompts
     ]
     assert [r["token_ids"] for r in rows] == [a["token_ids"] for a in alone]
 
 
 def test_plain_chat_keeps_the_conversation():
-    out = llamaterm("chat", "--plain", "--max-tokens", "16", stdin="My name is Ada.\nWhat is my name?\n/exit\n")
+    out = llamaterm(
+        "chat",
+        "--plain",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "16",
+        stdin="My name is Ada.\nWhat is my name?\n/exit\n",
+    )
     assert out.returncode == 0, out.stderr
     assert "Ada" in out.stdout
     assert out.stderr.count("tok/s") == 2  # a rate after each turn
@@ -130,7 +146,7 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
 def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
     """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat."""
     out = subprocess.run(
-        [LLAMATERM, "chat", "--plain", "--max-tokens", "8"],
+        [LLAMATERM, "chat", "--plain", "--temperature", "0", "--max-tokens", "8"],
         capture_output=True,
         timeout=300,
         input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n",
@@ -161,7 +177,9 @@ def test_an_ignored_sigint_stays_ignored_while_the_engine_imports():
 
 def test_file_alone_is_the_prompt(tmp_path):
     (tmp_path / "question.txt").write_text("What is the capital\nof France?\n")
-    out = llamaterm("run", "--json", "--max-tokens", "8", "--file", str(tmp_path / "question.txt"))
+    out = llamaterm(
+        "run", "--json", "--temperature", "0", "--max-tokens", "8", "--file", str(tmp_path / "question.txt")
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in json.loads(out.stdout)["text"]
 

@@ -64,10 +64,10 @@ def test_every_example_is_run_or_named_as_not_reproducible_here():
 
 @pytest.mark.slow
 def test_the_line_chat_example_answers_as_readme_shows(fresh_store):
-    chat = next(output for command, output in examples() if command == "llamaterm chat --plain")
+    chat = next(output for command, output in examples() if command == "llamaterm chat --plain --temperature 0")
     question, answer = (line for line in chat.splitlines()[1:3])
     result = subprocess.run(
-        [str(BIN / "llamaterm"), "chat", "--plain"],
+        [str(BIN / "llamaterm"), "chat", "--plain", "--temperature", "0"],
         input=question.removeprefix("> ") + "\n",
         capture_output=True,
         text=True,

@@ -9,6 +9,9 @@ import httpx2
 import openai
 import pytest
 
+from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, from_values
+from llamaterm.engine.sampling_params import SamplingParams
+from tests.support import DATA
 from tests.support.fake_engine import FakeEngine
 from tests.support.serve_support import LLAMATERM, app_server, llamaterm_serve, metrics
 
@@ -42,7 +45,7 @@ def test_models_lists_the_served_model(client, model):
 
 
 def test_chat_streamed_and_whole_agree(client, model):
-    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8)
+    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
     assert "Paris" in whole.choices[0].message.content
     usage = whole.usage
     assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 8
@@ -51,7 +54,12 @@ def test_chat_streamed_and_whole_agree(client, model):
 
     chunks = list(
         client.chat.completions.create(
-            model=model, messages=QUESTION, max_tokens=8, stream=True, stream_options={"include_usage": True}
+            model=model,
+            messages=QUESTION,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
@@ -63,8 +71,8 @@ def test_chat_streamed_and_whole_agree(client, model):
 
 def test_completions_streamed_and_whole_agree(client, model):
     prompt = "The capital of France is"
-    whole = client.completions.create(model=model, prompt=prompt, max_tokens=8)
-    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=8, stream=True)
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True)
     text = whole.choices[0].text
     assert text.strip() and "".join(c.choices[0].text for c in streamed) == text
     # raw text: no chat template, so the prompt is its own tokens and fewer than the chat's
@@ -73,7 +81,9 @@ def test_completions_streamed_and_whole_agree(client, model):
 
 
 def test_stop_strings_and_seeds(client, model):
-    stopped = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, stop=["Paris"])
+    stopped = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=8, temperature=0, stop=["Paris"]
+    )
     assert stopped.choices[0].finish_reason == "stop" and "Paris" not in stopped.choices[0].message.content
     sampled = [
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=1.0, seed=seed)
@@ -218,10 +228,10 @@ def test_text_that_is_not_unicode_is_refused_and_the_server_keeps_serving(server
 class FailingEngine(FakeEngine):
     """A fake engine whose submit fails with an exception no engine should raise, for the prompt "fail"."""
 
-    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None):
+    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True):
         if prompt == "fail":
             raise RuntimeError("a bug")
-        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking)
+        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking, parse_special=parse_special)
 
 
 def test_an_unforeseen_failure_is_an_openai_error_and_the_server_keeps_serving():
@@ -238,7 +248,7 @@ def llamaterm(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_run_on_the_server_answers_as_the_local_engine(server):
-    args = ["run", "--json", "--max-tokens", "8", "What is the capital of France?"]
+    args = ["run", "--json", "--temperature", "0", "--max-tokens", "8", "What is the capital of France?"]
     remote = llamaterm(*args, "--server", server, "--api-key", KEY)
     local = llamaterm(*args, "--device", "cpu")
     assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
@@ -272,3 +282,32 @@ def test_a_port_in_use_fails_before_the_model_loads(server):
     out = llamaterm("serve", "--port", port)
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_completions_read_special_token_text_as_those_tokens(client, model):
+    """As vLLM and llama.cpp's server read a prompt; parse_special: false keeps it text. The oracle: llama.cpp's ids
+    for the default model (tests/data/smollm2_tokenizer.json)."""
+    case = next(c for c in json.loads((DATA / "smollm2_tokenizer.json").read_text())["cases"] if "<|im_" in c["text"])
+    parsed = client.completions.create(model=model, prompt=case["text"], max_tokens=1)
+    literal = client.completions.create(
+        model=model, prompt=case["text"], max_tokens=1, extra_body={"parse_special": False}
+    )
+    assert (parsed.usage.prompt_tokens, literal.usage.prompt_tokens) == (
+        len(case["ids_parse_special"]),
+        len(case["ids"]),
+    )
+    with pytest.raises(openai.BadRequestError) as err:  # a chat message's content is always text
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, extra_body={"parse_special": True})
+    assert err.value.body["param"] == "parse_special"
+
+
+def test_absent_sampling_fields_take_the_model_defaults():
+    """As vLLM fills them from generation_config.json: here a model whose defaults a GGUF gave."""
+    defaults = from_values({"temperature": 0.6, "top_k": 20}, "gguf", "m.gguf", GGUF_KEYS)
+    with FakeEngine(model_name="m", sampling_defaults=defaults) as engine, app_server(engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        client.chat.completions.create(model="m", messages=QUESTION, max_tokens=1)
+        client.completions.create(model="m", prompt="hi", max_tokens=1, temperature=0, extra_body={"min_p": 0.2})
+        (_, model_own), (_, told) = engine.submitted
+    assert model_own == SamplingParams(max_tokens=1, temperature=0.6, top_k=20, top_p=0.95, min_p=0.05)
+    assert told == SamplingParams(max_tokens=1, temperature=0, top_k=20, top_p=0.95, min_p=0.2)

@@ -396,7 +396,13 @@ async def soak_client(url: str, model: str, rng: random.Random, deadline: float,
                 )
                 statuses.append(reply.status_code)
                 continue
-            request = {"model": model, "messages": HELLO, "max_tokens": rng.randint(4, 48), "ignore_eos": True}
+            request = {
+                "model": model,
+                "messages": HELLO,
+                "max_tokens": rng.randint(4, 48),
+                "ignore_eos": True,
+                "temperature": 0,  # greedy, as before the model's sampling defaults: the soak's pace is the steps'
+            }
             if draw < 0.15:
                 statuses.append((await client.post("/chat/completions", json=request)).status_code)
                 continue

@@ -72,7 +72,7 @@ def test_logits_and_greedy_match_transformers(engine, hf_model, chat):
 
 def test_run_answers_paris():
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "llamaterm"), "run", "What is the capital of France?"],
+        [str(Path(sys.executable).parent / "llamaterm"), "run", "--temperature", "0", "What is the capital of France?"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -13,6 +13,7 @@ from llamaterm.app import cli
 from llamaterm.app.remote import request_body
 from llamaterm.app.serve import parse_request
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.thinking import ThinkingSplitter, split_reply
@@ -109,8 +110,8 @@ def test_a_template_that_opens_the_block_starts_the_reply_with_the_tag(qwen3_dir
     with Engine.from_model(EngineConfig(model=str(folder), device="cpu", kv_tokens=512)) as e:
         text, handle = e.generate(CHAT, SamplingParams(max_tokens=3, ignore_eos=True))
         assert text == "<think>" + e.tokenizer.decode(handle.seq.generated)
-        raw, _ = e.generate("<think>", SamplingParams(max_tokens=3, ignore_eos=True), raw=True)
-        assert not raw.startswith("<think>")  # a raw prompt is the caller's text: nothing added
+        raw, handle = e.generate("<think>", SamplingParams(max_tokens=3, ignore_eos=True), raw=True)
+        assert raw == e.tokenizer.decode(handle.seq.generated)  # a raw prompt is the caller's: nothing added
 
 
 def test_the_switch_reaches_every_engine_and_server():
@@ -118,8 +119,9 @@ def test_the_switch_reaches_every_engine_and_server():
     fake.submit(CHAT, enable_thinking=False)
     assert fake.thinking_switches == [False]
     body = {"model": "m", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}
-    assert parse_request(body, "m", 4096, chat=True).enable_thinking is False
-    assert parse_request(body | {"chat_template_kwargs": None}, "m", 4096, chat=True).enable_thinking is None
+    parse = lambda body: parse_request(body, "m", 4096, True, LLAMA_CPP_DEFAULTS)
+    assert parse(body).enable_thinking is False
+    assert parse(body | {"chat_template_kwargs": None}).enable_thinking is None
     _, sent = request_body("m", CHAT, SamplingParams(), raw=False, enable_thinking=True)
     assert sent["chat_template_kwargs"] == {"enable_thinking": True}
     _, sent = request_body("m", CHAT, SamplingParams(), raw=False)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream
+from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -70,13 +71,16 @@ class FakeEngine:
         model_name: str = "fake-llama",
         device: str = "cpu",
         max_context: int = 2048,
+        sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
     ):
         """reply: the text of every reply, or a function of the request's messages that gives it.
-        hold: after the reply, keep the request running (as if still generating) until it is cancelled."""
+        hold: after the reply, keep the request running (as if still generating) until it is cancelled.
+        sampling_defaults: the model's, as a real engine reads them from its files."""
         self.reply = reply if callable(reply) else lambda messages: reply
         self.tokens_per_s = tokens_per_s
         self.hold = hold
         self.model_name, self.device, self.max_context = model_name, device, max_context
+        self.sampling_defaults = sampling_defaults
         self.submitted: list[tuple[list[dict], SamplingParams]] = []
         self.thinking_switches: list[bool | None] = []  # each request's enable_thinking
         self._ids = itertools.count(1)
@@ -94,6 +98,7 @@ class FakeEngine:
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
+        parse_special: bool = True,
     ) -> FakeHandle:
         params = params or SamplingParams()
         if isinstance(messages, str):

@@ -17,10 +17,12 @@ from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.screens.chat import ChatScreen
 from llamaterm.app.tui.screens.help import HelpScreen
 from llamaterm.app.tui.screens.history import HistoryScreen
-from llamaterm.app.tui.screens.settings import SettingsScreen
+from llamaterm.app.tui.screens.settings import SettingsScreen, origin
 from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
+from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, SERVER_DEFAULTS, from_values
 from llamaterm.engine.errors import ModelNotFound
+from llamaterm.engine.sampling_params import SamplingParams
 from tests.benchmarks.tui_bench import key_latencies
 from tests.support.fake_engine import REPLY, FakeEngine
 from tests.support.locked_files import WRITING, held_by_another_process, read_only_file
@@ -240,6 +242,44 @@ def test_settings_are_checked_and_used_by_the_next_request():
         assert (params.temperature, params.top_p, params.seed) == (0.7, 0.9, 42)
 
     run(app, scenario)
+
+
+def test_settings_show_every_sampling_parameter_and_where_its_value_comes_from():
+    """The engine's sampling fields (SamplingParams' own names), each blank by default with the model's value and
+    its source beside it; a value typed there is the user's, and the next request takes it and the model's rest."""
+    defaults = from_values({"temperature": 0.6, "top_k": 20, "top_p": 1.5}, "gguf", "m.gguf", GGUF_KEYS)
+    engine = FakeEngine(sampling_defaults=defaults)
+    app = make_app(engine)
+    sampling = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        assert any("m.gguf: general.sampling.top_p = 1.5" in n for n in notifications(app))  # skipped, and said
+        await pilot.press("ctrl+s")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        source = lambda name: str(screen.query_one(f"#{name}-source").render())
+        assert [screen.query_one(f"#{name}", Input).value for name in sampling] == [""] * 7
+        assert [source(name) for name in sampling] == [
+            "0.6 · the GGUF",
+            "20 · the GGUF",
+            "0.95 · llama.cpp's default",
+            "0.05 · llama.cpp's default",
+            "1 · llama.cpp's default",
+            "0 · llama.cpp's default",
+            "0 · llama.cpp's default",
+        ]
+        screen.query_one("#min_p", Input).value = "0.1"
+        await idle(pilot)
+        assert source("min_p") == "set by you"
+        await pilot.press("ctrl+s")
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        _, params = engine.submitted[-1]
+        assert params == SamplingParams(max_tokens=1024, temperature=0.6, top_k=20, top_p=0.95, min_p=0.1)
+
+    run(app, scenario)
+    assert origin("top_k", "", SERVER_DEFAULTS) == "the server's default"  # a pane on a server: it fills the rest
 
 
 def test_escape_stops_and_regenerate_and_edit_resend():

@@ -67,12 +67,13 @@ def test_two_panes_stream_a_broadcast_question(tmp_path, monkeypatch):
 
 
 def ask_each_pane(app: ChatApp, question: str, max_tokens: int, check):
-    """Ask every pane the question (settings kept but max_tokens), wait for the replies, then check(chat)."""
+    """Ask every pane the question (settings kept but max_tokens, and greedy), wait for the replies, then
+    check(chat)."""
 
     async def scenario(pilot):
         chat = app.chat
         for pane in chat.panes:
-            pane.session.configure(replace(pane.session.settings, max_tokens=max_tokens))
+            pane.session.configure(replace(pane.session.settings, max_tokens=max_tokens, temperature=0))
         await wait_until(pilot, lambda: len(chat.engines) == len(chat.backends()), timeout=300)
         await pilot.press(*question, "enter")
         await wait_until(pilot, lambda: not any(p.session.busy for p in chat.panes), timeout=300)

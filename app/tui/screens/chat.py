@@ -192,6 +192,8 @@ class ChatScreen(Screen):
         # a plain method (it awaits nothing): mypy cannot take a coroutine function for call_from_thread's callback
         self.loading_backends.discard(backend)
         self.engines[backend] = engine
+        for warning in engine.sampling_defaults.warnings:  # the model's files advised a value it cannot take
+            self.notify(warning, title=backend.label, severity="warning", timeout=30)
         for pane in self.panes:
             if pane.session.queued and pane.session.settings.backend == backend:
                 pane.submit(engine)
@@ -393,8 +395,10 @@ class ChatScreen(Screen):
                 pane.session.configure(settings)
                 self.load_backends()
 
+        engine = self.engine_for(pane)
+        defaults = engine.sampling_defaults if engine else None
         self.app.push_screen(
-            SettingsScreen(f"Pane {pane.number}: {pane.session.title}", pane.session.settings), configure
+            SettingsScreen(f"Pane {pane.number}: {pane.session.title}", pane.session.settings, defaults), configure
         )
 
     async def action_regenerate(self) -> None:

@@ -1,5 +1,6 @@
-"""A pane's settings: its model (local or on a server), system prompt and sampling values, checked by the engine's
-own rules before saving."""
+"""A pane's settings: its model (local or on a server), system prompt and every sampling value the engine takes,
+checked by the engine's own rules before saving. A sampling value left blank is the model's default: the screen
+shows it, and where it came from (the model's files, llama.cpp's defaults, or the server's own)."""
 
 from __future__ import annotations
 
@@ -14,28 +15,47 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, TextArea
 
 from llamaterm.app.tui.session import ChatSettings
+from llamaterm.engine.checkpoints.sampling_defaults import DESCRIBED, USER, SamplingDefaults
+from llamaterm.engine.checkpoints.sampling_defaults import FIELDS as SAMPLING
 from llamaterm.engine.errors import LlamatermError, RequestError
 
-# (field, label, Input type, hint); the model, the server and the seed may be left blank
+# (field, label, Input type, hint); the model, the server, the seed and the sampling values may be left blank
 FIELDS: list[tuple[str, str, Literal["integer", "number", "text"], str]] = [
     ("model", "Model", "text", "store name or path; blank = default (a server's: its first)"),
     ("server", "Server", "text", "blank = this machine, or http://host:port/v1"),
     ("temperature", "Temperature", "number", "0 = greedy"),
-    ("top_p", "Top-p", "number", "(0, 1]"),
+    ("top_k", "Top-k", "integer", "0 = off"),
+    ("top_p", "Top-p", "number", "1 = off"),
+    ("min_p", "Min-p", "number", "0 = off"),
+    ("repetition_penalty", "Repeat penalty", "number", "1 = off"),
+    ("presence_penalty", "Presence pen.", "number", "0 = off"),
+    ("frequency_penalty", "Frequency pen.", "number", "0 = off"),
     ("max_tokens", "Max tokens", "integer", ">= 1"),
     ("seed", "Seed", "integer", "blank = random"),
 ]
-OPTIONAL = {"model", "server", "seed"}
+OPTIONAL = {"model", "server", "seed", *SAMPLING}
 # The chat template's thinking switch: the template's default, or set (only templates with one read it)
 THINKING = [("template default", None), ("on", True), ("off", False)]
+
+
+def origin(name: str, text: str, defaults: SamplingDefaults | None) -> str:
+    """Where a sampling field's value comes from, given what its input holds."""
+    if text.strip():
+        return DESCRIBED[USER]
+    if defaults is None:
+        return "the model's (loading)"
+    default = defaults.values[name]
+    source = DESCRIBED[default.source]
+    return source if default.value is None else f"{default.value:g} · {source}"
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, title: str, settings: ChatSettings):
+    def __init__(self, title: str, settings: ChatSettings, defaults: SamplingDefaults | None = None):
+        """defaults: the sampling defaults of the pane's engine; None while it loads."""
         super().__init__()
-        self.title_text, self.settings = title, settings
+        self.title_text, self.settings, self.defaults = title, settings, defaults
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog settings"):
@@ -49,7 +69,10 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                     if kind == "text":  # a name or a URL: the whole width, the hint as its placeholder
                         yield Input(value, placeholder=hint, id=name, compact=True, classes="wide")
                         continue
-                    yield Input("" if value is None else str(value), type=kind, id=name, compact=True)
+                    text = "" if value is None else str(value)
+                    yield Input(text, type=kind, id=name, compact=True)
+                    if name in SAMPLING:
+                        yield Label(origin(name, text, self.defaults), id=f"{name}-source", classes="field-source")
                     yield Label(hint, classes="field-hint")
             with Horizontal(classes="field"):
                 yield Label("Thinking", classes="field-label")
@@ -64,6 +87,12 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     def on_mount(self) -> None:
         self.query_one("#system", TextArea).focus()
+
+    @on(Input.Changed)
+    def show_origin(self, event: Input.Changed) -> None:
+        name = event.input.id
+        if name in SAMPLING:
+            self.query_one(f"#{name}-source", Label).update(origin(name, event.value, self.defaults))
 
     @on(Button.Pressed, "#save")
     @on(Input.Submitted)
