@@ -29,7 +29,7 @@ import torch
 
 from llamaterm.engine.api import TokenLogprob
 from llamaterm.engine.serving.cuda_graph import StepGraphs
-from llamaterm.engine.serving.grammar import fill_bitmasks
+from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLists
 from llamaterm.engine.serving.sampling import Sampler
@@ -159,16 +159,30 @@ class ModelRunner:
             return step.outcome
         tokens = step.tokens.wait()
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
+        refused = self._advance_grammars(step.sampling, tokens)
         step.outcome = []
         for row, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
                 continue
-            if seq.grammar is not None and token >= 0 and not seq.grammar.accept(token):
-                token = REFUSED
+            token = REFUSED if row in refused else token
             seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
             seq.num_pending -= 1
             step.outcome.append((seq, token, logprobs.get(row)))
         return step.outcome
+
+    @staticmethod
+    def _advance_grammars(sampling: list[Sequence], tokens: list[int]) -> set[int]:
+        """Each grammar past its sequence's new token, all at once on llguidance's threads; the rows refused."""
+        rows = [
+            i
+            for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True))
+            if seq.grammar is not None and token >= 0 and seq.status is not Status.FINISHED
+        ]
+        if not rows:
+            return set()
+        matchers = [cast(GrammarMatcher, sampling[i].grammar) for i in rows]
+        accepted = accept_tokens(matchers, [tokens[i] for i in rows])
+        return {i for i, ok in zip(rows, accepted, strict=True) if not ok}
 
     @torch.inference_mode()
     def _forward(self, step: DeviceStep) -> torch.Tensor:
