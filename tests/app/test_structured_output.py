@@ -142,10 +142,10 @@ def test_a_refused_grammar_is_a_400_naming_its_field_and_the_server_keeps_servin
 class VocabularyRefuses(FakeEngine):
     """An engine whose model's vocabulary cannot begin any grammar: it refuses each at submit."""
 
-    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None):
+    def submit(self, prompt, params=None, **options):
         if params is not None and params.grammar is not None:
             raise GrammarError("the regular expression cannot be matched: no token of the model's vocabulary begins it")
-        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking)
+        return super().submit(prompt, params, **options)
 
 
 def test_a_grammar_the_engine_refuses_at_submit_is_a_400_naming_its_field():
