@@ -4,7 +4,7 @@ A step of a small model is hundreds of kernel launches that each take microsecon
 launches, not the GPU, would set its time. The step's two halves (the forward pass, then the batched sampler, from
 the model runner) are captured once per token-count bucket, as two graphs, and replayed one after the other; between
 them the host may queue work of its own that the sampler reads (a grammar's token masks, computed while the forward
-pass runs; the log-probabilities of the raw logits). A bucket of T tokens holds up to
+pass runs; the log-probabilities of the raw logits), and other work of its own first. A bucket of T tokens holds up to
 B = min(T, max_running) sequences. The step's metadata is written into one pinned host buffer and copied with two
 transfers into fixed device buffers the graphs read, padded up to the bucket:
 - padding tokens write no KV (slot -1) and belong to no sequence: the padding sequences have no query tokens
@@ -43,7 +43,6 @@ def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
 
 Forward = Callable[[DeviceStep], torch.Tensor]  # the step's inputs -> its logits rows
 Sample = Callable[[DeviceStep, torch.Tensor], torch.Tensor]  # the step and its logits -> its tokens
-Between = Callable[[torch.Tensor], None]  # what the host queues between the halves, given the logits
 
 
 @dataclass
@@ -100,6 +99,7 @@ class StepGraphs:
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
         self._stream = torch.cuda.Stream(device)  # captures record on a side stream
         self._ran_eagerly: set[int] = set()
+        self._eager_now = False  # this step's forward pass ran eagerly: so does its sampler
         if compile_all:
             for bucket in reversed(self.buckets):
                 self._eager(self._step(bucket))
@@ -109,11 +109,8 @@ class StepGraphs:
                     self._eager(self._step(bucket))
                 self._capture(bucket)
 
-    def _eager(self, step: DeviceStep, between: Between | None = None) -> torch.Tensor:
-        logits = self.forward(step)
-        if between is not None:
-            between(logits)
-        return self.sample(step, logits)
+    def _eager(self, step: DeviceStep) -> torch.Tensor:
+        return self.sample(step, self.forward(step))
 
     def _capture(self, bucket: int) -> None:
         """Record the bucket's halves. Not through torch.cuda.graph, which first waits for the device and empties
@@ -195,17 +192,21 @@ class StepGraphs:
         self.tables[:s, :width].copy_(host_tables[:s, :width], non_blocking=True)
         return bucket, self._step(bucket, len(step.pending_rows))
 
-    def run(self, bucket: int, step: DeviceStep, between: Between | None = None) -> torch.Tensor:
-        """The bucket's sampled tokens [its rows]: replayed from its graphs, or run eagerly over the same buffers
-        the first time the bucket is needed. `between` runs after the forward pass is queued, before the sampler."""
+    def run_forward(self, bucket: int, step: DeviceStep) -> torch.Tensor:
+        """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers the first
+        time the bucket is needed (captured the second time). run_sample must follow, before the next step."""
+        self._eager_now = bucket not in self.graphs and bucket not in self._ran_eagerly
+        if self._eager_now:
+            self._ran_eagerly.add(bucket)
+            return self.forward(step)
         if bucket not in self.graphs:
-            if bucket not in self._ran_eagerly:
-                self._ran_eagerly.add(bucket)
-                return self._eager(step, between)
             self._capture(bucket)
-        graphs = self.graphs[bucket]
-        graphs.forward.replay()
-        if between is not None:
-            between(graphs.logits)
-        graphs.sample.replay()
-        return graphs.tokens
+        self.graphs[bucket].forward.replay()
+        return self.graphs[bucket].logits
+
+    def run_sample(self, bucket: int, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
+        """The bucket's sampled tokens [its rows], the same way its forward pass ran."""
+        if self._eager_now:
+            return self.sample(step, logits)
+        self.graphs[bucket].sample.replay()
+        return self.graphs[bucket].tokens

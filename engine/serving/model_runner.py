@@ -9,9 +9,11 @@ whole protocol lives here. From its launch until `complete`, a sampling sequence
 token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
 
 A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
-sampled. Such a step is launched as usual; after its forward pass is queued, the host completes the step in
-flight (its tokens are ready as soon as the device reaches the new step), advances the grammars and writes their
-token masks, which the sampler reads: the masks are computed while the GPU runs the forward pass.
+sampled. Such a step's forward pass is queued as usual; then the host completes the step in flight (its tokens are
+ready as soon as the device reaches the new forward pass), advances the grammars, and starts filling their token
+masks on llguidance's threads. The step's sampler, which reads the masks, is queued by the next launch, just
+before its forward pass (or by `complete`): meanwhile the engine's thread hands out the last step's tokens and
+schedules the next, and the GPU runs the forward pass, so the masks' time hides under both.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,7 @@ PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
+Masks = tuple[list[int], torch.Tensor]  # grammar masks: the sequences' sampler slots, and their rows on the host
 # A step's outcome for one sequence still under way: its token, and the token's log-probability if it asked
 Sampled = tuple[Sequence, int, TokenLogprob | None]
 
@@ -55,11 +60,13 @@ class LaunchedStep:
     """A step on its way: the sequences it samples for, in row order, and their tokens on the way to the host."""
 
     sampling: list[Sequence]
-    tokens: HostTokens
     start: float  # when it was scheduled
     decode_rows: int  # its chunks of one token, and
     prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
+    sample: Callable[[], torch.Tensor] | None  # its sampler, until queued (after its masks, if it has a grammar)
+    masks: Future[Masks] | None = None  # grammar masks being filled
     logprobs: StepLogprobs | None = None
+    tokens: HostTokens | None = None  # once its sampler is queued
     outcome: list[Sampled] | None = None  # complete()'s answer, kept: a grammar's step may complete it early
 
 
@@ -76,9 +83,10 @@ class ModelRunner:
             self._warm_up()
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        # the grammars' masks on their way to the sampler's tables; one buffer serves, since a step's masks were
-        # copied before its tokens (read before the next masks are filled) reached the host
-        self._host_bitmask = torch.zeros(0, 0, dtype=torch.int32)
+        # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
+        # still wait in the stream while the next step's masks fill the other; the step before it has completed
+        self._host_bitmasks = [torch.zeros(0, 0, dtype=torch.int32)] * 2
+        self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="llamaterm-masks")
         self._host_turn = 0
         self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
@@ -97,59 +105,79 @@ class ModelRunner:
             marker.touch()
 
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
-        """Run one step on the device and start its sampled tokens' copy to the host; nothing here waits for the
-        device. Each sampling sequence gets a PENDING token."""
+        """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the
+        next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
+        tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
         for seq in sampling:
             self.sampler.join(seq)
         last = self._last
         rows = {seq.id: i for i, seq in enumerate(last.sampling)} if last else {}
         step = step_lists(chunks, self.block_size, rows)
-        logprobs: list[StepLogprobs] = []
-
-        def between(logits: torch.Tensor) -> None:
-            """After the forward pass is queued, before the sampler: what the host adds to the step."""
-            asked = [(i, seq.params.logprobs) for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
-            if asked:
-                logprobs.append(StepLogprobs(logits, *map(list, zip(*asked, strict=True))))
-            constrained = [seq for seq in sampling if seq.grammar is not None]
-            if constrained:
-                self._write_masks(constrained, last)
-
+        if last is not None:
+            self._queue_sampler(last)  # where it waited for masks, the host's work since hid their time
         if self.graphs and self.graphs.fits(step):
-            bucket, device_step = self.graphs.prepare(step)
+            graphs, (bucket, device_step) = self.graphs, self.graphs.prepare(step)
             take_pending(device_step, step, last)
-            tokens = self.graphs.run(bucket, device_step, between)[: len(sampling)]
+            logits = graphs.run_forward(bucket, device_step)
+            sample = lambda: graphs.run_sample(bucket, device_step, logits)[: len(sampling)]
         else:
             device_step = device_tensors(step, self.model.device)
             take_pending(device_step, step, last)
             logits = self._forward(device_step)
-            between(logits)
-            tokens = self._sample(device_step, logits)
+            sample = lambda: self._sample(device_step, logits)
         for seq in sampling:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-        if logprobs:
-            logprobs[0].gather(tokens)
-        self._host_turn ^= 1
         prefill = sum(c.length for c in chunks if c.length > 1)
-        host = HostTokens(tokens, self._host_tokens[self._host_turn])
         decode_rows = len(chunks) - sum(c.length > 1 for c in chunks)
-        self._last = LaunchedStep(sampling, host, start, decode_rows, prefill, logprobs[0] if logprobs else None)
-        return self._last
+        launched = self._last = LaunchedStep(sampling, start, decode_rows, prefill, sample)
+        asked = [(i, seq.params.logprobs) for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
+        if asked:  # the raw logits' rows, before the sampler changes them
+            launched.logprobs = StepLogprobs(logits, *map(list, zip(*asked, strict=True)))
+        constrained = [seq for seq in sampling if seq.grammar is not None]
+        if constrained:
+            launched.masks = self._start_masks(constrained, last)
+        else:
+            self._queue_sampler(launched)
+        return launched
 
-    def _write_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> None:
-        """The next token's masks of the sequences under a grammar, into the sampler's tables. A sequence whose
-        last token is the step in flight's needs it on the host first: that step completes here (its tokens are
-        ready once the device reaches this step's forward pass, which is queued already)."""
-        if last is not None and any(seq.num_pending for seq in constrained):
+    def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
+        """Start filling the next token's masks of the sequences under a grammar, on llguidance's threads (the GIL
+        released), while the engine's thread goes on; the future gives their sampler slots and the buffer filled.
+        A sequence whose last token is the step in flight's needs it on the host first: that step completes here
+        (its tokens are ready once the device reaches this step's forward pass, which is queued already)."""
+        if last is not None and any(seq.num_pending > 1 for seq in constrained):
             self.complete(last)
-        if self._host_bitmask.shape[0] < len(constrained):
+        self._host_bitmasks.reverse()
+        if self._host_bitmasks[0].shape[0] < len(constrained):
             words = bitmask_words(self.model.config.vocab_size)
             pinned = self.model.device.type == "cuda"
-            self._host_bitmask = torch.zeros(len(self.sampler.tables.ints), words, dtype=torch.int32, pin_memory=pinned)
-        fill_bitmasks([seq.grammar for seq in constrained if seq.grammar is not None], self._host_bitmask)
-        self.sampler.write_bitmasks([cast(int, seq.sampler_slot) for seq in constrained], self._host_bitmask)
+            rows = len(self.sampler.tables.ints)
+            self._host_bitmasks[0] = torch.zeros(rows, words, dtype=torch.int32, pin_memory=pinned)
+        matchers = [seq.grammar for seq in constrained if seq.grammar is not None]
+        slots = [cast(int, seq.sampler_slot) for seq in constrained]
+        bitmask = self._host_bitmasks[0]
+
+        def fill() -> tuple[list[int], torch.Tensor]:
+            fill_bitmasks(matchers, bitmask)
+            return slots, bitmask
+
+        return self._mask_filler.submit(fill)
+
+    def _queue_sampler(self, step: LaunchedStep) -> None:
+        """Queue a launched step's sampler (once its masks are in the sampler's tables), the log-probabilities'
+        last part, and its tokens' copy to the host; once."""
+        if step.sample is None:
+            return
+        if step.masks is not None:
+            self.sampler.write_bitmasks(*step.masks.result())
+        tokens = step.sample()
+        step.sample = None
+        if step.logprobs is not None:
+            step.logprobs.gather(tokens)
+        self._host_turn ^= 1
+        step.tokens = HostTokens(tokens, self._host_tokens[self._host_turn])
 
     def complete(self, step: LaunchedStep) -> list[Sampled]:
         """Wait for a step's tokens and put them in place of its sequences' PENDING tokens, and advance their
@@ -157,6 +185,8 @@ class ModelRunner:
         logits were not finite; REFUSED: the grammar refused it). Asked again, the same answer."""
         if step.outcome is not None:
             return step.outcome
+        self._queue_sampler(step)
+        assert step.tokens is not None
         tokens = step.tokens.wait()
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
         refused = self._advance_grammars(step.sampling, tokens)
@@ -223,7 +253,7 @@ def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | 
     A row that sampled -1 (not finite) feeds token 0: its request is ended when that -1 reaches the host."""
     rows, source = device_step.pending_rows, device_step.pending_from
     if step.pending_rows:
-        assert last is not None and rows is not None and source is not None
+        assert last is not None and last.tokens is not None and rows is not None and source is not None
         tokens = last.tokens.device_tokens.index_select(0, source).clamp_(min=0)
         device_step.inputs.input_ids.index_copy_(0, rows, tokens)
 
