@@ -199,24 +199,32 @@ class Vocabulary:
 
 
 class GrammarMatcher:
-    """One sequence's place in its grammar, advanced by each token it samples."""
+    """One sequence's place in its grammar, advanced by each token it samples. What it says after a token (done,
+    or why it refused) is read out then and kept: the engine asks while the next masks fill on other threads, and
+    llguidance's matcher takes one caller at a time."""
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self._matcher = matcher
+        self.done = False  # the grammar is complete and takes nothing more but an end-of-text token
+        self.refusal: str | None = None  # why the grammar refused a token, if it has
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token. False: the grammar refuses it, and from then on every token; error()
         says why."""
-        return self._matcher.consume_token(token_id)
+        return self._settle(self._matcher.consume_token(token_id))
+
+    def _settle(self, accepted: bool) -> bool:
+        self.done = self._matcher.is_stopped() and not self._matcher.is_error()
+        self.refusal = self._matcher.get_error() or None
+        return accepted
 
     def is_done(self) -> bool:
         """The grammar is complete and takes nothing more but an end-of-text token: the reply ends ("stop")."""
-        return self._matcher.is_stopped() and not self._matcher.is_error()
+        return self.done
 
     def error(self) -> RequestError | None:
         """Why the grammar refused a token, if it has."""
-        message = self._matcher.get_error()
-        return RequestError(f"the reply left its grammar: {readable(message, '')}") if message else None
+        return RequestError(f"the reply left its grammar: {readable(self.refusal, '')}") if self.refusal else None
 
 
 @functools.cache
@@ -243,4 +251,4 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any) -> None:
 def accept_tokens(matchers: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> list[bool]:
     """accept(token) for every matcher and its sampled token, at once on llguidance's threads."""
     pairs = [(m._matcher, t) for m, t in zip(matchers, token_ids, strict=True)]
-    return _executor().consume_token_par(pairs)
+    return [m._settle(ok) for m, ok in zip(matchers, _executor().consume_token_par(pairs), strict=True)]
