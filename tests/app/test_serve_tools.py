@@ -11,7 +11,6 @@ import json
 import httpx2
 import openai
 import pytest
-import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from llamaterm.engine.api import EngineConfig
@@ -19,7 +18,7 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.serving.engine import Engine
 from tests.support import DATA
 from tests.support.fake_engine import FakeEngine
-from tests.support.family_oracle import byte_level_bpe, save_tiny_model
+from tests.support.family_oracle import save_tiny_qwen3
 from tests.support.serve_support import app_server, llamaterm_serve
 from tests.support.tokenizer_files import QWEN3_FILES
 
@@ -258,23 +257,9 @@ def round_trip(client: openai.OpenAI, model: str) -> None:
 def tiny_qwen3(tmp_path_factory):
     """A tiny random Qwen3 with <tool_call> and </tool_call> as tokens and Qwen3's real template."""
     folder = tmp_path_factory.mktemp("qwen3-tools") / "tiny-qwen3"
-    config = transformers.Qwen3Config(
-        vocab_size=384,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+    return save_tiny_qwen3(
+        folder, ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_start|>", "<|im_end|>"], 2048
     )
-    save_tiny_model(transformers.Qwen3ForCausalLM, config, folder)
-    specials = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_start|>", "<|im_end|>"]
-    byte_level_bpe(folder, 384, specials)
-    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": QWEN3_TEMPLATE}))
-    return folder
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from llamaterm.app import cli
@@ -20,7 +19,7 @@ from llamaterm.engine.thinking import ThinkingSplitter, split_reply
 from tests.support import DATA
 from tests.support.cli import llamaterm
 from tests.support.fake_engine import FakeEngine
-from tests.support.family_oracle import byte_level_bpe, save_tiny_model
+from tests.support.family_oracle import save_tiny_qwen3
 
 QWEN3_TEMPLATE = (DATA / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
 REPLY = "<think>\nThe user says hi.\nGreet back.\n</think>\n\nHello!"
@@ -57,22 +56,7 @@ def test_split_whole_and_streamed_in_every_cut(reply, thinking, answer):
 def qwen3_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3 with a tokenizer holding <think> and </think> and the real Qwen3 chat template."""
     folder = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"
-    config = transformers.Qwen3Config(
-        vocab_size=384,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    save_tiny_model(transformers.Qwen3ForCausalLM, config, folder)
-    byte_level_bpe(folder, 384, ["<think>", "</think>", "<|im_start|>", "<|im_end|>"])
-    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": QWEN3_TEMPLATE}))
-    return folder
+    return save_tiny_qwen3(folder, ["<think>", "</think>", "<|im_start|>", "<|im_end|>"], 256)
 
 
 @pytest.fixture(scope="module")

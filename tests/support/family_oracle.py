@@ -236,3 +236,29 @@ def _run_converter(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _run_converter(sys.argv[1:])
+
+
+def save_tiny_qwen3(folder: Path, specials: list[str], context: int) -> Path:
+    """A tiny random Qwen3 (transformers' own class) in `folder`, with a byte-level vocabulary of 384 tokens whose
+    last are `specials`, and Qwen3's real chat template (tests/data)."""
+    import transformers
+
+    from tests.support import DATA
+
+    config = transformers.Qwen3Config(
+        vocab_size=384,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+    )
+    save_tiny_model(transformers.Qwen3ForCausalLM, config, folder)
+    byte_level_bpe(folder, 384, specials)
+    template = (DATA / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": template}))
+    return folder
