@@ -28,6 +28,8 @@ DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 SUM = 'start: NUMBER " + " NUMBER " = " NUMBER\nNUMBER: /[1-9][0-9]{0,2}/'
 SAMPLED = dict(temperature=1.0, top_p=0.95, max_tokens=120)
 
+pytestmark = pytest.mark.slow  # a model's replies on the CPU, seconds each
+
 
 @pytest.fixture(
     scope="module",

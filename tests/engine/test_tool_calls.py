@@ -270,6 +270,7 @@ def test_each_familys_grammar_takes_its_own_syntax(qwen3, family, text):
     assert [c.name for c in parse_reply(text, family)[1]] == ["get_weather"]
 
 
+@pytest.mark.slow  # llguidance's tokenizer over Qwen3's vocabulary of 151k tokens, built again
 def test_mistrals_marker_is_its_special_token():
     backend = tokenizers.Tokenizer.from_file(str(QWEN3_FILES / "tokenizer.json"))
     backend.add_special_tokens(["[TOOL_CALLS]"])
