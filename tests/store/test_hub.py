@@ -561,10 +561,10 @@ def test_run_on_a_pulled_model(hub_server, models, safetensors_repo, tmp_path, f
     hub_server.add_repo("tester/Tiny-Llama" + "-GGUF" * (fmt == "gguf"), files)
     assert pull("tester/Tiny-Llama" + "-GGUF" * (fmt == "gguf")).name == name
     hub_server.stop()  # running needs the store only
-    r = llamaterm("run", "--model", name, "--max-tokens", "4", "--raw", "hello")
+    r = llamaterm("run", "--model", name, "--max-tokens", "4", "--temperature", "0", "--raw", "hello")
     assert r.returncode == 0, r.stderr
     for path, data in files.items():  # the same files, outside the store
         (tmp_path / path).write_bytes(data)
     same = tmp_path / "Tiny-Llama-Q4_K_M.gguf" if fmt == "gguf" else tmp_path
-    by_path = llamaterm("run", "--model", str(same), "--max-tokens", "4", "--raw", "hello")
+    by_path = llamaterm("run", "--model", str(same), "--max-tokens", "4", "--temperature", "0", "--raw", "hello")
     assert r.stdout == by_path.stdout and r.stdout.strip()  # greedy: the same checkpoint gives the same text
