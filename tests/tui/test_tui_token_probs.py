@@ -17,6 +17,7 @@ from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.screens.chat import ChatScreen
 from llamaterm.app.tui.screens.settings import SettingsScreen
 from llamaterm.app.tui.session import ChatMessage, ChatSettings, Session
+from llamaterm.app.tui.widgets import token_view
 from llamaterm.app.tui.widgets.token_view import ShadedReply, TokenParagraph
 from llamaterm.engine.sampling_params import Grammar
 from tests.support.fake_engine import FakeEngine
@@ -111,12 +112,12 @@ def test_a_pane_shading_tokens_asks_for_alternatives_and_lists_them_under_the_cu
     run(app, scenario)
 
 
-def test_a_paragraph_ends_after_a_token_that_ends_a_line():
+def test_a_paragraph_ends_after_a_token_that_ends_a_line(monkeypatch):
     """Long replies redraw only their last paragraph as tokens arrive, and the paragraphs the cursor moves in."""
-    tokens = [
-        ShownToken(text, p, ((text, p),)) for text, p in [("One", 0.5), (".\n\n", 1.0), ("Two", 0.25), ("\n", 1.0)]
-    ]
-    message = ChatMessage("assistant", "One.\n\nTwo\n", finish_reason="stop", tokens=tokens)
+    monkeypatch.setattr(token_view, "PARAGRAPH_TOKENS", 2)
+    pieces = [("One.\n", 0.5), ("Two", 1.0), (".\n", 0.25), ("Three", 1.0)]
+    tokens = [ShownToken(text, p, ((text, p),)) for text, p in pieces]
+    message = ChatMessage("assistant", "One.\nTwo.\nThree", finish_reason="stop", tokens=tokens)
 
     class Reply(App):
         def compose(self):
@@ -126,7 +127,10 @@ def test_a_paragraph_ends_after_a_token_that_ends_a_line():
         async with Reply().run_test() as pilot:
             await pilot.pause()
             paragraphs = list(pilot.app.query(TokenParagraph))
-            assert [(p.start, p.end, p.visual.plain) for p in paragraphs] == [(0, 2, "One.\n\n"), (2, 4, "Two\n")]
+            assert [(p.start, p.end, p.visual.plain) for p in paragraphs] == [
+                (0, 3, "One.\nTwo.\n"),  # not after "One.\n": a paragraph holds 2 tokens at least
+                (3, 4, "Three"),
+            ]
 
     asyncio.run(main())
 

@@ -67,7 +67,7 @@ class ChatScreen(Screen):
             "ctrl+s",
             "settings",
             "Settings",
-            tooltip="Model or server, system prompt, temperature, top-p, max tokens, seed",
+            tooltip="Model or server, system prompt, sampling values, thinking, token probabilities, JSON schema",
         ),
         Binding("f6", "focus_pane(1)", "Next pane", show=False, tooltip="Make the next pane active"),
         Binding("shift+f6", "focus_pane(-1)", "Previous pane", show=False, tooltip="Make the previous pane active"),

@@ -1,8 +1,8 @@
 """A reply shown as its tokens, each shaded by its probability (the pane's "Token probs" setting), with a cursor
 that moves from token to token and a panel listing the alternatives of the token under it.
 
-Drawing stays cheap on long replies: the tokens are laid out in paragraphs (a new one after each token that ends a
-line), and new tokens or a cursor move redraw only the paragraphs they touch.
+Drawing stays cheap on long replies: the tokens are laid out in paragraphs (a new one at the first line end after
+PARAGRAPH_TOKENS tokens), and new tokens or a cursor move redraw only the paragraphs they touch.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from llamaterm.app.logprobs import ShownToken
 from llamaterm.app.tui.widgets.transcript import ReplyMessage
 
 SHADES = 8  # steps of shading, so that tokens share a few styles
+PARAGRAPH_TOKENS = 64  # a paragraph's least tokens: few widgets, each quick to redraw
 CURSOR = "reverse"
 
 
@@ -132,7 +133,7 @@ class ShadedReply(ReplyMessage):
         last = paragraphs[-1]
         start = self.drawn
         for i in range(start, len(tokens)):
-            if tokens[i].text.endswith("\n") and i + 1 < len(tokens):  # a paragraph ends after this token
+            if tokens[i].text.endswith("\n") and i + 1 - last.start >= PARAGRAPH_TOKENS and i + 1 < len(tokens):
                 last.draw(tokens, i + 1, self.cursor)
                 last = TokenParagraph(i + 1)
                 await self.mount(last, before=self.query_one(".alternatives"))
