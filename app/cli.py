@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -89,10 +89,12 @@ def messages_for(prompt: str, system: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
-def result_json(model_name: str, reply: Reply, handle) -> dict:
+def result_json(engine, reply: Reply, handle, logprobs: bool = False) -> dict:
+    """--json's object; with logprobs, each reply token's log-probability and alternatives, as OpenAI's chat
+    choice gives them."""
     st = handle.stats()
-    return {
-        "model": model_name,
+    shown = {
+        "model": engine.model_name,
         "text": reply.text,
         "thinking": reply.thinking,
         "finish_reason": reply.finish_reason,
@@ -103,6 +105,11 @@ def result_json(model_name: str, reply: Reply, handle) -> dict:
         "ttft_s": st.ttft_s,
         "tokens_per_s": st.tokens_per_s,
     }
+    if logprobs:
+        from llamaterm.app.logprobs import logprobs_json
+
+        shown["logprobs"] = logprobs_json(engine, reply.logprobs)
+    return shown
 
 
 @app.command()
@@ -153,6 +160,16 @@ def run(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object (a line each with --each-line).")] = False,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=20,
+            help="With --json: each reply token's log-probability and its N likeliest alternatives (OpenAI's "
+            "logprobs.content).",
+            show_default=False,
+        ),
+    ] = None,
     each_line: Annotated[bool, typer.Option(help="One prompt per line of stdin (or --file), all at once.")] = False,
     file: Annotated[
         Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with --each-line).")
@@ -178,7 +195,10 @@ def run(
         seed=seed,
         stop=tuple(stop or ()),
         grammar=reply_grammar(json_schema, regex, grammar),
+        logprobs=logprobs,
     )
+    if logprobs is not None and not as_json:  # stdout is the reply's text: the numbers need a shape of their own
+        fail("--logprobs goes in the JSON output: add --json", 2)
     if file and prompt is not None:
         fail("give a PROMPT or --file, not both", 2)
     if each_line:
@@ -202,7 +222,7 @@ def run(
                 if reply.thinking and not as_json:
                     show_thinking(reply.thinking + "\n")
                 typer.echo(
-                    json.dumps(result_json(engine.model_name, reply, handle))
+                    json.dumps(result_json(engine, reply, handle, logprobs is not None))
                     if as_json
                     else shown(reply.text, sys.stdout)
                 )
@@ -210,7 +230,7 @@ def run(
         handle = handles[0]
         if as_json:
             reply = collect(handle, hide_thinking=hide_thinking)
-            typer.echo(json.dumps(result_json(engine.model_name, reply, handle), indent=2))
+            typer.echo(json.dumps(result_json(engine, reply, handle, logprobs is not None), indent=2))
         else:
             collect(handle, echo=True, hide_thinking=hide_thinking)
             if sys.stderr.isatty():
@@ -223,6 +243,7 @@ class Reply:
     token_ids: list[int]
     finish_reason: str | None
     thinking: str | None = None  # what the model wrote between <think> and </think>, if it thinks
+    logprobs: list = field(default_factory=list)  # TokenLogprob of each reply token, when asked for
 
 
 def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
@@ -250,6 +271,7 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
             fail(f"generation failed: {event.error}")
         take(*split.push(event.text))
         reply.token_ids += event.token_ids
+        reply.logprobs += event.logprobs
         reply.finish_reason = event.finish_reason
     take(*split.finish())
     if echo:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from llamaterm.engine.api import ArrivalStats, EngineStats, Event, EventStream, RequestStream
+from llamaterm.engine.api import ArrivalStats, EngineStats, Event, EventStream, RequestStream, TokenLogprob
 from llamaterm.engine.checkpoints.sampling_defaults import SERVER_DEFAULTS
 from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
@@ -37,9 +37,31 @@ RATE_WINDOW_S = 2.0  # as the engine's aggregate rate
 RATE_TOKENS = 32  # as the engine's per-request rate: over the last 32 tokens
 
 
+class ServerTokens:
+    """The tokens a server named in its replies' logprobs, numbered here as they first come: OpenAI's logprobs name
+    a token by its text and bytes, not its id, and Event.logprobs carries ids. Token ids of a remote engine are
+    these numbers, which mean nothing to the server; token_bytes gives back what each stands for."""
+
+    def __init__(self) -> None:
+        self._ids: dict[bytes, int] = {}
+        self._pieces: list[bytes] = []
+        self._lock = threading.Lock()  # requests' reader threads number tokens at once
+
+    def id_of(self, piece: bytes) -> int:
+        with self._lock:
+            if piece not in self._ids:
+                self._ids[piece] = len(self._pieces)
+                self._pieces.append(piece)
+            return self._ids[piece]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._pieces[token_id]
+
+
 class RemoteStream(ArrivalStats, EventStream):
-    def __init__(self, request_id: int, max_context: int):
+    def __init__(self, request_id: int, max_context: int, tokens: ServerTokens):
         self.id = request_id
+        self.tokens = tokens
         self.events_queue = queue.SimpleQueue()
         self.max_context = max_context
         self.start = time.perf_counter()
@@ -51,12 +73,12 @@ class RemoteStream(ArrivalStats, EventStream):
         self.response: httpx2.Response | None = None  # while the reply streams
         self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
 
-    def text(self, text: str, now: float) -> None:
+    def text(self, text: str, now: float, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if self.first_token is None:
             self.first_token = now
         self.token_times.append(now)
         self.generated += 1
-        self.events_queue.put(Event(self.id, text))
+        self.events_queue.put(Event(self.id, text, logprobs=logprobs))
 
     def finish(self, reason: str, error: str | None = None) -> bool:
         """The last event; False when the stream had already ended (cancelled while the reader still read)."""
@@ -88,6 +110,7 @@ class RemoteEngine:
         self.max_context = count(card.get("max_model_len")) or 0  # vLLM, SGLang and llamaterm say; 0: not known
         self.device = urlsplit(self.base_url).netloc
         self.sampling_defaults = SERVER_DEFAULTS  # the server fills what the user left unset with its own
+        self.tokens = ServerTokens()  # the ids of Event.logprobs
         self._ids = itertools.count(1)
         self._live: dict[int, RemoteStream] = {}
         self._closed = False
@@ -112,7 +135,7 @@ class RemoteEngine:
             raise RequestError(
                 "the text is not valid Unicode (a lone surrogate, or a byte that is not UTF-8): give UTF-8 text"
             ) from None
-        stream = RemoteStream(next(self._ids), self.max_context)
+        stream = RemoteStream(next(self._ids), self.max_context, self.tokens)
         self._live[stream.id] = stream
         threading.Thread(target=self._read, args=(stream, path, content), name="llamaterm-remote", daemon=True).start()
         return stream
@@ -262,10 +285,54 @@ def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:
         text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
         if not isinstance(text, str | None) or not isinstance(choice.get("finish_reason"), str | None):
             raise TypeError(f"a choice of {json.dumps(choice)[:100]}")
-        if text:
-            stream.text(text, time.perf_counter())
+        logprobs = token_logprobs(choice.get("logprobs"), stream.tokens)
+        if text or logprobs:
+            stream.text(text or "", time.perf_counter(), logprobs)
         reason = choice.get("finish_reason") or reason
     return reason
+
+
+def token_logprobs(shown: dict | None, tokens: ServerTokens) -> tuple[TokenLogprob, ...]:
+    """A choice's logprobs as events carry them: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
+    a text completion's parallel lists (tokens, token_logprobs, top_logprobs as {token: logprob}). TypeError or
+    KeyError where they are in neither shape."""
+    if shown is None:
+        return ()
+    if "content" in shown:
+        return tuple(
+            TokenLogprob(
+                tokens.id_of(piece(entry)),
+                number(entry["logprob"]),
+                tuple((tokens.id_of(piece(alt)), number(alt["logprob"])) for alt in entry.get("top_logprobs") or []),
+            )
+            for entry in shown["content"] or []
+        )
+    names, values, tops = shown["tokens"], shown["token_logprobs"], shown.get("top_logprobs") or []
+    if len(names) != len(values) or (tops and len(tops) != len(names)):
+        raise TypeError("logprobs' lists of different lengths")
+    tops = tops or [{}] * len(names)
+    return tuple(
+        TokenLogprob(
+            tokens.id_of(name.encode()),
+            number(value),
+            tuple((tokens.id_of(t.encode()), number(lp)) for t, lp in sorted(top.items(), key=lambda x: -x[1])),
+        )
+        for name, value, top in zip(names, values, tops, strict=True)
+    )
+
+
+def piece(entry: dict) -> bytes:
+    """The bytes a chat logprob entry's token stands for: its `bytes`, else its text's."""
+    raw = entry.get("bytes")
+    if raw is None:
+        return entry["token"].encode()
+    return bytes(raw)  # TypeError or ValueError for anything but a list of bytes
+
+
+def number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"a logprob of {json.dumps(value)[:40]}")
+    return float(value)
 
 
 def count(value: object) -> int | None:
@@ -301,7 +368,8 @@ def request_body(
     out, for the server's defaults; those beyond OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos: vLLM's
     and SGLang's names) go only when they change something, so strict servers still accept; so do the template's
     thinking switch (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it) and a raw prompt's
-    literal reading (parse_special, as llama.cpp's server names it)."""
+    literal reading (parse_special, as llama.cpp's server names it). Logprobs go as OpenAI asks for them: chat's
+    logprobs and top_logprobs, a text completion's logprobs (the count)."""
     body: dict = {
         "model": model,
         "stream": True,
@@ -323,7 +391,10 @@ def request_body(
     body |= {k: v for k, v in optional.items() if v is not None and k not in params.unset}
     body |= grammar_fields(params.grammar)
     if raw:
+        body |= {} if params.logprobs is None else {"logprobs": params.logprobs}  # OpenAI's older form: a count
         return "/completions", body | {"prompt": prompt} | ({} if parse_special else {"parse_special": False})
+    if params.logprobs is not None:
+        body |= {"logprobs": True, "top_logprobs": params.logprobs}
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if enable_thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}

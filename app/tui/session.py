@@ -6,18 +6,21 @@ then again at most every SAVE_EVERY_S while it streams and once when it ends.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, fields
 
 from llamaterm.app.history import Conversation, History
+from llamaterm.app.logprobs import ShownToken, TokenReader
 from llamaterm.app.tui.backends import Backend
 from llamaterm.engine.api import EngineClient, RequestStats, RequestStream
 from llamaterm.engine.checkpoints.sampling_defaults import FIELDS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
 
 SAVE_EVERY_S = 1.0
 TOPIC_CHARS = 48
+ALTERNATIVES = 5  # a token's alternatives a pane asks for, when it shades tokens by probability
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class ChatSettings:
     model: str = ""  # see Backend: "" is the default model, or the server's first
     server: str = ""  # "" is this machine
     thinking: bool | None = None  # the chat template's thinking switch (Qwen3's enable_thinking); None: its default
+    json_schema: str = ""  # a JSON Schema (its text) that replies follow; "" none
+    token_probabilities: bool = False  # replies ask for logprobs, and their tokens are shaded by probability
 
     def __post_init__(self):
         # a bad value fails here, where the user typed it, not in the engine
@@ -44,6 +49,10 @@ class ChatSettings:
             from llamaterm.app.remote import api_base
 
             api_base(self.server)
+        if self.json_schema:
+            from llamaterm.engine.serving import grammar  # llguidance, no torch
+
+            grammar.check(Grammar("json_schema", self.json_schema))  # its refusals name the JSON schema
 
     @property
     def backend(self) -> Backend:
@@ -51,7 +60,19 @@ class ChatSettings:
 
     def sampling_given(self) -> dict:
         """What the user set of SamplingParams' fields (None: not set)."""
-        return {name: getattr(self, name) for name in (*FIELDS, "max_tokens", "seed")}
+        given = {name: getattr(self, name) for name in (*FIELDS, "max_tokens", "seed")}
+        return given | {
+            "grammar": Grammar("json_schema", self.json_schema) if self.json_schema else None,
+            "logprobs": ALTERNATIVES if self.token_probabilities else None,
+        }
+
+    @property
+    def schema_name(self) -> str:
+        """How the pane names its schema: the schema's title, else "JSON schema"; "" without one."""
+        if not self.json_schema:
+            return ""
+        title = json.loads(self.json_schema).get("title") if self.json_schema.lstrip().startswith("{") else None
+        return title if isinstance(title, str) and title.strip() else "JSON schema"
 
     def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
         """The user's values, the model's `defaults` for the rest."""
@@ -72,6 +93,8 @@ class ChatMessage:
     id: int | None = None  # row in the history, once saved
     finish_reason: str | None = None
     error: str | None = None
+    # a reply whose request asked for logprobs (the pane shades tokens): its tokens as they arrive; not saved
+    tokens: list[ShownToken] | None = None
 
 
 class Session:
@@ -87,6 +110,7 @@ class Session:
         self.queued = False  # asked before the engine was ready; submitted once it is
         self.stats: RequestStats | None = None
         self._saved_at = 0.0
+        self._tokens: TokenReader | None = None  # the reply's, while it streams with logprobs
 
     @classmethod
     def reopen(cls, history: History, conv: Conversation) -> Session:
@@ -126,7 +150,7 @@ class Session:
             self.conversation_id = self.history.create_conversation(self.title, self.settings.to_dict())
         prompt = ChatMessage("user", text)
         prompt.id = self.history.add_message(self.conversation_id, "user", text)
-        reply = ChatMessage("assistant")
+        reply = ChatMessage("assistant", tokens=[] if self.settings.token_probabilities else None)
         self.messages += [prompt, reply]
         self.queued, self.stats = True, None
         return prompt, reply
@@ -134,6 +158,7 @@ class Session:
     def submit(self, engine: EngineClient) -> None:
         """Send the queued request. One the engine refuses (too long for the context) ends with its reason."""
         self.queued, self.engine = False, engine
+        self._tokens = TokenReader(engine) if self.messages[-1].tokens is not None else None
         try:
             self.handle = engine.submit(
                 self.request_messages(),
@@ -152,7 +177,10 @@ class Session:
         if not events:
             return "", False
         text = "".join(e.text for e in events)
-        self.messages[-1].content += text
+        reply = self.messages[-1]
+        reply.content += text
+        if self._tokens is not None and reply.tokens is not None:
+            reply.tokens += [self._tokens(t) for e in events for t in e.logprobs]
         last = events[-1]
         if last.finished:
             self.stats, self.handle = handle.stats(), None

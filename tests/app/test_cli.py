@@ -1,6 +1,7 @@
 """The `llamaterm` command as a user runs it: a subprocess of the installed script."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def test_tokenize(tiny):
         (["run", ""], 2, "empty"),
         (["run", "--bogus-flag", "hi"], 2, "bogus"),
         (["run", "--model", "no-such-model", "hi"], 1, "no model named"),
+        (["run", "--logprobs", "2", "hi"], 2, "--logprobs goes in the JSON output: add --json"),
+        (["run", "--json", "--logprobs", "21", "hi"], 2, "--logprobs"),
     ],
 )
 def test_bad_input_gets_a_clear_error(args, code, words):
@@ -247,3 +250,55 @@ def test_prompt_over_the_context(tiny):
     out = llamaterm("run", "--model", str(tiny), "--raw", "word " * 200)
     assert out.returncode == 1
     assert "context" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_run_json_logprobs_on_a_local_model(tiny):
+    """Greedy: each token is the likeliest of its alternatives, which come most probable first; the tokens' bytes
+    spell the reply's token ids (as the tokenizer decodes them) and are the reply's text."""
+    out = llamaterm(
+        "run",
+        "--model",
+        str(tiny),
+        "--raw",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--logprobs",
+        "3",
+        "hello",
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    content = result["logprobs"]["content"]
+    assert len(content) == len(result["token_ids"]) - (result["finish_reason"] == "stop")  # a stop token is no text
+    for token in content:
+        top = token["top_logprobs"]
+        assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert (top[0]["bytes"], top[0]["logprob"]) == (token["bytes"], token["logprob"]) and token["logprob"] <= 0
+        assert token["token"] == bytes(token["bytes"]).decode(errors="replace") or token["token"].startswith("bytes:")
+    assert b"".join(bytes(t["bytes"]) for t in content).decode(errors="replace") == result["text"]
+
+
+def test_run_json_logprobs_through_a_server():
+    """--server: the fake engine behind `llamaterm serve` gives its words the probabilities 0.9, 0.6, 0.3 in turn,
+    the rest going to " maybe" and " perhaps"."""
+    from tests.support.fake_engine import FakeEngine
+    from tests.support.serve_support import app_server
+
+    served = FakeEngine("Paris is nice.")
+    with served, app_server(served) as url:
+        out = llamaterm("run", "--server", url, "--json", "--logprobs", "2", "Capital of France?")
+    assert out.returncode == 0, out.stderr
+    content = json.loads(out.stdout)["logprobs"]["content"]
+    assert [(t["token"], round(math.exp(t["logprob"]), 6)) for t in content] == [
+        ("Paris", 0.9),
+        (" is", 0.6),
+        (" nice.", 0.3),
+    ]
+    assert [[(a["token"], round(math.exp(a["logprob"]), 6)) for a in t["top_logprobs"]] for t in content] == [
+        [("Paris", 0.9), (" maybe", 0.05)],
+        [(" is", 0.6), (" maybe", 0.2)],
+        [(" maybe", 0.35), (" nice.", 0.3)],
+    ]

@@ -3,6 +3,9 @@ headless TUI (every pane rendering Markdown), compared by aggregate tokens/s; pl
 the panes stream.
 
     python -m tests.benchmarks.tui_bench [--model M] [--device D] [--sessions 8] [--max-tokens 128] [--repeats 3]
+        [--token-probs]
+
+--token-probs turns on the panes' Token probs: requests ask for logprobs, and replies are drawn as shaded tokens.
 
 Both runs submit the same greedy request, so they generate the same tokens. Aggregate tokens/s = all generated
 tokens / (last finish - first submit), from the engine's request stats, so UI timing plays no part in it.
@@ -78,7 +81,7 @@ async def key_latencies(pilot: Pilot, target: Input, keys: str) -> list[float]:
 def headless_run(engine, sessions: int, settings) -> float:
     recorder = Recorder(engine)
     messages = [{"role": "user", "content": PROMPT}]
-    handles = [recorder.submit(messages, settings.sampling_params()) for _ in range(sessions)]
+    handles = [recorder.submit(messages, settings.sampling_params(engine.sampling_defaults)) for _ in range(sessions)]
     for handle in handles:
         for _ in handle.events():
             pass
@@ -129,6 +132,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--token-probs", action="store_true")
     args = parser.parse_args()
 
     from llamaterm.app.tui.session import ChatSettings
@@ -139,7 +143,7 @@ def main() -> None:
     model = resolve_model(args.model)
     os.environ["LLAMATERM_HOME"] = tempfile.mkdtemp(prefix="llamaterm-bench-")  # keep the user's history clean
     engine = EngineProcess(EngineConfig(model=str(model), device=args.device))
-    settings = ChatSettings(max_tokens=args.max_tokens)
+    settings = ChatSettings(max_tokens=args.max_tokens, token_probabilities=args.token_probs)
     print(f"{model.name} on {engine.device}: {args.sessions} sessions x {args.max_tokens} tokens, greedy")
     headless_run(engine, 1, ChatSettings(max_tokens=8))  # warm-up
     headless, with_tui = [], []

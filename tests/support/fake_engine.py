@@ -2,18 +2,21 @@
 
 Each running request gets one word-sized token of its reply per step, at `tokens_per_s` steps a second. The
 stats are the nominal ones (rate = tokens_per_s, TTFT = one step), so screens that show them are deterministic.
+Asked for logprobs, a reply's tokens have the probabilities PROBABILITIES in turn, the rest of each token's
+probability going to ALTERNATIVES, halving from one to the next.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream
+from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, TokenLogprob
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -28,10 +31,35 @@ def fib(n: int) -> int:
 
 It runs in *exponential* time; memoize it for speed.
 """
+PROBABILITIES = (0.9, 0.6, 0.3)  # of a reply's tokens in turn
+ALTERNATIVES = (" maybe", " perhaps", " instead", " or", " not")
 
 
 def words(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+", text)
+
+
+class FakeTokenizer:
+    """The fake's vocabulary: each word it has seen, numbered as it first came."""
+
+    def __init__(self) -> None:
+        self.words: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def id_of(self, word: str) -> int:
+        with self.lock:
+            return self.words.setdefault(word, len(self.words))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return next(w for w, i in self.words.items() if i == token_id).encode()
+
+
+def fake_logprob(tokenizer: FakeTokenizer, word: str, position: int, wanted: int) -> TokenLogprob:
+    """The reply's word at `position` and its `wanted` likeliest alternatives."""
+    p = PROBABILITIES[position % len(PROBABILITIES)]
+    choices = [(word, p)] + [(alt, (1 - p) / 2 ** (k + 1)) for k, alt in enumerate(ALTERNATIVES)]
+    top = sorted(choices, key=lambda c: -c[1])[:wanted]
+    return TokenLogprob(tokenizer.id_of(word), math.log(p), tuple((tokenizer.id_of(w), math.log(q)) for w, q in top))
 
 
 @dataclass(eq=False)
@@ -81,6 +109,7 @@ class FakeEngine:
         self.hold = hold
         self.model_name, self.device, self.max_context = model_name, device, max_context
         self.sampling_defaults = sampling_defaults
+        self.tokenizer = FakeTokenizer()
         self.submitted: list[tuple[list[dict], SamplingParams]] = []
         self.thinking_switches: list[bool | None] = []  # each request's enable_thinking
         self._ids = itertools.count(1)
@@ -168,9 +197,10 @@ class FakeEngine:
             if not self.hold:
                 self._finish(handle, "length" if limit == handle.params.max_tokens else "stop")
             return
-        token = handle.reply[handle.generated]
+        token, wanted = handle.reply[handle.generated], handle.params.logprobs
+        logprobs = () if wanted is None else (fake_logprob(self.tokenizer, token, handle.generated, wanted),)
         handle.generated += 1
-        handle.events_queue.put(Event(handle.id, token, (handle.generated,)))
+        handle.events_queue.put(Event(handle.id, token, (self.tokenizer.id_of(token),), logprobs=logprobs))
 
     def _finish(self, handle: FakeHandle, reason: str) -> None:
         self._live.remove(handle)

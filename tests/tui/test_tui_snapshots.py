@@ -1,4 +1,5 @@
-"""Snapshots of the main screen with 1, 2 and 4 panes, the history list and the settings screen.
+"""Snapshots of the main screen with 1, 2 and 4 panes, a reply shaded by its tokens' probabilities, the history list
+and the settings screen.
 
 The fake engine makes them deterministic: fixed replies, nominal stats. Update with `--snapshot-update` and look
 at the SVGs under __snapshots__/ before committing them.
@@ -116,4 +117,21 @@ def test_settings_screen(snap_compare):
         still_cursors(pilot.app)
 
     app = ChatApp(lambda *_: FakeEngine(), sessions=2)
-    assert snap_compare(app, terminal_size=(100, 38), run_before=run_before)  # the whole dialog
+    assert snap_compare(app, terminal_size=(100, 42), run_before=run_before)  # the whole dialog
+
+
+def test_shaded_reply_with_a_token_s_alternatives(snap_compare):
+    async def run_before(pilot):
+        await engine_ready(pilot)
+        pane = pilot.app.chat.panes[0]
+        pane.session.configure(ChatSettings(token_probabilities=True))
+        pane.show_title()
+        await pilot.press(*QUESTION, "enter")
+        await idle(pilot)
+        pilot.app.chat.refresh_stats()  # the request's end, not its middle
+        await pilot.press("f7", "left", "left")
+        still_cursors(pilot.app)
+        await pilot.pause()
+
+    app = ChatApp(lambda *_: FakeEngine(persona_reply), sessions=1)
+    assert snap_compare(app, terminal_size=(100, 36), run_before=run_before)

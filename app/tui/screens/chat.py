@@ -36,6 +36,7 @@ from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.session import Session
 from llamaterm.app.tui.widgets.chat_pane import ChatPane
 from llamaterm.app.tui.widgets.stats import StatusBar
+from llamaterm.app.tui.widgets.token_view import ShadedReply
 from llamaterm.app.tui.widgets.transcript import CopyRequested
 from llamaterm.engine.api import EngineClient
 from llamaterm.engine.thinking import split_reply
@@ -66,7 +67,7 @@ class ChatScreen(Screen):
             "ctrl+s",
             "settings",
             "Settings",
-            tooltip="Model or server, system prompt, temperature, top-p, max tokens, seed",
+            tooltip="Model or server, system prompt, sampling values, thinking, token probabilities, JSON schema",
         ),
         Binding("f6", "focus_pane(1)", "Next pane", show=False, tooltip="Make the next pane active"),
         Binding("shift+f6", "focus_pane(-1)", "Previous pane", show=False, tooltip="Make the previous pane active"),
@@ -86,6 +87,14 @@ class ChatScreen(Screen):
             "Thinking",
             show=False,
             tooltip="Show or fold the thinking (<think>...</think>) of the active pane's replies",
+        ),
+        Binding(
+            "f7",
+            "inspect_tokens",
+            "Tokens",
+            show=False,
+            tooltip="Move through the last reply's tokens (←/→, Home/End; Esc leaves), each with its alternatives "
+            "(the pane's settings: Token probs on)",
         ),
         Binding(
             "ctrl+y",
@@ -393,6 +402,7 @@ class ChatScreen(Screen):
         def configure(settings) -> None:
             if settings is not None:
                 pane.session.configure(settings)
+                pane.show_title()  # which names the schema and the shading
                 self.load_backends()
 
         engine = self.engine_for(pane)
@@ -430,6 +440,17 @@ class ChatScreen(Screen):
 
     def action_toggle_thinking(self) -> None:
         self.active.toggle_thinking()
+
+    def action_inspect_tokens(self) -> None:
+        view = self.active.reply_view
+        if not isinstance(view, ShadedReply) or not view.tokens:
+            self.notify("No reply with token probabilities: turn on Token probs in the pane's settings (ctrl+s).")
+            return
+        view.focus()
+
+    @on(ShadedReply.Left)
+    def leave_tokens(self, event: ShadedReply.Left) -> None:
+        self.activate(next(w for w in event.view.ancestors if isinstance(w, ChatPane)))
 
     def action_copy_reply(self) -> None:
         reply = self.active.session.reply

@@ -1,9 +1,11 @@
 """A pane's settings: its model (local or on a server), system prompt and every sampling value the engine takes,
 checked by the engine's own rules before saving. A sampling value left blank is the model's default: the screen
-shows it, and where it came from (the model's files, llama.cpp's defaults, or the server's own)."""
+shows it, and where it came from (the model's files, llama.cpp's defaults, or the server's own). A JSON schema that
+replies follow is pasted, or read from the file named; llguidance checks it here, before the dialog closes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from textual import on
@@ -36,6 +38,7 @@ FIELDS: list[tuple[str, str, Literal["integer", "number", "text"], str]] = [
 OPTIONAL = {"model", "server", "seed", *SAMPLING}
 # The chat template's thinking switch: the template's default, or set (only templates with one read it)
 THINKING = [("template default", None), ("on", True), ("off", False)]
+SHADING = [("off", False), ("on", True)]  # token probabilities
 
 
 def origin(name: str, text: str, defaults: SamplingDefaults | None) -> str:
@@ -79,6 +82,20 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 options = [(label, str(value)) for label, value in THINKING]
                 yield Select(options, value=str(self.settings.thinking), allow_blank=False, id="thinking", compact=True)
                 yield Label("enable_thinking, as Qwen3's", classes="field-hint")
+            with Horizontal(classes="field"):
+                yield Label("Token probs", classes="field-label")
+                options = [(label, str(value)) for label, value in SHADING]
+                yield Select(
+                    options, value=str(self.settings.token_probabilities), allow_blank=False, id="shading", compact=True
+                )
+                yield Label("shade tokens; F7: alternatives", classes="field-hint")
+            yield Label("JSON schema (replies follow it)")
+            yield TextArea(
+                self.settings.json_schema,
+                id="json_schema",
+                soft_wrap=True,
+                placeholder="a file's path, or the schema pasted; blank = none",
+            )
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -102,20 +119,41 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 name: parse(label, kind, self.query_one(f"#{name}", Input).value, name in OPTIONAL)
                 for name, label, kind, _ in FIELDS
             }
-            choice = self.query_one("#thinking", Select).value
-            assert isinstance(choice, str)  # allow_blank=False: always one of the options
-            thinking = {str(value): value for _, value in THINKING}[choice]
             settings = ChatSettings(
-                system=self.query_one("#system", TextArea).text.strip(), thinking=thinking, **values
+                system=self.query_one("#system", TextArea).text.strip(),
+                thinking=self.chosen("#thinking", THINKING),
+                token_probabilities=self.chosen("#shading", SHADING),
+                json_schema=schema_text(self.query_one("#json_schema", TextArea).text),
+                **values,
             )
         except LlamatermError as e:
             self.query_one("#error", Label).update(Content(str(e)))
             return
         self.dismiss(settings)
 
+    def chosen(self, select: str, options: list[tuple[str, Any]]) -> Any:
+        choice = self.query_one(select, Select).value
+        assert isinstance(choice, str)  # allow_blank=False: always one of the options
+        return {str(value): value for _, value in options}[choice]
+
     @on(Button.Pressed, "#cancel")
     def cancel(self) -> None:
         self.dismiss(None)
+
+
+def schema_text(given: str) -> str:
+    """The JSON schema field's text: a schema pasted (it starts with "{"), or the file it names, read; ChatSettings
+    checks it."""
+    given = given.strip()
+    if not given or given.startswith("{"):
+        return given
+    path = Path(given).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+        problem = f"JSON schema: cannot read the file {given}: {reason}"
+        raise RequestError(f"{problem} (give a path, or paste the schema)") from None
 
 
 def parse(label: str, kind: str, text: str, optional: bool) -> str | float | int | None:

@@ -62,7 +62,11 @@ class ChatPane(Vertical):
 
     def show_title(self) -> None:
         mark = "◉" if self.selected else "○"
-        self.border_title = Content(f"{mark} {self.number} · {self.session.title}")
+        settings = self.session.settings
+        schema = f"{{}} {settings.schema_name}" if settings.json_schema else ""
+        shading = "token probs" if settings.token_probabilities else ""
+        parts = [f"{mark} {self.number}", self.session.title, schema, shading]
+        self.border_title = Content(" · ".join(p for p in parts if p))
 
     def show_stats(self) -> None:
         self.query_one(PaneStats).show(self.session.stats, self.session.queued)

@@ -157,4 +157,9 @@ def streamed_blocks_match(markdown: Markdown) -> bool:
 
 
 def message_view(message: ChatMessage, thinking_shown: bool = False) -> UserMessage | ReplyMessage:
-    return UserMessage(message) if message.role == "user" else ReplyMessage(message, thinking_shown)
+    """A reply that came with its tokens' probabilities is shown as its shaded tokens."""
+    from llamaterm.app.tui.widgets.token_view import ShadedReply  # which imports this module
+
+    if message.role == "user":
+        return UserMessage(message)
+    return ReplyMessage(message, thinking_shown) if message.tokens is None else ShadedReply(message, thinking_shown)
