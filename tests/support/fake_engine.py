@@ -109,7 +109,8 @@ class FakeEngine:
         self.hold = hold
         self.model_name, self.device, self.max_context = model_name, device, max_context
         self.sampling_defaults = sampling_defaults
-        self.tokenizer = FakeTokenizer()
+        self.vocabulary = FakeTokenizer()  # the ids of its events
+        self.tokenizer = self.vocabulary  # what callers name tokens by (a subclass may put a real one here)
         self.submitted: list[tuple[list[dict], SamplingParams]] = []
         self.thinking_switches: list[bool | None] = []  # each request's enable_thinking
         self._ids = itertools.count(1)
@@ -198,9 +199,9 @@ class FakeEngine:
                 self._finish(handle, "length" if limit == handle.params.max_tokens else "stop")
             return
         token, wanted = handle.reply[handle.generated], handle.params.logprobs
-        logprobs = () if wanted is None else (fake_logprob(self.tokenizer, token, handle.generated, wanted),)
+        logprobs = () if wanted is None else (fake_logprob(self.vocabulary, token, handle.generated, wanted),)
         handle.generated += 1
-        handle.events_queue.put(Event(handle.id, token, (self.tokenizer.id_of(token),), logprobs=logprobs))
+        handle.events_queue.put(Event(handle.id, token, (self.vocabulary.id_of(token),), logprobs=logprobs))
 
     def _finish(self, handle: FakeHandle, reason: str) -> None:
         self._live.remove(handle)
