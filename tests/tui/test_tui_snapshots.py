@@ -61,7 +61,8 @@ def ask_panes(systems: list[str], hold: bool = False):
                 pilot,
                 lambda: all(p.session.messages[-1].content == PERSONAS[s] for p, s in zip(panes, systems, strict=True)),
             )
-            await wait_until(pilot, lambda: not any(p.has_undrawn for p in panes))
+            # each pane's reply mounted (its view exists) and drawn: the text can be in before the pane mounts it
+            await wait_until(pilot, lambda: not any(p.reply_view is None or p.has_undrawn for p in panes))
         else:
             await idle(pilot)
         app.chat.refresh_stats()
