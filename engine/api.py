@@ -29,6 +29,11 @@ class EngineConfig:
     max_running: int = 64  # sequences decoding at once
     cuda_graphs: bool = True  # replay steps from CUDA graphs
     overlap: bool | None = None  # launch the next step before reading this one's tokens; None: on CUDA
+    # speculative decoding (engine/serving/speculation.py): "ngram" drafts from each sequence's own tokens, "off"
+    speculate: str = "ngram"
+    # drafts ride while a step samples at most this many rows (a row per sequence, one per draft); past it the step
+    # stops being a cheap read of the weights
+    speculate_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class EngineStats:
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
     steps: int = 0  # steps run so far
     host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
+    drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
+    kept: int = 0
 
 
 def decode_rate(token_times: Sequence[float]) -> float:

@@ -44,8 +44,10 @@ from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
 from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
+from llamaterm.engine.serving.sampling import penalised
 from llamaterm.engine.serving.scheduler import Scheduler
-from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.speculation import SPECULATE, Speculation
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
@@ -72,6 +74,7 @@ class RequestHandle(EventStream):
     finished: bool = False
     finish_time: float | None = None
     opens_thinking: bool = False  # the chat template opened a thinking block: the reply's text starts with its tag
+    num_tokens: int = 0  # tokens handed out
 
     def stats(self) -> RequestStats:
         seq = self.seq
@@ -79,11 +82,11 @@ class RequestHandle(EventStream):
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached,
-            generated_tokens=seq.num_generated - seq.num_pending,
+            generated_tokens=seq.num_known - seq.num_prompt_tokens,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
             tokens_per_s=decode_rate(list(seq.token_times)),
             elapsed_s=end - seq.arrival,
-            context_tokens=len(seq.token_ids) - seq.num_pending,
+            context_tokens=seq.num_known,
             max_context=self.engine.max_context,
             finished=self.finished,
         )
@@ -121,7 +124,11 @@ class Engine:
         num_blocks = pool_blocks(kv_tokens, c.block_size, model.kv_bytes_per_token(), free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
+        if c.speculate not in SPECULATE:
+            raise LlamatermError(f"unknown speculation {c.speculate!r}: one of {', '.join(SPECULATE)}")
+        self.speculate = c.speculate
+        spec_tokens = c.speculate_tokens if c.speculate != "off" else 0
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_tokens)
         # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
@@ -133,6 +140,7 @@ class Engine:
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
+        self.drafted = self.kept = 0  # draft tokens verified, and kept, so far
         self.host_s = 0.0  # the loop's time outside waits for the device or for work, for per-step figures
         self._wait_s = 0.0  # this loop turn's wait for the device
         # the longest step so far, from its scheduling (or the end of the step it queued behind) to its sampled
@@ -218,6 +226,9 @@ class Engine:
             seed=params.seed if params.seed is not None else secrets.randbits(64),
             grammar=None if params.grammar is None else self._vocabulary().matcher(params.grammar),
         )
+        # drafts would change the logits of penalised rows and need a grammar's matcher advanced through them
+        if self.speculate == "ngram" and not penalised(params) and params.grammar is None:
+            seq.speculation = Speculation()
         handle = RequestHandle(seq.id, seq, self, opens_thinking=opens)
         with self._cv:
             if self._stopped:
@@ -261,6 +272,8 @@ class Engine:
             tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
             steps=self.num_steps,
             host_s=self.host_s,
+            drafted=self.drafted,
+            kept=self.kept,
         )
 
     def shutdown(self) -> None:
@@ -300,8 +313,10 @@ class Engine:
                 if request_id in self._handles:
                     self._finish(self._handles[request_id], "cancelled")
             # The next step is launched before the last one's tokens are read, so scheduling, building its inputs
-            # and reading tokens overlap the device's work; it finds the tokens it needs on the device.
-            if inflight is not None and not self.overlap:
+            # and reading tokens overlap the device's work; it finds the tokens it needs on the device. Drafts are
+            # proposed from tokens on the host: a step that verified drafts, or one before a step that may draft,
+            # completes first (no step in flight ever holds drafts when the scheduler runs).
+            if inflight is not None and (not self.overlap or inflight.has_drafts or self.scheduler.may_draft()):
                 self._complete(inflight)
                 inflight = None
             launched = self._launch()
@@ -353,13 +368,19 @@ class Engine:
         self.max_step_s = max(self.max_step_s, step_s)
         self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
         self._last_done = now
+        for seq, drafts in zip(step.sampling, step.drafts, strict=True):
+            if drafts and seq.status is not Status.FINISHED:
+                self.scheduler.drop_rejected(seq)
+        self.drafted, self.kept = self.drafted + step.verified, self.kept + step.kept
         for seq, token, logprob in tokens:
-            handle = self._handles[seq.id]
+            handle = self._handles.get(seq.id)
+            if handle is None or handle.seq is not seq:  # ended by an earlier token of this step
+                continue
             try:
                 self._on_token(handle, token, logprob, now)
             except Exception as e:  # one request's failure stays its own
                 self._finish(handle, "error", f"{type(e).__name__}: {e}")
-        self._step_tokens.append((now, len(step.sampling)))
+        self._step_tokens.append((now, len(tokens)))
         while self._step_tokens and now - self._step_tokens[0][0] > RATE_WINDOW_S:
             self._step_tokens.popleft()
 
@@ -381,7 +402,8 @@ class Engine:
             text, stopped = self._outputs[seq.id].push(token)
             if stopped:
                 return self._finish(handle, "stop", text=text, token_ids=(token,), logprob=logprob)
-        if seq.num_generated - seq.num_pending >= seq.max_tokens:
+        handle.num_tokens += 1
+        if handle.num_tokens >= seq.max_tokens:
             return self._finish(handle, "length", text=text, token_ids=(token,), logprob=logprob)
         if self.sink is None:
             handle.events_queue.put(Event(seq.id, text, (token,), logprobs=() if logprob is None else (logprob,)))

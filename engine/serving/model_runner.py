@@ -19,6 +19,7 @@ schedules the next, and the GPU runs the forward pass, so the masks' time hides 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLis
 from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.speculation import accepted
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
@@ -57,9 +59,11 @@ Sampled = tuple[Sequence, int, TokenLogprob | None]
 
 @dataclass
 class LaunchedStep:
-    """A step on its way: the sequences it samples for, in row order, and their tokens on the way to the host."""
+    """A step on its way: the sequences it samples for, in row order, and their tokens on the way to the host. A
+    sequence with drafts samples a row per draft and one after them (engine/serving/speculation.py)."""
 
     sampling: list[Sequence]
+    drafts: list[list[int]]  # each sampling sequence's drafts, as launched
     start: float  # when it was scheduled
     decode_rows: int  # its chunks of one token, and
     prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
@@ -68,6 +72,12 @@ class LaunchedStep:
     logprobs: StepLogprobs | None = None
     tokens: HostTokens | None = None  # once its sampler is queued
     outcome: list[Sampled] | None = None  # complete()'s answer, kept: a grammar's step may complete it early
+    verified: int = 0  # drafts verified by complete(), and of them those kept
+    kept: int = 0
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
 
 class ModelRunner:
@@ -120,7 +130,7 @@ class ModelRunner:
             graphs, (bucket, device_step) = self.graphs, self.graphs.prepare(step)
             take_pending(device_step, step, last)
             logits = graphs.run_forward(bucket, device_step)
-            sample = lambda: graphs.run_sample(bucket, device_step, logits)[: len(sampling)]
+            sample = lambda: graphs.run_sample(bucket, device_step, logits)[: len(step.logits_indices)]
         else:
             device_step = device_tensors(step, self.model.device)
             take_pending(device_step, step, last)
@@ -129,10 +139,12 @@ class ModelRunner:
         for seq in sampling:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-        prefill = sum(c.length for c in chunks if c.length > 1)
-        decode_rows = len(chunks) - sum(c.length > 1 for c in chunks)
-        launched = self._last = LaunchedStep(sampling, start, decode_rows, prefill, sample)
-        asked = [(i, seq.params.logprobs) for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
+        drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
+        prefill = sum(c.length for c in chunks if c.length > 1 + c.seq.num_drafts)  # a decode with drafts: a row
+        decode_rows = len(chunks) - sum(c.length > 1 + c.seq.num_drafts for c in chunks)
+        launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample)
+        row_seqs = [seq for seq, d in zip(sampling, drafts, strict=True) for _ in range(1 + len(d))]
+        asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
             launched.logprobs = StepLogprobs(logits, *map(list, zip(*asked, strict=True)))
         constrained = [seq for seq in sampling if seq.grammar is not None]
@@ -189,20 +201,33 @@ class ModelRunner:
         assert step.tokens is not None
         tokens = step.tokens.wait()
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
-        refused = self._advance_grammars(step.sampling, tokens)
+        first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))
+        refused = self._advance_grammars(step.sampling, [tokens[row] for row in first_rows[:-1]])
         step.outcome = []
-        for row, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
+        for i, (seq, drafts) in enumerate(zip(step.sampling, step.drafts, strict=True)):
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
                 continue
-            token = REFUSED if row in refused else token
-            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            first = first_rows[i]
+            if drafts:  # the drafts the target confirms and its token after them replace the drafts and PENDING
+                kept = accepted(drafts, tokens[first : first_rows[i + 1]])
+                new = tokens[first : first + kept + 1]
+                del seq.token_ids[seq.num_known :]
+                seq.token_ids += new
+                seq.num_drafts = 0
+                assert seq.speculation is not None
+                seq.speculation.observe(len(drafts), kept, seq.num_generated)
+                step.verified, step.kept = step.verified + len(drafts), step.kept + kept
+            else:
+                new = [REFUSED if i in refused else tokens[first]]
+                seq.token_ids[len(seq.token_ids) - seq.num_pending] = new[0]
             seq.num_pending -= 1
-            step.outcome.append((seq, token, logprobs.get(row)))
+            step.outcome += [(seq, token, logprobs.get(first + j)) for j, token in enumerate(new)]
         return step.outcome
 
     @staticmethod
     def _advance_grammars(sampling: list[Sequence], tokens: list[int]) -> set[int]:
-        """Each grammar past its sequence's new token, all at once on llguidance's threads; the rows refused."""
+        """Each grammar past its sequence's new token (never drafted), all at once on llguidance's threads; the
+        sequences refused, by index."""
         rows = [
             i
             for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True))
@@ -243,9 +268,9 @@ class ModelRunner:
 
 
 def drop_pending(seq: Sequence) -> None:
-    """A finished sequence's samples past its end, never read."""
-    del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
-    seq.num_pending = 0
+    """A finished sequence's samples past its end and drafts, never read."""
+    del seq.token_ids[seq.num_known :]
+    seq.num_pending = seq.num_drafts = 0
 
 
 def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
@@ -325,11 +350,12 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         qsl.append(qsl[-1] + c.length)
-        if end == known:  # the chunk samples (ScheduledChunk.samples)
-            rows.append(qsl[-1] - 1)
+        if end == known:  # the chunk samples (ScheduledChunk.samples): its last token, and each draft
             assert seq.sampler_slot is not None  # admitted
-            sampler_slots.append(seq.sampler_slot)
-            sample_positions.append(end)
+            drafts = seq.num_drafts
+            rows += range(qsl[-1] - 1 - drafts, qsl[-1])
+            sampler_slots += [seq.sampler_slot] * (1 + drafts)
+            sample_positions += range(end - drafts, end + 1)
     return StepLists(
         ids,
         positions,

@@ -1,0 +1,226 @@
+"""Speculative decoding (engine/serving/speculation.py) against the engine without it as the oracle: greedy and
+seeded replies are the same tokens, token for token, alone and in batches beside sequences that never draft, for
+every draft length; sampled verification keeps the target's distribution (a chi-square test); rejected drafts give
+their blocks back; prompt lookup proposes what a plain search of the tokens finds."""
+
+import random
+
+import pytest
+import torch
+
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving import speculation
+from llamaterm.engine.serving.sampling import as_int64
+from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
+from llamaterm.kernels.sampling import sample_ref
+from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
+from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
+
+
+def latest_suffix_match(tokens: list[int], k: int) -> list[int]:
+    """The oracle of prompt lookup: a plain search, longest suffix first, latest earlier occurrence first."""
+    for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                seq = list(tokens)
+                for i in range(k):
+                    seq.append(seq[end + 1 + i])
+                return seq[len(tokens) :]
+    return []
+
+
+def test_prompt_lookup_matches_a_plain_search():
+    rng = random.Random(0)
+    for trial in range(200):
+        tokens = [rng.randrange(6) for _ in range(rng.randint(1, 60))]
+        index = NgramIndex()
+        for known in range(1, len(tokens) + 1):  # tokens arrive one at a time, as a reply's do
+            k = rng.randint(1, 8)
+            assert index.propose(tokens, known, k) == latest_suffix_match(tokens[:known], k), (trial, known)
+
+
+def test_prompt_lookup_drafts_a_quoted_prompt():
+    code = list(range(100, 160))
+    index = NgramIndex()
+    assert index.propose([*code, 7, *code[:3]], 64, 5) == code[3:8]  # the reply quotes the prompt
+    assert index.propose([1, 2, 3], 3, 4) == []  # nothing occurred before
+
+
+@pytest.fixture
+def fixed_k(monkeypatch):
+    """Draft exactly k tokens wherever the lookup finds them (the adaptive length's choice set aside)."""
+
+    def use(k: int) -> None:
+        monkeypatch.setattr(speculation.DraftLength, "k", lambda self, generated: k)
+
+    return use
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so drafts are proposed, and the model follows some and refuses others."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(3, 400) for _ in range(rng.randint(3, 24))]
+        out.append((base * rng.randint(2, 4))[: rng.randint(8, 90)])
+    return out
+
+
+def replies(engine, requests) -> list[list[int]]:
+    handles = [engine.submit(None, params, prompt_ids=prompt) for prompt, params in requests]
+    for h in handles:
+        list(h.events())
+    return [h.seq.generated for h in handles]
+
+
+def assert_every_block_back(engine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free == bm.num_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks)
+    assert sorted(bm.free) == list(range(bm.num_blocks))  # each once: none freed twice
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):  # noqa: F811
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    requests = [(p, greedy) for p in repetitive_prompts(4, seed=k)]
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(k)
+    with make_engine(tiny) as engine:
+        assert [replies(engine, [r])[0] for r in requests] == expected  # alone
+        assert engine.stats().kept > 0
+        assert_every_block_back(engine)
+
+
+def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and seeded sampled requests that draft, beside penalised and grammar-bound ones that never do."""
+    prompts = repetitive_prompts(8, seed)
+    kinds = [
+        SamplingParams(max_tokens=30, ignore_eos=True),
+        SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7),
+        SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, repetition_penalty=1.3, seed=3),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=5, grammar=Grammar("regex", "[a-z ]{1,40}")),
+        SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.2, logit_bias=((207, 5.0),), seed=11),
+    ]
+    return [(p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("k", [2, 5, 8])
+def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):  # noqa: F811
+    requests = mixed_batch(seed=10 + k)
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(k)
+    with make_engine(tiny, overlap=overlap, max_batch_tokens=64, kv_tokens=40 * 16) as engine:
+        assert replies(engine, requests) == expected
+        assert engine.stats().drafted > 0
+        assert_every_block_back(engine)
+
+
+def test_a_small_pool_preempts_sequences_with_drafts(tiny, fixed_k):  # noqa: F811
+    requests = [(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in repetitive_prompts(10, seed=3)]
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(6)
+    with make_engine(tiny, kv_tokens=14 * 16, block_size=16, overlap=True) as engine:
+        preempted = []
+        preempt = engine.scheduler.preempt
+        engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
+        assert replies(engine, requests) == expected
+        assert preempted and engine.stats().drafted > 0
+        assert_every_block_back(engine)
+
+
+def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed_k):  # noqa: F811
+    """After each step the sequence holds the blocks of its tokens and no more, and every hashed block holds the
+    tokens its sequence kept."""
+    fixed_k(8)
+    with make_engine(tiny, block_size=4) as engine:
+        bm, scheduler = engine.block_manager, engine.scheduler
+        seen = []
+        drop = scheduler.drop_rejected
+
+        def checked(seq):
+            drop(seq)
+            assert len(seq.table.block_ids) == bm.blocks_needed(seq.num_computed)
+            for i, block_id in enumerate(seq.table.block_ids[: seq.table.num_hashed]):
+                assert bm.blocks[block_id].token_ids in ((), tuple(seq.token_ids[i * 4 : i * 4 + 4]))
+            seen.append(len(seq.token_ids))
+
+        scheduler.drop_rejected = checked
+        prompt = repetitive_prompts(1, seed=4)[0]
+        replies(engine, [(prompt, SamplingParams(max_tokens=50, ignore_eos=True))])
+        assert seen and 0 < engine.stats().kept < engine.stats().drafted
+        assert_every_block_back(engine)
+
+
+def test_stop_tokens_and_max_tokens_cut_a_run_of_kept_drafts(tiny, fixed_k):  # noqa: F811
+    prompt = [5, 6, 7] * 10
+    with make_engine(tiny, speculate="off") as engine:
+        free = replies(engine, [(prompt, SamplingParams(max_tokens=40, ignore_eos=True))])[0]
+    stop = free[len(free) // 2]
+    fixed_k(8)
+    with make_engine(tiny) as engine:
+        for max_tokens in (1, 2, 9, 17):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            assert replies(engine, [(prompt, params)])[0] == free[:max_tokens]
+        params = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop,))
+        handle = engine.submit(None, params, prompt_ids=prompt)
+        events = list(handle.events())
+        tokens = [t for e in events for t in e.token_ids]
+        assert tokens == free[: free.index(stop) + 1] and events[-1].finish_reason == "stop"
+        assert_every_block_back(engine)
+
+
+def target_distribution(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The oracle: softmax of the logits over temperature, kept to the top k (no ties in these logits)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    cut = p.topk(top_k).values[-1]
+    p = torch.where(p >= cut, p, 0.0)
+    return p / p.sum()
+
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """The p-value of Pearson's chi-square statistic (torch's regularised upper incomplete gamma)."""
+    keep = expected > 0
+    assert observed[~keep].sum() == 0
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    """A draft d at position 1 of a vocabulary of 6, verified with many seeds: the first token out is distributed
+    as the target's p1 (accepted with probability p1(d), else drawn from p1 without d), and after an accepted draft
+    the next as p2. Each chi-square test fails by chance with probability 1e-4 (the seeds are fixed: it does not
+    flake)."""
+    vocab, n, temperature, top_k = 6, 20000, 0.9, 5
+    p1_logits = torch.tensor([1.0, 2.0, 0.5, -1.0, 1.5, 0.0])
+    p2_logits = torch.tensor([0.3, -0.5, 1.2, 0.9, 0.0, 2.0])
+    p1, p2 = (target_distribution(x, temperature, top_k) for x in (p1_logits, p2_logits))
+    for draft in (1, 3):  # the likeliest token, and one top-k rules out (never accepted)
+        tables = SamplingTables.allocate(n, vocab, torch.device("cpu"))
+        tables.floats[:, TEMPERATURE], tables.floats[:, TOP_P], tables.floats[:, MIN_P] = temperature, 1.0, 0.0
+        tables.ints[:, TOP_K] = top_k
+        tables.ints[:, SEED] = torch.tensor([as_int64(random.Random(s).getrandbits(64)) for s in range(n)])
+        slots = torch.arange(n).repeat_interleave(2)  # each sequence's two rows: its draft's position and the next
+        positions = torch.tensor([40, 41]).repeat(n)
+        logits = torch.stack([p1_logits, p2_logits]).repeat(n, 1)
+        tokens = sample_ref(logits, slots, positions, tables).view(n, 2).tolist()
+        out = [t[: accepted([draft], t) + 1] for t in tokens]
+        first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=vocab).double()
+        assert chi_square_p(first, n * p1) > 1e-4
+        kept = [o for o in out if len(o) == 2]
+        assert all(o[0] == draft for o in kept) and all(o[0] != draft for o in out if len(o) == 1)
+        if draft == 1:  # the accept rate is p1(d), and after an accepted draft the next token follows p2
+            rate = len(kept) / n
+            assert abs(rate - p1[draft]) < 4 * (p1[draft] * (1 - p1[draft]) / n) ** 0.5
+            second = torch.bincount(torch.tensor([o[1] for o in kept]), minlength=vocab).double()
+            assert chi_square_p(second, len(kept) * p2) > 1e-4
+        residual = p1.clone()
+        residual[draft] = 0
+        rejected = torch.bincount(torch.tensor([o[0] for o in out if len(o) == 1]), minlength=vocab).double()
+        assert chi_square_p(rejected, rejected.sum() * residual / residual.sum()) > 1e-4
