@@ -338,7 +338,9 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    qsl, rows, sampler_slots, sample_positions, pending, pending_from = [0], [], [], [], [], []
+    qsl, sampler_slots, pending, pending_from = [0], [], [], []
+    rows: list[int] = []
+    sample_positions: list[int] = []
     for c in chunks:
         seq, start, end = c.seq, c.start, c.start + c.length
         table, known = seq.table.block_ids, len(seq.token_ids)

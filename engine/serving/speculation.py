@@ -57,12 +57,12 @@ class NgramIndex:
                 self.latest[tuple(tokens[end - n + 1 : end + 1])] = end
         self.indexed = max(self.indexed, known - 1)
         for n in range(min(MAX_NGRAM, known - 1), 0, -1):
-            end = self.latest.get(tuple(tokens[known - n : known]))
-            if end is not None:
+            match = self.latest.get(tuple(tokens[known - n : known]))
+            if match is not None:
                 # past the known tokens the match's continuation is the drafts themselves: a run that repeats
-                # with period known - 1 - end goes on repeating
+                # with period known - 1 - match goes on repeating
                 drafts: list[int] = []
-                for at in range(end + 1, end + 1 + k):
+                for at in range(match + 1, match + 1 + k):
                     drafts.append(tokens[at] if at < known else drafts[at - known])
                 return drafts
         return []
