@@ -39,6 +39,30 @@ ApiKeyOpt = Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help=
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
 ]
+SpeculateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Speculative decoding: ngram drafts tokens from the prompt and the reply so far, draft from --draft's "
+        "model, off; the model verifies the drafts, so replies are the same. Default: draft with --draft, else ngram."
+    ),
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option(help="A small model with the model's vocabulary that drafts tokens for it (a store name or a path)."),
+]
+SPECULATE_KINDS = ("off", "ngram", "draft")
+
+
+def speculation(speculate: str | None, draft: str | None) -> dict:
+    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads."""
+    kind = speculate or ("draft" if draft else "ngram")
+    if kind not in SPECULATE_KINDS:
+        fail(f"unknown --speculate {kind!r}: one of {', '.join(SPECULATE_KINDS)}", 2)
+    if kind == "draft" and not draft:
+        fail("--speculate draft needs a draft model: add --draft MODEL", 2)
+    if draft and kind != "draft":
+        fail(f"--draft gives a draft model, which --speculate {kind} does not use: leave one out", 2)
+    return {"speculate": kind, "draft": draft}
 
 
 def checked_sampling(**given) -> dict:
@@ -70,9 +94,10 @@ def load_engine(
     server: str | None = None,
     api_key: str | None = None,
     sessions: int = 1,
+    speculate: dict | None = None,
 ):
     """The local engine on `model` for `sessions` requests at a time (so start-up prepares no more), or with
-    --server, that server's `model` (None: its first)."""
+    --server, that server's `model` (None: its first). speculate: speculation()'s fields."""
     if server:
         from llamaterm.app.remote import RemoteEngine
 
@@ -81,7 +106,9 @@ def load_engine(
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.engine import Engine
 
-    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions))
+    config = EngineConfig(
+        model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions), **(speculate or {})
+    )
     return Engine.from_model(config)
 
 
@@ -176,6 +203,8 @@ def run(
     ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
 ):
@@ -210,7 +239,7 @@ def run(
         prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens, server, api_key, sessions=len(prompts)) as engine:
+    with load_engine(model, device, kv_tokens, server, api_key, len(prompts), speculation(speculate, draft)) as engine:
         params = model_sampling(engine, given)
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [
@@ -313,22 +342,25 @@ def chat(
     max_tokens: int = 1024,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
+    spec = speculation(speculate, draft)
     if not plain:
         from llamaterm.app.tui.app import run_tui
         from llamaterm.app.tui.backends import Backend
 
-        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key)
+        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key, spec)
     given = checked_sampling(temperature=temperature, max_tokens=max_tokens)
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
-    with load_engine(models[0] if models else None, device, kv_tokens, server, api_key) as engine:
+    with load_engine(models[0] if models else None, device, kv_tokens, server, api_key, speculate=spec) as engine:
         params = model_sampling(engine, given)
         say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
         while True:
@@ -369,6 +401,8 @@ def serve(
     ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -398,7 +432,7 @@ def serve(
         typer.echo(
             f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
         )
-    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens)
+    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, **speculation(speculate, draft))
     with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
         engine = supervisor.engine
         for warning in engine.sampling_defaults.warnings:

@@ -29,8 +29,10 @@ class EngineConfig:
     max_running: int = 64  # sequences decoding at once
     cuda_graphs: bool = True  # replay steps from CUDA graphs
     overlap: bool | None = None  # launch the next step before reading this one's tokens; None: on CUDA
-    # speculative decoding (engine/serving/speculation.py): "ngram" drafts from each sequence's own tokens, "off"
+    # speculative decoding (engine/serving/speculation.py): "ngram" drafts from each sequence's own tokens, "draft"
+    # from the draft model `draft` (a store name or a path; it must share the model's vocabulary), "off"
     speculate: str = "ngram"
+    draft: str | None = None
     # drafts ride while a step samples at most this many rows (a row per sequence, one per draft); past it the step
     # stops being a cheap read of the weights
     speculate_tokens: int = 32

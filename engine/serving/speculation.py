@@ -35,7 +35,8 @@ MAX_DRAFT = 8  # tokens drafted per step at most
 EWMA = 0.3  # weight of the newest step in a sequence's acceptance average
 FIRST_ACCEPTANCE = 0.6  # the average a sequence starts from, and comes back to after a pause
 MIN_ACCEPTANCE = 0.25  # below it, drafting pauses: the step's rows cost more than the tokens they bring
-PAUSE_TOKENS = 32  # tokens decoded one at a time before drafting is tried again
+PAUSE_TOKENS = 32  # tokens decoded one at a time before drafting is tried again; doubled by each pause in a row
+MAX_PAUSE_DOUBLINGS = 4
 MIN_GAIN = 0.15  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
 
 
@@ -82,10 +83,12 @@ class DraftLength:
     """How many tokens to draft for one sequence, from its measured acceptance: the EWMA of the share of drafts
     kept per step. Each further draft is kept only if all before it are, so with acceptance a the k-th is kept with
     chance about a ** k; drafts are proposed while that is at least MIN_GAIN. Below MIN_ACCEPTANCE drafting pauses
-    for PAUSE_TOKENS tokens, then starts again from FIRST_ACCEPTANCE (a reply may come to quote its prompt later)."""
+    for PAUSE_TOKENS tokens, twice that after a second pause in a row and so on, then starts again from
+    FIRST_ACCEPTANCE (a reply may come to quote its prompt later). A pause lets the engine overlap its steps."""
 
     acceptance: float = FIRST_ACCEPTANCE
     paused_until: int = 0  # the generated-token count at which a pause ends
+    pauses: int = 0  # in a row: drafting has not reached FIRST_ACCEPTANCE since
 
     def k(self, generated: int) -> int:
         if generated < self.paused_until:
@@ -99,8 +102,11 @@ class DraftLength:
         if drafted == 0:
             return
         self.acceptance += EWMA * (kept / drafted - self.acceptance)
-        if self.acceptance < MIN_ACCEPTANCE:
-            self.acceptance, self.paused_until = FIRST_ACCEPTANCE, generated + PAUSE_TOKENS
+        if self.acceptance >= FIRST_ACCEPTANCE:
+            self.pauses = 0
+        elif self.acceptance < MIN_ACCEPTANCE:
+            self.paused_until = generated + (PAUSE_TOKENS << min(self.pauses, MAX_PAUSE_DOUBLINGS))
+            self.acceptance, self.pauses = FIRST_ACCEPTANCE, self.pauses + 1
 
 
 @dataclass

@@ -15,6 +15,7 @@ from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
+from tests.support.cli import llamaterm
 
 
 def latest_suffix_match(tokens: list[int], k: int) -> list[int]:
@@ -224,3 +225,34 @@ def test_sampled_verification_keeps_the_target_distribution():
         residual[draft] = 0
         rejected = torch.bincount(torch.tensor([o[0] for o in out if len(o) == 1]), minlength=vocab).double()
         assert chi_square_p(rejected, rejected.sum() * residual / residual.sum()) > 1e-4
+
+
+def test_draft_length_follows_acceptance_and_pauses_longer_each_time():
+    length = speculation.DraftLength()
+    assert 1 <= length.k(0) < speculation.MAX_DRAFT
+    for _ in range(20):
+        length.observe(8, 8, 10)
+    assert length.k(10) == speculation.MAX_DRAFT  # every draft kept: the most
+    pauses = []
+    generated = 100
+    for _ in range(4):
+        while True:  # nothing kept: it pauses, and once the pause is over tries again
+            length.observe(length.k(generated), 0, generated)
+            if length.k(generated) == 0:
+                break
+            generated += 1
+        start = generated
+        while length.k(generated) == 0:
+            generated += 1
+        pauses.append(generated - start)
+    assert pauses == [speculation.PAUSE_TOKENS << i for i in range(4)]
+
+
+def test_speculate_flags_are_checked_before_the_model_loads():
+    for args, message in (
+        (["--speculate", "maybe"], "unknown --speculate 'maybe': one of off, ngram, draft"),
+        (["--speculate", "draft"], "--speculate draft needs a draft model: add --draft MODEL"),
+        (["--speculate", "off", "--draft", "x"], "--draft gives a draft model, which --speculate off does not use"),
+    ):
+        out = llamaterm("run", "--model", "no-such-model", *args, "hi")
+        assert out.returncode == 2 and message in out.stderr, out.stderr
