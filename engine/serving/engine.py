@@ -39,6 +39,7 @@ from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
+from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
 from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
@@ -102,7 +103,9 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         name: str = "",
         sink: Sink | None = None,
+        draft: Model | None = None,
     ):
+        """draft: the draft model of config.speculate "draft" (from_model loads it and checks its vocabulary)."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.prompts = PromptEncoder(tokenizer)
         self.sampling_defaults = LLAMA_CPP_DEFAULTS  # from_model reads the model's
@@ -120,15 +123,16 @@ class Engine:
             self.dense_weight_bytes = model.keep_dense_weights(int(free_memory(model.device) * c.kv_share) // 4)
             torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
         dense_s = time.perf_counter() - t
-        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share)
-        num_blocks = pool_blocks(kv_tokens, c.block_size, model.kv_bytes_per_token(), free_memory(model.device))
+        check_speculation(c, model, draft)
+        # a draft model's cache has the pool's blocks too (draft_model.py)
+        kv_bytes = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
+        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share, kv_bytes)
+        num_blocks = pool_blocks(kv_tokens, c.block_size, kv_bytes, free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
-        if c.speculate not in SPECULATE:
-            raise LlamatermError(f"unknown speculation {c.speculate!r}: one of {', '.join(SPECULATE)}")
         self.speculate = c.speculate
         spec_tokens = c.speculate_tokens if c.speculate != "off" else 0
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_tokens)
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_tokens, draft is not None)
         # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
@@ -137,6 +141,7 @@ class Engine:
             f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})",
         ):
             self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
+        self.draft = None if draft is None else DraftModel(draft, num_blocks, c.block_size, self.runner.sampler)
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
@@ -174,9 +179,21 @@ class Engine:
             model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
-        engine = cls(model, tokenizer, config, name=shown, sink=sink)
+        draft = None
+        if config.speculate == "draft" and config.draft:
+            draft_ckpt, draft_tokenizer, _ = load_checkpoint(config.draft)
+            check_vocabulary(draft_tokenizer, tokenizer, config.draft, shown)
+            with out_of_memory("loading the draft model", "take a smaller draft model, or --speculate ngram"):
+                draft = Model(draft_ckpt.config, draft_ckpt.tensors, dev, dtype)
+        t3 = time.perf_counter()
+        engine = cls(model, tokenizer, config, name=shown, sink=sink, draft=draft)
         engine.sampling_defaults = model_sampling_defaults(Path(path), ckpt.metadata)
-        engine.startup_s = {"read checkpoint": t1 - t0, "weights to device": t2 - t1, **engine.startup_s}
+        engine.startup_s = {
+            "read checkpoint": t1 - t0,
+            "weights to device": t2 - t1,
+            **({"draft model": t3 - t2} if draft else {}),
+            **engine.startup_s,
+        }
         return engine
 
     # ---- caller side (any thread) ----
@@ -227,7 +244,7 @@ class Engine:
             grammar=None if params.grammar is None else self._vocabulary().matcher(params.grammar),
         )
         # drafts would change the logits of penalised rows and need a grammar's matcher advanced through them
-        if self.speculate == "ngram" and not penalised(params) and params.grammar is None:
+        if self.speculate != "off" and not penalised(params) and params.grammar is None:
             seq.speculation = Speculation()
         handle = RequestHandle(seq.id, seq, self, opens_thinking=opens)
         with self._cv:
@@ -344,6 +361,8 @@ class Engine:
         self._last_batch = len(chunks)
         self.num_steps += 1
         try:
+            if self.draft is not None and (drafting := [c.seq for c in chunks if c.seq.num_drafts]):
+                self.draft.propose(drafting)
             step = self.runner.launch(chunks, start)
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
@@ -452,10 +471,28 @@ def out_of_memory(doing: str, advice: str):
         ) from None
 
 
-def default_kv_tokens(model: Model, share: float = 1.0) -> int:
+def default_kv_tokens(model: Model, share: float = 1.0, kv_bytes: int | None = None) -> int:
     """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens.
-    An engine that shares the device with others takes `share` of that."""
-    free = free_memory(model.device)
+    An engine that shares the device with others takes `share` of that. kv_bytes: a token's (default: the
+    model's; with a draft model, both models')."""
+    free, per_token = free_memory(model.device), kv_bytes or model.kv_bytes_per_token()
     if model.device.type == "cuda":
-        return int(free * 0.85 * share) // model.kv_bytes_per_token()
-    return max(1024, min(32768, int(free / 4 * share) // model.kv_bytes_per_token()))
+        return int(free * 0.85 * share) // per_token
+    return max(1024, min(32768, int(free / 4 * share) // per_token))
+
+
+def check_speculation(c: EngineConfig, model: Model, draft: Model | None) -> None:
+    if c.speculate not in SPECULATE:
+        raise LlamatermError(f"unknown speculation {c.speculate!r}: one of {', '.join(SPECULATE)}")
+    if (c.speculate == "draft") != (draft is not None):
+        raise LlamatermError("speculation with a draft model needs one: give --draft MODEL with --speculate draft")
+    if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+        raise LlamatermError(
+            f"the draft model's vocabulary differs from the model's (size {draft.config.vocab_size} vs "
+            f"{model.config.vocab_size}): pick a draft model of the same family, or --speculate ngram"
+        )
+    if draft is not None and model.config.kv_window() is not None:  # its blocks behind the window are given back
+        raise LlamatermError(
+            "a draft model needs a model that attends to its whole context, and this one slides a window in every "
+            "layer: use --speculate ngram"
+        )

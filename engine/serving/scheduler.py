@@ -70,12 +70,20 @@ class Pace:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_running: int, speculate_tokens: int = 0):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_running: int,
+        speculate_tokens: int = 0,
+        draft_model: bool = False,
+    ):
         self.blocks = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         # drafts ride only while the step's sampled rows (a row per sequence, one per draft) stay within this
         self.speculate_tokens = min(speculate_tokens, max_running)
+        self.draft_model = draft_model  # drafts come from a draft model, which fills them in after scheduling
         self.pace = Pace(max_batch_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
@@ -129,7 +137,10 @@ class Scheduler:
         spec = seq.speculation
         assert spec is not None
         k = min(most, spec.length.k(seq.num_generated), seq.max_tokens - seq.num_generated - 1)
-        proposed = spec.index.propose(seq.token_ids, len(seq.token_ids), k)
+        if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine.py)
+            proposed = [0] * max(k, 0)
+        else:
+            proposed = spec.index.propose(seq.token_ids, len(seq.token_ids), k)
         if not proposed or not self.blocks.can_allocate(seq.table, len(seq.token_ids) + len(proposed)):
             return 0
         seq.token_ids += proposed
@@ -246,6 +257,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq.table)
         seq.num_computed = 0
+        if seq.speculation is not None:  # its blocks are gone from the draft model's cache too
+            seq.speculation.draft_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -1,10 +1,11 @@
-"""Speculative decoding: draft tokens proposed on the host, verified by one step of the target model.
+"""Speculative decoding: draft tokens proposed cheaply, verified by one step of the target model.
 
-Drafts come from prompt lookup: the sequence's last n tokens (n = MAX_NGRAM .. 1) are looked up among its earlier
-tokens, prompt and reply alike, and the k tokens that followed their latest earlier occurrence are proposed. A reply
-that repeats its prompt (an edited text, a quoted passage, code with a name changed) is then drafted many tokens
-at a time, at no cost but a dictionary lookup. `NgramIndex` keeps every n-gram's latest end position, updated as
-tokens become known, so a proposal costs O(k) and each token O(MAX_NGRAM) once.
+Drafts come from a small draft model (engine/serving/draft_model.py), or from prompt lookup: the sequence's last n
+tokens (n = MAX_NGRAM .. 1) are looked up among its earlier tokens, prompt and reply alike, and the k tokens that
+followed their latest earlier occurrence are proposed. A reply that repeats its prompt (an edited text, a quoted
+passage, code with a name changed) is then drafted many tokens at a time, at no cost but a dictionary lookup.
+`NgramIndex` keeps every n-gram's latest end position, updated as tokens become known, so a proposal costs O(k) and
+each token O(MAX_NGRAM) once.
 
 Verification (engine/serving/scheduler.py places the chunk, model_runner.py samples it): the step computes the
 sequence's last token and its k drafts as one chunk, and samples every position's logits in the batched sampler,
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPECULATE = ("off", "ngram")  # EngineConfig.speculate
+SPECULATE = ("off", "ngram", "draft")  # EngineConfig.speculate
 MAX_NGRAM = 3  # the longest suffix looked up
 MAX_DRAFT = 8  # tokens drafted per step at most
 EWMA = 0.3  # weight of the newest step in a sequence's acceptance average
@@ -117,6 +118,7 @@ class Speculation:
     length: DraftLength = field(default_factory=DraftLength)
     drafted: int = 0  # totals, for `llamaterm bench`
     kept: int = 0
+    draft_computed: int = 0  # with a draft model: the tokens whose K/V are in its cache (draft_model.py)
 
     def observe(self, drafted: int, kept: int, generated: int) -> None:
         """A step verified `drafted` drafts and kept `kept`."""

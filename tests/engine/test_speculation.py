@@ -4,11 +4,17 @@ every draft length; sampled verification keeps the target's distribution (a chi-
 their blocks back; prompt lookup proposes what a plain search of the tokens finds."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.checkpoints.gguf import load_gguf
+from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving import speculation
 from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
@@ -16,6 +22,8 @@ from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
 from tests.support.cli import llamaterm
+from tests.support.tiny_models import write_tiny_llama
+from tests.support.tokenizer_files import byte_level_meta, write_byte_level_gguf
 
 
 def latest_suffix_match(tokens: list[int], k: int) -> list[int]:
@@ -256,3 +264,69 @@ def test_speculate_flags_are_checked_before_the_model_loads():
     ):
         out = llamaterm("run", "--model", "no-such-model", *args, "hi")
         assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """Draft models for the tiny target: another random model of its vocabulary (some drafts kept, some not), and
+    two of other vocabularies: a small one, and one of the same size whose first two tokens trade places."""
+    folder = tmp_path_factory.mktemp("drafts")
+    other = write_tiny_llama(folder / "draft.gguf", n_layers=1, seed=1, context_length=512)
+    small, swapped = byte_level_meta("gpt-2"), byte_level_meta("gpt-2")
+    tokens = swapped["tokenizer.ggml.tokens"] = list(swapped["tokenizer.ggml.tokens"])
+    tokens[0], tokens[1] = tokens[1], tokens[0]
+    models = {"draft": other}
+    for name, meta in (("small", small), ("swapped", swapped)):
+        write_byte_level_gguf(folder / f"{name}-vocab.gguf", meta)
+        models[name] = write_tiny_llama(folder / f"{name}.gguf", vocab_from=folder / f"{name}-vocab.gguf")
+    models["swapped-target"] = write_tiny_llama(folder / "target.gguf", vocab_from=folder / "small-vocab.gguf")
+    return models
+
+
+def draft_engine(tiny, draft_path, **kwargs) -> Engine:  # noqa: F811
+    ckpt, tokenizer = tiny
+    draft = load_gguf(draft_path)
+    model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
+    draft_model = Model(draft.config, draft.tensors, torch.device("cpu"), torch.float32)
+    return Engine(model, tokenizer, EngineConfig(speculate="draft", **kwargs), draft=draft_model)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixed_k, k):  # noqa: F811
+    requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(3, seed=20 + k)]
+    requests += [
+        (p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=i))
+        for i, (p, _) in enumerate(requests)
+    ]
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(k)
+    with draft_engine(tiny, drafts["draft"]) as engine:
+        assert [replies(engine, [r])[0] for r in requests] == expected  # alone
+        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert_every_block_back(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts, fixed_k, overlap):  # noqa: F811
+    requests = mixed_batch(seed=30)
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(4)
+    with draft_engine(tiny, drafts["draft"], overlap=overlap, max_batch_tokens=64, kv_tokens=20 * 16) as engine:
+        preempted = []
+        preempt = engine.scheduler.preempt
+        engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
+        assert replies(engine, requests) == expected
+        assert preempted and engine.stats().drafted > 0
+        assert_every_block_back(engine)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(drafts):
+    for model, draft, why in (
+        (drafts["draft"], drafts["small"], f"(size {len(byte_level_meta('gpt-2')['tokenizer.ggml.tokens'])} vs 49152)"),
+        (drafts["swapped-target"], drafts["swapped"], "(token 0: "),
+    ):
+        with pytest.raises(LlamatermError) as e:
+            Engine.from_model(EngineConfig(model=str(model), device="cpu", speculate="draft", draft=str(draft)))
+        assert f"the draft model {draft}'s vocabulary differs from {Path(model).stem}'s {why}" in str(e.value)
