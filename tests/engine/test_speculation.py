@@ -13,9 +13,9 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving import speculation
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving import speculation
 from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
 from llamaterm.kernels.sampling import sample_ref
