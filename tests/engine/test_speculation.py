@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.bench import EditText, SyntheticTokenizer
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
@@ -22,6 +23,7 @@ from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
 from tests.support.cli import llamaterm
+from tests.support.engine_checks import assert_greedy_choices
 from tests.support.tiny_models import write_tiny_llama
 from tests.support.tokenizer_files import byte_level_meta, write_byte_level_gguf
 
@@ -330,3 +332,71 @@ def test_a_draft_model_of_another_vocabulary_is_refused_by_name(drafts):
         with pytest.raises(LlamatermError) as e:
             Engine.from_model(EngineConfig(model=str(model), device="cpu", speculate="draft", draft=str(draft)))
         assert f"the draft model {draft}'s vocabulary differs from {Path(model).stem}'s {why}" in str(e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_drafts_on_the_gpu_through_graphs_and_overlapped_steps(tmp_path, fixed_k, k):
+    """On CUDA the verifying steps replay from the graphs and the steps around them overlap: every token is the fp32
+    CPU reference's argmax after the same prefix wherever its top two are apart (fp16 may break a near-tie either
+    way), drafts are kept, and every block comes back."""
+    path = write_tiny_llama(
+        tmp_path / "tiny.gguf", vocab_from=None, vocab_size=512, hidden=256, n_heads=8, intermediate=512, seed=5
+    )
+    ckpt = load_gguf(path)
+    cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer())
+    fixed_k(k)
+    gpu = Engine(
+        Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
+        SyntheticTokenizer(),
+        EngineConfig(max_running=8, max_batch_tokens=64),
+    )
+    try:
+        assert gpu.runner.graphs is not None and gpu.overlap
+        prompts = [[p % 512 for p in prompt] for prompt in repetitive_prompts(6, seed=40 + k)]
+        requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+        for prompt, generated in zip(prompts, replies(gpu, requests), strict=True):
+            assert len(generated) == 40
+            assert_greedy_choices(cpu, prompt, generated)
+        assert gpu.stats().kept > 0
+        assert_every_block_back(gpu)
+    finally:
+        gpu.shutdown()
+        cpu.shutdown()
+
+
+@pytest.mark.slow
+def test_the_default_model_replies_with_drafts_as_without(tmp_path, fixed_k):
+    """An editing request (the reply repeats the prompt's code), greedy, alone for every k, then in a batch with
+    an open question beside a penalised request that never drafts, with prompt lookup and with a
+    draft model (a random one of the default model's vocabulary: most drafts refused)."""
+    edit = EditText.read("matrix.txt", (Path(__file__).parents[1] / "benchmarks/editing/matrix.txt").read_text())
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    requests = [
+        (edit.messages(), greedy),
+        ([{"role": "user", "content": "What is the capital of France?"}], greedy),
+        (
+            edit.messages(),
+            SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, repetition_penalty=1.1, seed=1),
+        ),
+    ]
+
+    def run(engine, batch):
+        handles = [engine.submit(messages, params) for messages, params in batch]
+        return [[t for e in h.events() for t in e.token_ids] for h in handles]
+
+    with Engine.from_model(EngineConfig(device="cpu", speculate="off")) as engine:
+        expected = [run(engine, [r])[0] for r in requests]
+    with Engine.from_model(EngineConfig(device="cpu")) as engine:
+        for k in range(1, 9):
+            fixed_k(k)
+            assert run(engine, requests[:1]) == expected[:1], k
+        fixed_k(5)
+        assert run(engine, requests) == expected
+        assert engine.stats().kept > 0
+        assert_every_block_back(engine)
+    draft = write_tiny_llama(tmp_path / "draft.gguf", n_layers=1, seed=3)
+    with Engine.from_model(EngineConfig(device="cpu", speculate="draft", draft=str(draft))) as engine:
+        assert run(engine, requests) == expected
+        assert engine.stats().drafted > 0
+        assert_every_block_back(engine)
