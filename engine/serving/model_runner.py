@@ -79,6 +79,11 @@ class LaunchedStep:
     def has_drafts(self) -> bool:
         return any(self.drafts)
 
+    def last_rows(self) -> dict[int, int]:
+        """Each sequence's last row (its token after any drafts), by sequence id."""
+        ends = itertools.accumulate(1 + len(d) for d in self.drafts)
+        return {seq.id: end - 1 for seq, end in zip(self.sampling, ends, strict=True)}
+
 
 class ModelRunner:
     def __init__(
@@ -122,7 +127,7 @@ class ModelRunner:
         for seq in sampling:
             self.sampler.join(seq)
         last = self._last
-        rows = {seq.id: i for i, seq in enumerate(last.sampling)} if last else {}
+        rows = last.last_rows() if last else {}
         step = step_lists(chunks, self.block_size, rows)
         if last is not None:
             self._queue_sampler(last)  # where it waited for masks, the host's work since hid their time
