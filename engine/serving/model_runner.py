@@ -14,6 +14,13 @@ ready as soon as the device reaches the new forward pass), advances the grammars
 masks on llguidance's threads. The step's sampler, which reads the masks, is queued by the next launch, just
 before its forward pass (or by `complete`): meanwhile the engine's thread hands out the last step's tokens and
 schedules the next, and the GPU runs the forward pass, so the masks' time hides under both.
+
+A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
+samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
+confirm and the token after them in place of the drafts and PENDING (Scheduler.drop_rejected then shrinks its
+cache). Drafts are proposed from tokens on the host, so a step with drafts completes before the next one is
+scheduled, as does the step before one that may draft (engine.py): no step in flight holds drafts when the
+scheduler runs, and no input of a step is a draft step's pending token.
 """
 
 from __future__ import annotations
