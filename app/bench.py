@@ -113,7 +113,9 @@ def bench(
     peer: Annotated[
         str | None, typer.Option(help="hf: Hugging Face transformers on the same model, one session, three runs each.")
     ] = None,
-    tokens: Annotated[int, typer.Option(min=2, help="New tokens per session in static batches.")] = 128,
+    tokens: Annotated[
+        int, typer.Option(min=2, help="New tokens per session in static batches (--speculate: a reply's most).")
+    ] = 128,
     prompt: Annotated[
         int, typer.Option(min=1, help="Prompt tokens per session (chat: words, about a token each).")
     ] = 128,
@@ -203,7 +205,7 @@ def bench(
             speculate_tokens,
             [int(c) for c in (sessions or "1,8").split(",")],
             edit_texts,
-            tokens if tokens != 128 else 400,
+            tokens,
             eager,
             kv_tokens,
         )
