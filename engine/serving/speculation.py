@@ -38,7 +38,7 @@ FIRST_ACCEPTANCE = 0.6  # the average a sequence starts from, and comes back to 
 MIN_ACCEPTANCE = 0.25  # below it, drafting pauses: the step's rows cost more than the tokens they bring
 PAUSE_TOKENS = 32  # tokens decoded one at a time before drafting is tried again; doubled by each pause in a row
 MAX_PAUSE_DOUBLINGS = 4
-MIN_GAIN = 0.15  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
+MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
 
 
 @dataclass
@@ -81,9 +81,10 @@ def accepted(drafts: list[int], sampled: list[int]) -> int:
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft for one sequence, from its measured acceptance: the EWMA of the share of drafts
-    kept per step. Each further draft is kept only if all before it are, so with acceptance a the k-th is kept with
-    chance about a ** k; drafts are proposed while that is at least MIN_GAIN. Below MIN_ACCEPTANCE drafting pauses
+    """How many tokens to draft for one sequence, from its measured acceptance a: the chance that a draft is kept
+    when the one before it was (a step that keeps j of k drafts saw j such draws succeed, and one fail if j < k),
+    averaged over steps (EWMA). The k-th draft is kept with chance about a ** k; drafts are proposed while that is
+    at least MIN_GAIN. Below MIN_ACCEPTANCE drafting pauses
     for PAUSE_TOKENS tokens, twice that after a second pause in a row and so on, then starts again from
     FIRST_ACCEPTANCE (a reply may come to quote its prompt later). A pause lets the engine overlap its steps."""
 
@@ -102,7 +103,7 @@ class DraftLength:
     def observe(self, drafted: int, kept: int, generated: int) -> None:
         if drafted == 0:
             return
-        self.acceptance += EWMA * (kept / drafted - self.acceptance)
+        self.acceptance += EWMA * (kept / (kept + (kept < drafted)) - self.acceptance)
         if self.acceptance >= FIRST_ACCEPTANCE:
             self.pauses = 0
         elif self.acceptance < MIN_ACCEPTANCE:
