@@ -131,18 +131,24 @@ def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):  #
         assert_every_block_back(engine)
 
 
+def assert_preempting_replies(engine, requests, expected) -> None:
+    """The engine's replies, on a pool small enough that sequences are preempted: as expected, with drafts, and
+    every block back at the end."""
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
+    assert replies(engine, requests) == expected
+    assert preempted and engine.stats().drafted > 0
+    assert_every_block_back(engine)
+
+
 def test_a_small_pool_preempts_sequences_with_drafts(tiny, fixed_k):  # noqa: F811
     requests = [(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in repetitive_prompts(10, seed=3)]
     with make_engine(tiny, speculate="off") as engine:
         expected = [replies(engine, [r])[0] for r in requests]
     fixed_k(6)
     with make_engine(tiny, kv_tokens=14 * 16, block_size=16, overlap=True) as engine:
-        preempted = []
-        preempt = engine.scheduler.preempt
-        engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
-        assert replies(engine, requests) == expected
-        assert preempted and engine.stats().drafted > 0
-        assert_every_block_back(engine)
+        assert_preempting_replies(engine, requests, expected)
 
 
 def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed_k):  # noqa: F811
@@ -316,12 +322,7 @@ def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts,
         expected = [replies(engine, [r])[0] for r in requests]
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], overlap=overlap, max_batch_tokens=64, kv_tokens=20 * 16) as engine:
-        preempted = []
-        preempt = engine.scheduler.preempt
-        engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
-        assert replies(engine, requests) == expected
-        assert preempted and engine.stats().drafted > 0
-        assert_every_block_back(engine)
+        assert_preempting_replies(engine, requests, expected)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(drafts):
