@@ -181,7 +181,10 @@ class Engine:
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
         draft = None
         if config.speculate == "draft" and config.draft:
-            draft_ckpt, draft_tokenizer, _ = load_checkpoint(config.draft)
+            try:
+                draft_ckpt, draft_tokenizer, _ = load_checkpoint(config.draft)
+            except LlamatermError as e:
+                raise LlamatermError(f"--draft {config.draft}: {e}") from None
             check_vocabulary(draft_tokenizer, tokenizer, config.draft, shown)
             with out_of_memory("loading the draft model", "take a smaller draft model, or --speculate ngram"):
                 draft = Model(draft_ckpt.config, draft_ckpt.tensors, dev, dtype)
