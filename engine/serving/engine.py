@@ -48,7 +48,7 @@ from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.serving.sampling import penalised
 from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence, Status
-from llamaterm.engine.serving.speculation import SPECULATE, Speculation
+from llamaterm.engine.serving.speculation import MAX_DRAFT, SPECULATE, Speculation
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
@@ -131,8 +131,10 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.speculate = c.speculate
-        spec_tokens = c.speculate_tokens if c.speculate != "off" else 0
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_tokens, draft is not None)
+        # a step samples a row per sequence and one per draft: drafts ride while a step has at most speculate_tokens
+        # rows, no more than every sequence drafting the most could use
+        spec_rows = 0 if c.speculate == "off" else min(c.speculate_tokens, c.max_running * (1 + MAX_DRAFT))
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_rows, draft is not None)
         # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
@@ -140,7 +142,15 @@ class Engine:
             f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
             f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})",
         ):
-            self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
+            self.runner = ModelRunner(
+                model,
+                num_blocks,
+                c.block_size,
+                c.max_running,
+                max_batch_tokens,
+                c.cuda_graphs,
+                max(c.max_running, spec_rows),
+            )
         self.draft = None if draft is None else DraftModel(draft, num_blocks, c.block_size, self.runner.sampler)
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}

@@ -94,8 +94,17 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(
-        self, model: Model, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int, cuda_graphs: bool
+        self,
+        model: Model,
+        num_blocks: int,
+        block_size: int,
+        max_running: int,
+        max_batch_tokens: int,
+        cuda_graphs: bool,
+        max_rows: int | None = None,
     ):
+        """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running)."""
+        rows = max_rows or max_running
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
@@ -104,7 +113,7 @@ class ModelRunner:
         with self._timed("warm-up"):
             self._warm_up()
         pinned = model.device.type == "cuda"
-        self._host_tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
         # still wait in the stream while the next step's masks fill the other; the step before it has completed
         self._host_bitmasks = [torch.zeros(0, 0, dtype=torch.int32)] * 2
@@ -114,14 +123,14 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
             # a first start compiles every kernel variant a step can launch, before the first request
-            marker = compiled_marker(model, max_running, max_batch_tokens)
+            marker = compiled_marker(model, rows, max_batch_tokens)
             first = not marker.exists()
             if first:
                 log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
             max_blocks = -(-model.config.context_length // block_size)
             with self._timed("CUDA graphs"):
                 self.graphs = StepGraphs(
-                    self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks, first
+                    self._forward, self._sample, model.device, rows, max_batch_tokens, max_blocks, first
                 )
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()

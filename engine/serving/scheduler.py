@@ -82,7 +82,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         # drafts ride only while the step's sampled rows (a row per sequence, one per draft) stay within this
-        self.speculate_tokens = min(speculate_tokens, max_running)
+        self.speculate_tokens = speculate_tokens
         self.draft_model = draft_model  # drafts come from a draft model, which fills them in after scheduling
         self.pace = Pace(max_batch_tokens)
         self.waiting: deque[Sequence] = deque()

@@ -105,6 +105,18 @@ def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):  # noqa
         assert_every_block_back(engine)
 
 
+def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):  # noqa: F811
+    """`llamaterm run` prepares an engine for one sequence: its steps still have a row for each of 8 drafts."""
+    requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in repetitive_prompts(2, seed=50)]
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(8)
+    with make_engine(tiny, max_running=1) as engine:
+        assert replies(engine, requests) == expected
+        assert engine.stats().drafted >= 8 and engine.stats().steps < 40
+        assert_every_block_back(engine)
+
+
 def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
     """Greedy and seeded sampled requests that draft, beside penalised and grammar-bound ones that never do."""
     prompts = repetitive_prompts(8, seed)
