@@ -23,7 +23,7 @@ from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
 from tests.support.cli import llamaterm
-from tests.support.engine_checks import assert_greedy_choices
+from tests.support.engine_checks import assert_greedy_choices, our_last_logits
 from tests.support.tiny_models import write_tiny_llama
 from tests.support.tokenizer_files import byte_level_meta, write_byte_level_gguf
 
@@ -413,3 +413,33 @@ def test_the_default_model_replies_with_drafts_as_without(tmp_path, fixed_k):
         assert run(engine, requests) == expected
         assert engine.stats().drafted > 0
         assert_every_block_back(engine)
+
+
+def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fixed_k):
+    """The engine on a model of 4 tokens, each of 4000 seeded requests sampling 3 tokens after a prompt that holds
+    every token, so that prompt lookup drafts the second (the first comes from the prompt's prefill; the third
+    would pass max_tokens): the triples follow p(t1) p(t2 | t1) p(t3 | t1 t2) from the model's logits (single
+    prefills on a cache of their own), by a chi-square test failing by chance with probability 1e-4 (the seeds are
+    fixed: it does not flake)."""
+    vocab, n, temperature = 4, 4000, 1.5
+    path = write_tiny_llama(tmp_path / "t.gguf", vocab_from=None, vocab_size=vocab, seed=11, context_length=64)
+    ckpt = load_gguf(path)
+    fixed_k(1)
+    prompt = [0, 1, 2, 3, 0, 1, 2]
+    model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
+    # rows for 64 sequences and a draft each, however many wait
+    with Engine(model, SyntheticTokenizer(vocab), EngineConfig(speculate_tokens=128)) as engine:
+        p = lambda ids: torch.softmax(our_last_logits(engine, prompt + ids).double() / temperature, -1)
+        expected = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+        for a in range(vocab):
+            for b in range(vocab):
+                expected[a, b] = n * p([])[a] * p([a])[b] * p([a, b])
+        params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=temperature, seed=i) for i in range(n)]
+        handles = [engine.submit(None, sp, prompt_ids=prompt) for sp in params]
+        triples = [[t for e in h.events() for t in e.token_ids] for h in handles]
+        stats = engine.stats()
+    assert stats.drafted == n and 0 < stats.kept < n  # every request drafted its second token; some were kept
+    observed = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    for a, b, c in triples:
+        observed[a, b, c] += 1
+    assert chi_square_p(observed.flatten(), expected.flatten()) > 1e-4
