@@ -138,6 +138,25 @@ class BlockManager:
             block.ref_count = 1
             table.block_ids.append(block_id)
 
+    def fork(self, parent: BlockTable, child: BlockTable, num_tokens: int) -> tuple[int, int] | None:
+        """Give an empty table the parent's first num_tokens tokens: their full blocks shared, and a partial last
+        block as a new block of the child's own, which the caller fills with a copy of the parent's (returned as
+        (source, destination)); the caller checked can_fork."""
+        bs, full = self.block_size, num_tokens // self.block_size
+        child.block_ids.extend(parent.block_ids[:full])
+        for block_id in child.block_ids[parent.num_freed :]:
+            self._ref(block_id)
+        child.num_freed = min(parent.num_freed, full)
+        assert parent.num_hashed <= full, "a fork takes every token the parent has hashed"
+        child.num_hashed, child.last_hash = parent.num_hashed, parent.last_hash
+        if num_tokens % bs == 0:
+            return None
+        self.allocate(child, num_tokens)
+        return parent.block_ids[full], child.block_ids[full]
+
+    def can_fork(self, num_tokens: int) -> bool:
+        return num_tokens % self.block_size == 0 or self.num_free >= 1
+
     def commit_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
         """Publish blocks whose tokens are all computed, so later sequences can share them."""
         bs = self.block_size

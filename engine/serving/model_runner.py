@@ -126,11 +126,12 @@ class ModelRunner:
             take_pending(device_step, step, last)
             logits = self._forward(device_step)
             sample = lambda: self._sample(device_step, logits)
+        self._copy_blocks([c.block_copy for c in chunks if c.block_copy])  # after the forward pass wrote them
         for seq in sampling:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
         prefill = sum(c.length for c in chunks if c.length > 1)
-        decode_rows = len(chunks) - sum(c.length > 1 for c in chunks)
+        decode_rows = sum(c.length == 1 for c in chunks)
         launched = self._last = LaunchedStep(sampling, start, decode_rows, prefill, sample)
         asked = [(i, seq.params.logprobs) for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
@@ -141,6 +142,12 @@ class ModelRunner:
         else:
             self._queue_sampler(launched)
         return launched
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: forks' last partial blocks."""
+        if copies:
+            source, destination = (torch.tensor(x, device=self.model.device) for x in zip(*copies, strict=True))
+            self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
         """Start filling the next token's masks of the sequences under a grammar, on llguidance's threads (the GIL
@@ -325,7 +332,7 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         qsl.append(qsl[-1] + c.length)
-        if end == known:  # the chunk samples (ScheduledChunk.samples)
+        if end == known:  # the chunk samples (ScheduledChunk.samples); a fork's (no tokens) the chunk before's row
             rows.append(qsl[-1] - 1)
             assert seq.sampler_slot is not None  # admitted
             sampler_slots.append(seq.sampler_slot)

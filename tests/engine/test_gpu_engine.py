@@ -119,6 +119,37 @@ def test_seeded_sampling_alone_and_in_a_batch_on_the_gpu(tmp_path):
     assert sum(a == t for a, t in zip(alone, together, strict=True)) >= 6, (alone, together)
 
 
+@pytest.mark.parametrize("prompt_len", [37, 48])  # forks copy a partial last block, or none
+def test_forked_choices_on_the_gpu_sample_as_if_alone(tmp_path, prompt_len):
+    """n choices of one prompt submitted together fork from its one prefill (a chunk of no tokens in the graphs'
+    step, the partial last block copied): each samples what it samples alone (most whole, as above)."""
+    path = write_tiny_llama(
+        tmp_path / "tiny.gguf",
+        vocab_from=None,
+        vocab_size=512,
+        n_layers=2,
+        hidden=256,
+        n_heads=8,
+        n_kv_heads=2,
+        intermediate=512,
+        context_length=1024,
+        seed=9,
+    )
+    ckpt = load_gguf(path)
+    prompt = [(7 * t) % 511 + 1 for t in range(prompt_len)]
+    filters = dict(temperature=0.9, top_k=40, repetition_penalty=1.1, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, seed=100 + i, **filters) for i in range(5)]
+    with Engine(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), SyntheticTokenizer()) as gpu:
+        alone = [gpu.generate(None, p, prompt_ids=prompt)[1].seq.generated for p in params]
+        with gpu.together():
+            handles = [gpu.submit(None, p, prompt_ids=prompt) for p in params]
+        for h in handles:
+            list(h.events())
+        assert [h.stats().cached_tokens for h in handles[1:]] == [prompt_len] * 4  # forks
+        together = [h.seq.generated for h in handles]
+    assert sum(a == t for a, t in zip(alone, together, strict=True)) >= 4, (alone, together)
+
+
 def test_out_of_memory_at_start_up_says_which_kv_tokens_to_try():
     gc.collect()  # earlier tests' pools, so that what is reserved now is this test's
     torch.cuda.empty_cache()
