@@ -226,6 +226,13 @@ class Engine:
             self._cv.notify()
         return handle
 
+    @contextmanager
+    def together(self):
+        """Requests submitted inside (from this thread) reach the scheduler in one step: a response's n choices of
+        one prompt, which then fork from its one prefill (engine/serving/scheduler.py)."""
+        with self._cv:  # (a reentrant lock: submit takes it again)
+            yield
+
     def _vocabulary(self) -> Vocabulary:
         """The vocabulary grammars are matched over, built at the first request with a grammar (0.2-0.4 s)."""
         return vocabulary(self.tokenizer, self.model.config.vocab_size)
