@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +51,7 @@ PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
+MASK_SWITCH_S = 1e-4  # the engine process's GIL switch interval once grammars are in use (_start_masks)
 Masks = tuple[list[int], torch.Tensor]  # grammar masks: the sequences' sampler slots, and their rows on the host
 # A step's outcome for one sequence still under way: its token, and the token's log-probability if it asked
 Sampled = tuple[Sequence, int, TokenLogprob | None]
@@ -165,6 +167,9 @@ class ModelRunner:
         matchers = [seq.grammar for seq in constrained if seq.grammar is not None]
         slots = [cast(int, seq.sampler_slot) for seq in constrained]
         bitmask = self._host_bitmasks[0]
+        # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
+        # default switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it
+        sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_S))
 
         def fill() -> tuple[list[int], torch.Tensor]:
             fill_bitmasks(matchers, bitmask)
