@@ -62,7 +62,6 @@ class StepGraphs:
         max_running: int,
         max_batch_tokens: int,
         max_blocks: int,
-        compile_all: bool,
     ):
         self.forward, self.sample = forward, sample
         self.buckets = token_buckets(max_running, max_batch_tokens)
@@ -91,30 +90,34 @@ class StepGraphs:
         self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self._turn = 0
-        self.flat = torch.zeros(size, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
-        self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
-        self.flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
+        self.flat, self.tables = self._buffers(size, b, max_blocks, device)  # the live steps'
+        # a step of padding alone, for eager runs between live steps that load a bucket's kernels (warm): it
+        # writes no KV and samples nothing. Views at the same offsets, so its pointers' alignment (which Triton
+        # specializes on) is the live step's
+        self._padding = self._buffers(size, b, max_blocks, device)
         self.graphs: dict[int, BucketGraphs] = {}
+        self.warmed: set[int] = set()  # buckets whose kernel variants have run (loaded, compiled if need be)
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
         self._stream = torch.cuda.Stream(device)  # captures record on a side stream
-        self._ran_eagerly: set[int] = set()
         self._eager_now = False  # this step's forward pass ran eagerly: so does its sampler
-        if compile_all:
-            for bucket in reversed(self.buckets):
-                self._eager(self._step(bucket))
-        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-            if bucket <= max_running:
-                if not compile_all:  # a first run outside the capture: kernels load, scratch is allocated
-                    self._eager(self._step(bucket))
-                self._capture(bucket)
 
-    def _eager(self, step: DeviceStep) -> torch.Tensor:
-        return self.sample(step, self.forward(step))
+    def _buffers(self, size: int, b: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat metadata buffer and the block tables on the device, holding a step of padding alone."""
+        flat = torch.zeros(size, dtype=torch.int64, device=device)
+        flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
+        flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
+        return flat, torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
 
-    def _capture(self, bucket: int) -> None:
-        """Record the bucket's halves. Not through torch.cuda.graph, which first waits for the device and empties
-        the allocator's cache: in the middle of serving that would stall every session."""
+    def warm(self, bucket: int) -> None:
+        """Run the bucket's step eagerly over padding alone: its kernel variants load (or compile, on a first start)
+        and its scratch is allocated, so a capture records launches only. Safe between live steps."""
+        step = self._step(bucket, 0, self._padding)
+        self.sample(step, self.forward(step))
+        self.warmed.add(bucket)
+
+    def capture(self, bucket: int) -> None:
+        """Record the bucket's halves (after warm). Not through torch.cuda.graph, which first waits for the device
+        and empties the allocator's cache: in the middle of serving that would stall every session."""
         step = self._step(bucket)
         forward, logits = self._record(lambda: self.forward(step))
         sample, tokens = self._record(lambda: self.sample(step, logits))
@@ -136,26 +139,28 @@ class StepGraphs:
     def _seqs(self, bucket: int) -> int:
         return min(bucket, self.max_running)
 
-    def _view(self, name: str, n: int) -> torch.Tensor:
-        return self.flat[self.offsets[name] : self.offsets[name] + n]
-
-    def _step(self, bucket: int, n_pending: int = 0) -> DeviceStep:
+    def _step(
+        self, bucket: int, n_pending: int = 0, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> DeviceStep:
+        """Views of the bucket's size into the live buffers (or the given ones)."""
         t, b = bucket, self._seqs(bucket)
+        flat, tables = buffers or (self.flat, self.tables)
+        view = lambda name, n: flat[self.offsets[name] : self.offsets[name] + n]
         inputs = StepInput(
-            self._view("ids", t),
-            self._view("pos", t),
-            self._view("slots", t),
-            self.tables[:b],
-            self._view("ctx", b),
-            self._view("qsl", b + 1),
-            self._view("rows", b),
+            view("ids", t),
+            view("pos", t),
+            view("slots", t),
+            tables[:b],
+            view("ctx", b),
+            view("qsl", b + 1),
+            view("rows", b),
         )
         return DeviceStep(
             inputs,
-            self._view("sampler", b),
-            self._view("spos", b),
-            self._view("prow", n_pending),
-            self._view("pfrom", n_pending),
+            view("sampler", b),
+            view("spos", b),
+            view("prow", n_pending),
+            view("pfrom", n_pending),
         )
 
     def fits(self, step: StepLists) -> bool:
@@ -193,16 +198,17 @@ class StepGraphs:
         return bucket, self._step(bucket, len(step.pending_rows))
 
     def run_forward(self, bucket: int, step: DeviceStep) -> torch.Tensor:
-        """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers the first
-        time the bucket is needed (captured the second time). run_sample must follow, before the next step."""
-        self._eager_now = bucket not in self.graphs and bucket not in self._ran_eagerly
-        if self._eager_now:
-            self._ran_eagerly.add(bucket)
+        """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers until it
+        has one. run_sample must follow, before the next step."""
+        if bucket not in self.graphs and bucket in self.warmed:
+            self.capture(bucket)
+        graphs = self.graphs.get(bucket)
+        self._eager_now = graphs is None
+        if graphs is None:
+            self.warmed.add(bucket)  # its kernels load in this step, if they had not
             return self.forward(step)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        self.graphs[bucket].forward.replay()
-        return self.graphs[bucket].logits
+        graphs.forward.replay()
+        return graphs.logits
 
     def run_sample(self, bucket: int, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
         """The bucket's sampled tokens [its rows], the same way its forward pass ran."""

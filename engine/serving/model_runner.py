@@ -98,9 +98,14 @@ class ModelRunner:
                 log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
             max_blocks = -(-model.config.context_length // block_size)
             with self._timed("CUDA graphs"):
-                self.graphs = StepGraphs(
-                    self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks, first
+                graphs = self.graphs = StepGraphs(
+                    self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
                 )
+                for bucket in reversed(graphs.buckets):  # largest first: the smaller graphs reuse its memory
+                    if first or bucket <= max_running:
+                        graphs.warm(bucket)
+                    if bucket <= max_running:
+                        graphs.capture(bucket)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
