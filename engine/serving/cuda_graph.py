@@ -14,13 +14,18 @@ transfers into fixed device buffers the graphs read, padded up to the bucket:
 The block-table buffer is as wide as the model's context, so one graph serves every context length (the
 attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
 Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
-(token_buckets). Decode buckets, every session's steady state, are captured at start-up; a larger bucket runs
-eagerly over the same padded buffers the first time a step needs it and is captured the second time, so start-up
-captures a few graphs and a one-shot command never captures a prefill. Padded to its bucket, an eager step
-launches the kernel variants its graph would: on a first start (compile_all) a pass over every bucket compiles
-them all before the first request, and later starts find them in Triton's cache.
+(token_buckets). Serve first, capture later: nothing is captured before the first request. A bucket's steps run
+eagerly over the same padded buffers until its graph exists; the engine's loop does the rest in the background,
+one piece at a time between steps (`background`): a bucket's first eager run over padding alone (`warm`: its kernel
+variants load), then its capture, most used buckets first. Every decode bucket is captured (every session's steady
+state); a larger bucket once a second step has needed it, so a one-shot command never captures a prefill. Padded to
+its bucket, an eager step launches the kernel variants its graph would: on a first start (compile_all) a pass over
+every bucket compiles them all before the first request, and later starts find them in Triton's cache.
 """
 
+import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,8 @@ from typing import Any
 import torch
 
 from llamaterm.engine.serving.model import DeviceStep, StepInput, StepLists
+
+log = logging.getLogger(__name__)
 
 
 def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
@@ -87,8 +94,9 @@ class StepGraphs:
             self.offsets[name], size = size, size + n
         # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
         # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
-        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        pinned = device.type == "cuda"  # (on the CPU, tests run the padded steps with the captures stubbed)
+        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         self.flat, self.tables = self._buffers(size, b, max_blocks, device)  # the live steps'
         # a step of padding alone, for eager runs between live steps that load a bucket's kernels (warm): it
@@ -97,8 +105,11 @@ class StepGraphs:
         self._padding = self._buffers(size, b, max_blocks, device)
         self.graphs: dict[int, BucketGraphs] = {}
         self.warmed: set[int] = set()  # buckets whose kernel variants have run (loaded, compiled if need be)
+        self.uses: Counter[int] = Counter()  # live steps per bucket
+        self.eager_only: set[int] = set()  # buckets whose warm-up or capture failed
+        self.ready_at: dict[int, float] = {}  # when each bucket's graph was captured (perf_counter), for benchmarks
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
-        self._stream = torch.cuda.Stream(device)  # captures record on a side stream
+        self._stream = torch.cuda.Stream(device) if pinned else None  # captures record on a side stream
         self._eager_now = False  # this step's forward pass ran eagerly: so does its sampler
 
     def _buffers(self, size: int, b: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,17 +133,49 @@ class StepGraphs:
         forward, logits = self._record(lambda: self.forward(step))
         sample, tokens = self._record(lambda: self.sample(step, logits))
         self.graphs[bucket] = BucketGraphs(forward, logits, sample, tokens)
+        self.ready_at[bucket] = time.perf_counter()
+
+    def wanted(self, idle: bool = True) -> list[int]:
+        """The buckets still to capture, most used first: a decode bucket once a step has needed it, or any while
+        the engine is idle (ties: smallest first, as sessions start one by one), and a larger bucket once two steps
+        have needed it. So a one-shot command's steps make way for its own decode bucket alone."""
+        todo = [
+            b
+            for b in self.buckets
+            if b not in self.graphs
+            and b not in self.eager_only
+            and self.uses[b] >= (2 if b > self.max_running else 0 if idle else 1)
+        ]
+        return sorted(todo, key=lambda b: (-self.uses[b], b))
+
+    def background(self) -> None:
+        """One piece of the work left, short enough to sit between two steps: warm the most wanted bucket, or
+        capture it if it is warm. A bucket that fails stays eager (a warning says why)."""
+        todo = self.wanted()
+        if not todo:
+            return
+        bucket = todo[0]
+        try:
+            if bucket in self.warmed:
+                self.capture(bucket)
+            else:
+                self.warm(bucket)
+        except Exception as e:  # (torch raises RuntimeError; anything else would be as fatal to the bucket)
+            log.warning("the steps of %d tokens stay without a CUDA graph: %s: %s", bucket, type(e).__name__, e)
+            self.eager_only.add(bucket)
 
     def _record(self, work: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = self._stream
+        assert stream is not None, "CUDA graphs are captured on CUDA only"
         graph = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 out = work()
             finally:
                 graph.capture_end()
-        torch.cuda.current_stream().wait_stream(self._stream)
+        torch.cuda.current_stream().wait_stream(stream)
         self._pool = graph.pool()
         return graph, out
 
@@ -171,6 +214,7 @@ class StepGraphs:
         not waited for); returns the bucket and the buffers' views."""
         n, s = len(step.input_ids), len(step.context_lens)
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
+        self.uses[bucket] += 1
         self._turn ^= 1
         host, host_tables = self.host[self._turn], self.host_tables[self._turn]
         t, b, h, h_tables = bucket, self._seqs(bucket), host.numpy(), host_tables.numpy()  # numpy views: same memory
@@ -200,8 +244,6 @@ class StepGraphs:
     def run_forward(self, bucket: int, step: DeviceStep) -> torch.Tensor:
         """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers until it
         has one. run_sample must follow, before the next step."""
-        if bucket not in self.graphs and bucket in self.warmed:
-            self.capture(bucket)
         graphs = self.graphs.get(bucket)
         self._eager_now = graphs is None
         if graphs is None:

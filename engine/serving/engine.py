@@ -58,6 +58,9 @@ NOT_FINITE = (
     "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
     "fp16 overflowed): try another file of the model, or --device cpu"
 )
+# how long the loop stays idle before a piece of the CUDA graphs' background work, so that a request that comes at
+# once (`run` after start-up) goes first
+IDLE_S = 0.05
 NOT_ALLOWED = "the reply's grammar allows no next token here: the schema or grammar may be unsatisfiable"
 
 
@@ -139,6 +142,10 @@ class Engine:
         # tokens on the host; benchmarks reset it
         self.max_step_s = 0.0
         self._last_done = 0.0  # when the last step's tokens were read
+        # the longest step that a piece of the graphs' background work (ModelRunner.background) ran beside, and
+        # when the last piece ran (start, end)
+        self.max_step_background_s = 0.0
+        self._background = (0.0, 0.0)
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -149,6 +156,7 @@ class Engine:
         self._step_tokens: deque[tuple[float, int]] = deque()
         self._last_batch = 0
         self._thread = threading.Thread(target=self._loop, name="llamaterm-engine", daemon=True)
+        self.ready_at = time.perf_counter()  # serving from here on
         self._thread.start()
 
     @classmethod
@@ -261,7 +269,19 @@ class Engine:
             tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
             steps=self.num_steps,
             host_s=self.host_s,
+            **self._graph_stats(),
         )
+
+    def _graph_stats(self) -> dict:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return {}
+        ready = sorted(list(graphs.ready_at.items()))  # (a copy first: the loop may add one meanwhile)
+        return {
+            "graphs_ready_s": tuple((bucket, t - self.ready_at) for bucket, t in ready),
+            "graphs_pending": len(graphs.wanted(idle=True)),
+            "max_step_background_s": self.max_step_background_s,
+        }
 
     def shutdown(self) -> None:
         """Stop the loop; requests still in flight finish as cancelled."""
@@ -281,13 +301,21 @@ class Engine:
     def _loop(self) -> None:
         inflight: LaunchedStep | None = None  # the step launched last, its tokens not yet read
         while True:
+            idle_piece = False
             with self._cv:
                 while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
-                    self._cv.wait()
+                    if not self.runner.background_pending(idle=True):
+                        self._cv.wait()
+                    elif not self._cv.wait(IDLE_S):  # idle a while: the graphs' work goes on, a piece a turn
+                        idle_piece = True
+                        break
                 if self._stopped:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
+            if idle_piece:
+                self._background_piece()
+                continue
             start = time.perf_counter()
             self._wait_s = 0.0
             for handle in incoming:
@@ -305,14 +333,24 @@ class Engine:
                 self._complete(inflight)
                 inflight = None
             launched = self._launch()
+            piece_s = 0.0
+            if launched is not None and self.runner.background_pending(idle=False):
+                piece_s = self._background_piece()  # while the device runs the steps queued
             if inflight is not None:
                 self._complete(inflight)
             inflight = launched
             self._flush()
-            self.host_s += time.perf_counter() - start - self._wait_s
+            self.host_s += time.perf_counter() - start - self._wait_s - piece_s
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
         self._flush()
+
+    def _background_piece(self) -> float:
+        """One piece of the CUDA graphs' background work (model_runner.py); returns its time."""
+        t = time.perf_counter()
+        self.runner.background()
+        self._background = (t, time.perf_counter())
+        return self._background[1] - t
 
     def _flush(self) -> None:
         if self._records or self._cached:
@@ -351,7 +389,10 @@ class Engine:
         self._wait_s += now - t
         step_s = now - max(step.start, self._last_done)  # with overlap, about the step's time on the device
         self.max_step_s = max(self.max_step_s, step_s)
-        self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
+        if self._background[1] > now - step_s:  # a piece of the graphs' background work held this step up
+            self.max_step_background_s = max(self.max_step_background_s, step_s)
+        else:  # the pace of prefill learns from steps as they run without it
+            self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
         self._last_done = now
         for seq, token, logprob in tokens:
             handle = self._handles[seq.id]
