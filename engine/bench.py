@@ -20,7 +20,7 @@ from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.device import resolve_device
-from llamaterm.engine.serving.engine import Engine, Sink
+from llamaterm.engine.serving.engine import Engine, Sink, triton_cache_key_beside
 from llamaterm.engine.serving.model import Model, Weight
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
@@ -163,10 +163,11 @@ def open_engine(model: str | None, device: str | None, config: EngineConfig, sin
     assert model is not None
     name, quantized = parse_synthetic(model)
     dev = resolve_device(device)
-    t = time.perf_counter()
-    m = synthetic_model(name, quantized, dev)
-    sync(dev)
-    made = time.perf_counter() - t
+    with triton_cache_key_beside(dev):
+        t = time.perf_counter()
+        m = synthetic_model(name, quantized, dev)
+        sync(dev)
+        made = time.perf_counter() - t
     engine = Engine(m, SyntheticTokenizer(m.config.vocab_size), config, name=m.config.name, sink=sink)  # type: ignore[arg-type]
     engine.startup_s = {"make random weights": made, **engine.startup_s}
     fmt = SYNTHETIC[name][1]

@@ -47,6 +47,7 @@ from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
+from llamaterm.kernels.dispatch import REFERENCES_ONLY
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 # What a sink receives per step: (request id, token or -1, finish reason or None, error or None, the token's
@@ -165,13 +166,14 @@ class Engine:
         from llamaterm.engine.store.loader import load_checkpoint
 
         name = config.model
-        t0 = time.perf_counter()
-        ckpt, tokenizer, path = load_checkpoint(name)
-        t1 = time.perf_counter()
         dev = resolve_device(config.device)
-        dtype = torch.float32 if dev.type == "cpu" else torch.float16
-        with out_of_memory("loading the weights", "free the GPU, or take a smaller model (or --device cpu)"):
-            model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        with triton_cache_key_beside(dev):
+            t0 = time.perf_counter()
+            ckpt, tokenizer, path = load_checkpoint(name)
+            t1 = time.perf_counter()
+            dtype = torch.float32 if dev.type == "cpu" else torch.float16
+            with out_of_memory("loading the weights", "free the GPU, or take a smaller model (or --device cpu)"):
+                model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
         engine = cls(model, tokenizer, config, name=shown, sink=sink)
@@ -456,6 +458,25 @@ class Engine:
             text += output.finish()
         logprobs = () if logprob is None else (logprob,)
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error, logprobs))
+
+
+@contextmanager
+def triton_cache_key_beside(device: torch.device):
+    """Triton keys its kernel cache by a hash of its own library (libtriton, 500 MB), computed at the first kernel
+    lookup: 0.4 s on an H200's host, 1.6 s on two CPU cores, on the way to the first request. Hashing lets go of
+    the GIL, so a thread computes it beside the block's work (reading the checkpoint, the weights to the device);
+    the block ends once both are done. Nothing off CUDA."""
+    if device.type != "cuda" or REFERENCES_ONLY:
+        yield
+        return
+    from triton.runtime.cache import triton_key  # (an lru_cache: computed once a process)
+
+    thread = threading.Thread(target=triton_key, name="llamaterm-triton-key", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 @contextmanager
