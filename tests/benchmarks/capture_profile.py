@@ -111,12 +111,22 @@ def instrumented():
         gc.callbacks.remove(on_gc)
 
 
-def synced(device: torch.device, fn: Callable[[], object]) -> float:
+def synced(
+    device: torch.device, fn: Callable[[], object], profile_as: str | None = None, profiles: list[str] | None = None
+) -> float:
+    """fn's seconds, the device synchronized before and after; with profile_as, its cProfile joins `profiles`."""
     torch.cuda.synchronize(device)
+    prof = cProfile.Profile() if profile_as else None
     t = time.perf_counter()
+    if prof:
+        prof.enable()
     fn()
     torch.cuda.synchronize(device)
-    return time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    if prof and profiles is not None and profile_as:
+        prof.disable()
+        profiles.append(top(prof, profile_as))
+    return seconds
 
 
 def kernels_per_replay(graphs: StepGraphs, bucket: int) -> int:
@@ -180,28 +190,19 @@ def main() -> None:
         "    again  replay 1  replay 2  kernels"
     )
     print("            ms                               ms       ms      ms     ms       ms                      ms")
-    profiles = []
+    profiles: list[str] = []
     with instrumented():
         for bucket in buckets:
             TALLY.parts.clear()
-            prof = cProfile.Profile() if bucket == profiled else None
-            if prof:
-                prof.enable()
-            warm1 = synced(device, lambda b=bucket: graphs.warm(b))
-            if prof:
-                prof.disable()
-                profiles.append(top(prof, f"warm 1 of bucket {bucket}"))
+            profile_as = f"of bucket {bucket}" if bucket == profiled else None
+            warm1 = synced(device, lambda b=bucket: graphs.warm(b), profile_as and "warm 1 " + profile_as, profiles)
             found = (TALLY.calls("variants"), TALLY.seconds("variants"), TALLY.calls("loads"), TALLY.seconds("loads"))
             warm2 = synced(device, lambda b=bucket: graphs.warm(b))
             TALLY.parts.clear()
             before = segments(device)
-            prof = cProfile.Profile() if bucket == profiled else None
-            if prof:
-                prof.enable()
-            capture = synced(device, lambda b=bucket: graphs.capture(b))
-            if prof:
-                prof.disable()
-                profiles.append(top(prof, f"capture of bucket {bucket}"))
+            capture = synced(
+                device, lambda b=bucket: graphs.capture(b), profile_as and "capture " + profile_as, profiles
+            )
             mallocs = segments(device) - before
             parts = [TALLY.seconds(part) for part in ("capture_begin", "recording", "capture_end")]
             collected = sum(v[1] for k, v in TALLY.parts.items() if k.startswith("gc"))
