@@ -81,6 +81,12 @@ class EngineStats:
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
     steps: int = 0  # steps run so far
     host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
+    # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
+    # after the engine was ready) of each graph captured, the graphs still to capture, and the longest step that a
+    # piece of that work held up
+    graphs_ready_s: tuple[tuple[int, float], ...] = ()
+    graphs_pending: int = 0
+    max_step_background_s: float = 0.0
 
 
 def decode_rate(token_times: Sequence[float]) -> float:

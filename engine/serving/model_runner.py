@@ -44,6 +44,8 @@ from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
 log = logging.getLogger(__name__)
+# the prompt the warm-up readies a step for, besides a decode: a one-line question in a chat template
+FIRST_PROMPT = 64
 
 # A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
 # token_ids when that step completes. Only the last tokens of a sequence can be pending.
@@ -81,8 +83,6 @@ class ModelRunner:
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
             self.sampler = Sampler(max_running, model.config.vocab_size, model.device)
-        with self._timed("warm-up"):
-            self._warm_up()
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
@@ -92,19 +92,39 @@ class ModelRunner:
         self._host_turn = 0
         self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
-        if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
-            # a first start compiles every kernel variant a step can launch, before the first request
-            marker = compiled_marker(model, max_running, max_batch_tokens)
-            first = not marker.exists()
-            if first:
-                log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
-            max_blocks = -(-model.config.context_length // block_size)
-            with self._timed("CUDA graphs"):
-                self.graphs = StepGraphs(
-                    self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks, first
-                )
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+        if not (cuda_graphs and use_triton(self.kv_cache)):  # the torch references sync with the host: no capture
+            with self._timed("warm-up"):
+                self._warm_up()
+            return
+        marker = compiled_marker(model, max_running, max_batch_tokens)
+        max_blocks = -(-model.config.context_length // block_size)
+        graphs = self.graphs = StepGraphs(
+            self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
+        )
+        if marker.exists():  # the kernels of the first steps, a decode and a short prompt; the rest in the background
+            first_steps = [1, next((b for b in graphs.buckets if b >= FIRST_PROMPT), graphs.buckets[-1])]
+        else:  # a first start compiles every kernel variant a step can launch, before the first request
+            log.warning(
+                "compiling the kernels of %d step sizes for this GPU and model, once (later starts reuse them)",
+                len(graphs.buckets),
+            )
+            first_steps = graphs.buckets
+        with self._timed("warm-up"):
+            for bucket in first_steps:
+                graphs.warm(bucket)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+    def background_pending(self, idle: bool) -> bool:
+        """Whether CUDA graphs are still to be captured: while serving, of the step sizes in use; idle, of any
+        (the engine's loop calls `background`, a piece at a time, until not)."""
+        return self.graphs is not None and bool(self.graphs.wanted(idle))
+
+    def background(self) -> None:
+        """One piece of the graphs' background work (cuda_graph.py), the most wanted: between steps, with the
+        device busy, or idle."""
+        if self.graphs is not None:
+            self.graphs.background()
 
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the

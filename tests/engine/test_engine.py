@@ -301,3 +301,20 @@ def test_dense_prefill_weights_only_within_budget():
     assert all(w.kept_dense(torch.float32) is None for w in linears)
     assert model.keep_dense_weights(need) == need
     assert all(torch.equal(w.kept_dense(torch.float32), w.dequantize(torch.float32)) for w in linears)
+
+
+def test_triton_hashes_its_library_beside_the_loading():
+    """On CUDA the hash Triton keys its kernel cache by (of its 500 MB library) is computed on a thread while the
+    block loads the model, and is ready when the block ends; elsewhere nothing happens."""
+    from triton.runtime.cache import triton_key
+
+    from llamaterm.engine.serving.engine import triton_cache_key_beside
+
+    triton_key.cache_clear()
+    with triton_cache_key_beside(torch.device("cpu")):
+        assert "llamaterm-triton-key" not in {t.name for t in threading.enumerate()}
+    assert triton_key.cache_info().currsize == 0
+    with triton_cache_key_beside(torch.device("cuda")):  # (a device object: nothing here touches CUDA)
+        assert "llamaterm-triton-key" in {t.name for t in threading.enumerate()}
+    assert triton_key.cache_info().currsize == 1
+    assert "llamaterm-triton-key" not in {t.name for t in threading.enumerate()}
