@@ -87,7 +87,7 @@ def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prompt_len", [37, 48])  # a partial last block (copied by each fork), and none
 def test_choices_forked_from_one_prefill_sample_as_if_alone(tiny, overlap, prompt_len):
-    """n choices of one prompt (seeds 7 + i, as serve gives them; one greedy) arrive together: the prompt is
+    """n choices of one prompt (seeds 7 + i, as serve gives them; one greedy) submitted together: the prompt is
     computed once and the others fork from it, and each choice generates what it generates alone, with the same
     log-probabilities (which would move if a fork's copy of the partial last block were wrong)."""
     prompt = [(11 * t) % 40000 + 3 for t in range(prompt_len)]
@@ -101,7 +101,8 @@ def test_choices_forked_from_one_prefill_sample_as_if_alone(tiny, overlap, promp
     with make_engine(tiny) as engine:
         expected = [replies(engine, [engine.submit(None, sp, prompt_ids=p)])[0] for p, sp in requests]
     with make_engine(tiny, overlap=overlap, block_size=16) as engine:
-        handles = [engine.submit(None, params, prompt_ids=p) for p, params in requests]
+        with engine.together():  # as serve submits a response's choices
+            handles = [engine.submit(None, params, prompt_ids=p) for p, params in requests]
         for got, want in zip(replies(engine, handles), expected, strict=True):
             assert [t for t, _ in got] == [t for t, _ in want]
             assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)

@@ -95,7 +95,7 @@ def test_a_fork_waits_for_the_last_chunk_and_copies_the_partial_last_block():
     assert all(blocks.blocks[b].ref_count == 3 for b in parent[:43]) and blocks.num_free == 100 - 44 - 2
     for q in choices:
         s.finish(q)
-    assert blocks.num_free == 100 and all(b.ref_count == 0 for b in blocks.blocks)
+    assert blocks.num_free == 100 and all(b.ref_count == 0 for b in blocks.blocks.values())
 
 
 def test_a_prompt_that_only_begins_like_one_being_computed_does_not_fork():
