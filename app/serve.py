@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -686,6 +686,8 @@ class SupervisedEngine(EngineClient, Protocol):
     @property
     def exitcode(self) -> int | None: ...  # once shut down
 
+    def together(self) -> AbstractContextManager[None]: ...  # requests submitted inside reach the engine together
+
 
 def cancel_all(engine: EngineClient, streams: list[RequestStream]) -> None:
     """Cancel those still running (a response's choices)."""
@@ -1028,29 +1030,15 @@ async def read_body_in_time(request: Request, engine: EngineClient) -> bytes:
 
 
 async def submit(engine: SupervisedEngine, req: Completion, chat: bool) -> list[RequestStream]:
-    """The request submitted, once a choice (a seeded request's choices take the seeds that follow its own); a
-    refusal as the API's error, and nothing left running."""
-    streams: list[RequestStream] = []
+    """The request submitted, once a choice (a seeded request's choices take the seeds that follow its own), one
+    right after another so that the engine takes them in one step and forks them from one prefill (the prompt is
+    tokenized once: the encoder caches it); a refusal as the API's error, and nothing left running."""
+    submitting = asyncio.ensure_future(run_in_threadpool(submit_choices, engine, req))
     try:
-        for i in range(req.n):
-            seed = req.params.seed
-            params = req.params if seed is None else replace(req.params, seed=(seed + i) % 2**64)
-            streams.append(await submit_one(engine, req, params, chat))
-    except BaseException:
-        cancel_all(engine, streams)
+        return await asyncio.shield(submitting)
+    except asyncio.CancelledError:  # the client left: the choices are cancelled once submitted
+        submitting.add_done_callback(partial(cancel_submitted, engine))
         raise
-    return streams
-
-
-async def submit_one(engine: SupervisedEngine, req: Completion, params: SamplingParams, chat: bool) -> RequestStream:
-    """One request submitted (tokenized in the thread pool); a refusal as the API's error."""
-    try:
-        if req.prompt_ids is not None:
-            return await run_in_threadpool(partial(engine.submit, None, params, prompt_ids=req.prompt_ids))
-        submit = partial(
-            engine.submit, raw=req.raw, enable_thinking=req.enable_thinking, parse_special=req.parse_special
-        )
-        return await run_in_threadpool(submit, req.prompt, params)
     except grammar.GrammarError as e:  # one only the model's vocabulary refuses
         raise APIError(400, f"{req.grammar_field}: {e}", req.grammar_field) from None
     except RequestError as e:
@@ -1059,6 +1047,36 @@ async def submit_one(engine: SupervisedEngine, req: Completion, params: Sampling
         raise APIError(400, str(e), param, code) from None
     except LlamatermError as e:
         raise APIError(503, str(e), kind="server_error") from None
+
+
+def cancel_submitted(engine: EngineClient, submitting: asyncio.Future[list[RequestStream]]) -> None:
+    if not submitting.cancelled() and submitting.exception() is None:
+        cancel_all(engine, submitting.result())
+
+
+def submit_choices(engine: SupervisedEngine, req: Completion) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        with engine.together():
+            for i in range(req.n):
+                seed = req.params.seed
+                params = req.params if seed is None else replace(req.params, seed=(seed + i) % 2**64)
+                if req.prompt_ids is not None:
+                    streams.append(engine.submit(None, params, prompt_ids=req.prompt_ids))
+                else:
+                    streams.append(
+                        engine.submit(
+                            req.prompt,
+                            params,
+                            raw=req.raw,
+                            enable_thinking=req.enable_thinking,
+                            parse_special=req.parse_special,
+                        )
+                    )
+    except BaseException:
+        cancel_all(engine, streams)
+        raise
+    return streams
 
 
 async def stream_events(

@@ -90,6 +90,12 @@ class EngineStats:
     host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
     drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
     kept: int = 0
+    # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
+    # after the engine was ready) of each graph captured, the graphs still to capture, and the longest step that a
+    # piece of that work held up
+    graphs_ready_s: tuple[tuple[int, float], ...] = ()
+    graphs_pending: int = 0
+    max_step_background_s: float = 0.0
 
 
 def decode_rate(token_times: Sequence[float]) -> float:

@@ -89,6 +89,9 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+# str.translate's table from the alphabet to the bytes as latin-1 characters; a character below 256 outside it
+# becomes one that latin-1 cannot encode, as any above 256 outside it is, so a token of both kinds fails to encode
+_TO_LATIN1 = {c: 0xFFFF for c in range(256)} | {ord(c): b for c, b in _BYTE_OF_CHAR.items()}
 
 
 def _piece_bytes(token: str, token_type: int, byte_level: bool) -> bytes:
@@ -97,8 +100,8 @@ def _piece_bytes(token: str, token_type: int, byte_level: bool) -> bytes:
         return token.encode()  # added tokens are stored as plain text in both kinds of vocabulary
     if byte_level:
         try:
-            return bytes(_BYTE_OF_CHAR[c] for c in token)
-        except KeyError:  # outside the byte alphabet: plain text, as the tokenizers library decodes it
+            return token.translate(_TO_LATIN1).encode("latin-1")  # (a whole vocabulary in C: 128k tokens)
+        except UnicodeEncodeError:  # outside the byte alphabet: plain text, as the tokenizers library decodes it
             return token.encode()
     if token_type == BYTE and _BYTE_TOKEN.fullmatch(token):
         return bytes([int(token[3:5], 16)])  # <0xNN>

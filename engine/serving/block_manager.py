@@ -4,6 +4,9 @@ The pool itself is one tensor allocated by the model; this file only decides whi
 A full block is keyed by a hash chained over its tokens and its parent block's hash, so two sequences with the
 same prefix (a shared system prompt, the next turn of a conversation) share blocks instead of recomputing them.
 Freed blocks keep their contents and hash until reused: the free queue is also the LRU list of the prefix cache.
+Set-up takes no time that grows with the pool: a block's record is made when the block is first used, and the free
+queue holds only blocks used before, beside a count of those never used (taken after the freed ones that cache
+nothing, before any cached one is evicted).
 
 With sliding-window attention in every layer (a window of W tokens), the next token at position p reads keys from
 p - W + 1 on only, so a sequence gives back the blocks wholly before that as it goes (`slide`) and holds at most
@@ -19,7 +22,7 @@ from llamaterm.engine.errors import LlamatermError
 FREED = -1  # the table entry of a block given back because no window reaches it any more (never read)
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     id: int
     ref_count: int = 0
@@ -58,18 +61,17 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, window: int | None = None):
         self.block_size = block_size
         self.window = window  # keys every layer reads back from a query (ModelConfig.kv_window); None: all
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # ref_count == 0 blocks, least recently freed first; popping from the front evicts the LRU cached block
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_blocks = num_blocks
+        self.blocks: dict[int, Block] = {}  # the blocks used so far
+        # used blocks with ref_count == 0: those that cache nothing at the front (reused first), then the cached
+        # ones, least recently freed first (popping from the front evicts the LRU cached block)
+        self.free: OrderedDict[int, None] = OrderedDict()
+        self.never_used = num_blocks  # blocks never used: ids num_blocks - never_used .. num_blocks - 1
         self.cached: dict[int, int] = {}  # chain hash -> block id
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.never_used
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -129,14 +131,43 @@ class BlockManager:
     def allocate(self, table: BlockTable, num_tokens: int) -> None:
         """Grow the table to hold num_tokens tokens (the caller checked can_allocate)."""
         for _ in range(self.blocks_needed(num_tokens) - len(table.block_ids)):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self._take_free()
             if block.hash is not None:  # evict it from the prefix cache
-                if self.cached.get(block.hash) == block_id:
+                if self.cached.get(block.hash) == block.id:
                     del self.cached[block.hash]
                 block.hash, block.token_ids = None, ()
             block.ref_count = 1
-            table.block_ids.append(block_id)
+            table.block_ids.append(block.id)
+
+    def _take_free(self) -> Block:
+        """The next free block: one that caches nothing, else one never used, else the LRU cached one."""
+        front = next(iter(self.free), None)
+        if self.never_used and (front is None or self.blocks[front].hash is not None):
+            block_id = self.num_blocks - self.never_used
+            self.never_used -= 1
+            block = self.blocks[block_id] = Block(block_id)
+            return block
+        block_id, _ = self.free.popitem(last=False)
+        return self.blocks[block_id]
+
+    def fork(self, parent: BlockTable, child: BlockTable, num_tokens: int) -> tuple[int, int] | None:
+        """Give an empty table the parent's first num_tokens tokens: their full blocks shared, and a partial last
+        block as a new block of the child's own, which the caller fills with a copy of the parent's (returned as
+        (source, destination)); the caller checked can_fork."""
+        bs, full = self.block_size, num_tokens // self.block_size
+        child.block_ids.extend(parent.block_ids[:full])
+        for block_id in child.block_ids[parent.num_freed :]:
+            self._ref(block_id)
+        child.num_freed = min(parent.num_freed, full)
+        assert parent.num_hashed <= full, "a fork takes every token the parent has hashed"
+        child.num_hashed, child.last_hash = parent.num_hashed, parent.last_hash
+        if num_tokens % bs == 0:
+            return None
+        self.allocate(child, num_tokens)
+        return parent.block_ids[full], child.block_ids[full]
+
+    def can_fork(self, num_tokens: int) -> bool:
+        return num_tokens % self.block_size == 0 or self.num_free >= 1
 
     def commit_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
         """Publish blocks whose tokens are all computed, so later sequences can share them."""

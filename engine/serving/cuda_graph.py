@@ -15,13 +15,18 @@ transfers into fixed device buffers the graphs read, padded up to the bucket:
 The block-table buffer is as wide as the model's context, so one graph serves every context length (the
 attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
 Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
-(token_buckets). Decode buckets, every session's steady state, are captured at start-up; a larger bucket runs
-eagerly over the same padded buffers the first time a step needs it and is captured the second time, so start-up
-captures a few graphs and a one-shot command never captures a prefill. Padded to its bucket, an eager step
-launches the kernel variants its graph would: on a first start (compile_all) a pass over every bucket compiles
-them all before the first request, and later starts find them in Triton's cache.
+(token_buckets). Serve first, capture later: nothing is captured before the first request. A bucket's steps run
+eagerly over the same padded buffers until its graph exists; the engine's loop does the rest in the background,
+one piece at a time between steps (`background`): a bucket's first eager run over padding alone (`warm`: its kernel
+variants load), then its capture, most used buckets first. Every decode bucket is captured (every session's steady
+state); a larger bucket once a second step has needed it, so a one-shot command never captures a prefill. Padded to
+its bucket, an eager step launches the kernel variants its graph would: on a first start (compile_all) a pass over
+every bucket compiles them all before the first request, and later starts find them in Triton's cache.
 """
 
+import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +34,8 @@ from typing import Any
 import torch
 
 from llamaterm.engine.serving.model import DeviceStep, StepInput, StepLists
+
+log = logging.getLogger(__name__)
 
 
 def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
@@ -63,7 +70,6 @@ class StepGraphs:
         max_running: int,
         max_batch_tokens: int,
         max_blocks: int,
-        compile_all: bool,
     ):
         self.forward, self.sample = forward, sample
         self.buckets = token_buckets(max_running, max_batch_tokens)
@@ -89,74 +95,116 @@ class StepGraphs:
             self.offsets[name], size = size, size + n
         # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
         # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
-        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        pinned = device.type == "cuda"  # (on the CPU, tests run the padded steps with the captures stubbed)
+        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self.flat = torch.zeros(size, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
-        self.flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
-        self.flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
+        self.flat, self.tables = self._buffers(size, b, max_blocks, device)  # the live steps'
+        # a step of padding alone, for eager runs between live steps that load a bucket's kernels (warm): it
+        # writes no KV and samples nothing. Views at the same offsets, so its pointers' alignment (which Triton
+        # specializes on) is the live step's
+        self._padding = self._buffers(size, b, max_blocks, device)
         self.graphs: dict[int, BucketGraphs] = {}
+        self.warmed: set[int] = set()  # buckets whose kernel variants have run (loaded, compiled if need be)
+        self.uses: Counter[int] = Counter()  # live steps per bucket
+        self.eager_only: set[int] = set()  # buckets whose warm-up or capture failed
+        self.ready_at: dict[int, float] = {}  # when each bucket's graph was captured (perf_counter), for benchmarks
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
-        self._stream = torch.cuda.Stream(device)  # captures record on a side stream
-        self._ran_eagerly: set[int] = set()
+        self._stream = torch.cuda.Stream(device) if pinned else None  # captures record on a side stream
         self._eager_now = False  # this step's forward pass ran eagerly: so does its sampler
-        if compile_all:
-            for bucket in reversed(self.buckets):
-                self._eager(self._step(bucket))
-        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-            if bucket <= max_running:
-                if not compile_all:  # a first run outside the capture: kernels load, scratch is allocated
-                    self._eager(self._step(bucket))
-                self._capture(bucket)
 
-    def _eager(self, step: DeviceStep) -> torch.Tensor:
-        return self.sample(step, self.forward(step))
+    def _buffers(self, size: int, b: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat metadata buffer and the block tables on the device, holding a step of padding alone."""
+        flat = torch.zeros(size, dtype=torch.int64, device=device)
+        flat[self.offsets["slots"] : self.offsets["ctx"]] = -1
+        flat[self.offsets["sampler"] : self.offsets["spos"]] = -1
+        return flat, torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
 
-    def _capture(self, bucket: int) -> None:
-        """Record the bucket's halves. Not through torch.cuda.graph, which first waits for the device and empties
-        the allocator's cache: in the middle of serving that would stall every session."""
+    def warm(self, bucket: int) -> None:
+        """Run the bucket's step eagerly over padding alone: its kernel variants load (or compile, on a first start)
+        and its scratch is allocated, so a capture records launches only. Safe between live steps."""
+        step = self._step(bucket, 0, self._padding)
+        self.sample(step, self.forward(step))
+        self.warmed.add(bucket)
+
+    def capture(self, bucket: int) -> None:
+        """Record the bucket's halves (after warm). Not through torch.cuda.graph, which first waits for the device
+        and empties the allocator's cache: in the middle of serving that would stall every session."""
         step = self._step(bucket)
         forward, logits = self._record(lambda: self.forward(step))
         sample, tokens = self._record(lambda: self.sample(step, logits))
         self.graphs[bucket] = BucketGraphs(forward, logits, sample, tokens)
+        self.ready_at[bucket] = time.perf_counter()
+
+    def wanted(self, idle: bool = True) -> list[int]:
+        """The buckets still to capture, most used first: a decode bucket once a step has needed it, or any while
+        the engine is idle (ties: smallest first, as sessions start one by one), and a larger bucket once two steps
+        have needed it. So a one-shot command's steps make way for its own decode bucket alone."""
+        todo = [
+            b
+            for b in self.buckets
+            if b not in self.graphs
+            and b not in self.eager_only
+            and self.uses[b] >= (2 if b > self.max_running else 0 if idle else 1)
+        ]
+        return sorted(todo, key=lambda b: (-self.uses[b], b))
+
+    def background(self) -> None:
+        """One piece of the work left, short enough to sit between two steps: warm the most wanted bucket, or
+        capture it if it is warm. A bucket that fails stays eager (a warning says why)."""
+        todo = self.wanted()
+        if not todo:
+            return
+        bucket = todo[0]
+        try:
+            if bucket in self.warmed:
+                self.capture(bucket)
+            else:
+                self.warm(bucket)
+        except Exception as e:  # (torch raises RuntimeError; anything else would be as fatal to the bucket)
+            log.warning("the steps of %d tokens stay without a CUDA graph: %s: %s", bucket, type(e).__name__, e)
+            self.eager_only.add(bucket)
 
     def _record(self, work: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = self._stream
+        assert stream is not None, "CUDA graphs are captured on CUDA only"
         graph = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 out = work()
             finally:
                 graph.capture_end()
-        torch.cuda.current_stream().wait_stream(self._stream)
+        torch.cuda.current_stream().wait_stream(stream)
         self._pool = graph.pool()
         return graph, out
 
     def _seqs(self, bucket: int) -> int:
         return min(bucket, self.max_running)
 
-    def _view(self, name: str, n: int) -> torch.Tensor:
-        return self.flat[self.offsets[name] : self.offsets[name] + n]
-
-    def _step(self, bucket: int, n_pending: int = 0) -> DeviceStep:
+    def _step(
+        self, bucket: int, n_pending: int = 0, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> DeviceStep:
+        """Views of the bucket's size into the live buffers (or the given ones)."""
         t, b = bucket, self._seqs(bucket)
+        flat, tables = buffers or (self.flat, self.tables)
+        view = lambda name, n: flat[self.offsets[name] : self.offsets[name] + n]
         inputs = StepInput(
-            self._view("ids", t),
-            self._view("pos", t),
-            self._view("slots", t),
-            self.tables[:b],
-            self._view("ctx", b),
-            self._view("qsl", b + 1),
-            self._view("rows", b),
+            view("ids", t),
+            view("pos", t),
+            view("slots", t),
+            tables[:b],
+            view("ctx", b),
+            view("qsl", b + 1),
+            view("rows", b),
         )
         return DeviceStep(
             inputs,
-            self._view("sampler", b),
-            self._view("spos", b),
-            self._view("prow", n_pending),
-            self._view("pfrom", n_pending),
+            view("sampler", b),
+            view("spos", b),
+            view("prow", n_pending),
+            view("pfrom", n_pending),
         )
 
     def fits(self, step: StepLists) -> bool:
@@ -168,6 +216,7 @@ class StepGraphs:
         not waited for); returns the bucket and the buffers' views."""
         n, s = len(step.input_ids), max(len(step.context_lens), len(step.logits_indices))
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
+        self.uses[bucket] += 1
         self._turn ^= 1
         host, host_tables = self.host[self._turn], self.host_tables[self._turn]
         t, b, h, h_tables = bucket, self._seqs(bucket), host.numpy(), host_tables.numpy()  # numpy views: same memory
@@ -195,16 +244,15 @@ class StepGraphs:
         return bucket, self._step(bucket, len(step.pending_rows))
 
     def run_forward(self, bucket: int, step: DeviceStep) -> torch.Tensor:
-        """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers the first
-        time the bucket is needed (captured the second time). run_sample must follow, before the next step."""
-        self._eager_now = bucket not in self.graphs and bucket not in self._ran_eagerly
-        if self._eager_now:
-            self._ran_eagerly.add(bucket)
+        """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers until it
+        has one. run_sample must follow, before the next step."""
+        graphs = self.graphs.get(bucket)
+        self._eager_now = graphs is None
+        if graphs is None:
+            self.warmed.add(bucket)  # its kernels load in this step, if they had not
             return self.forward(step)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        self.graphs[bucket].forward.replay()
-        return self.graphs[bucket].logits
+        graphs.forward.replay()
+        return graphs.logits
 
     def run_sample(self, bucket: int, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
         """The bucket's sampled tokens [its rows], the same way its forward pass ran."""

@@ -50,6 +50,7 @@ from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence, Status
 from llamaterm.engine.serving.speculation import MAX_DRAFT, SPECULATE, Speculation
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
+from llamaterm.kernels.dispatch import REFERENCES_ONLY
 
 RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 # What a sink receives per step: (request id, token or -1, finish reason or None, error or None, the token's
@@ -61,6 +62,9 @@ NOT_FINITE = (
     "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
     "fp16 overflowed): try another file of the model, or --device cpu"
 )
+# how long the loop stays idle before a piece of the CUDA graphs' background work, so that a request that comes at
+# once (`run` after start-up) goes first
+IDLE_S = 0.05
 NOT_ALLOWED = "the reply's grammar allows no next token here: the schema or grammar may be unsatisfiable"
 
 
@@ -162,6 +166,10 @@ class Engine:
         # tokens on the host; benchmarks reset it
         self.max_step_s = 0.0
         self._last_done = 0.0  # when the last step's tokens were read
+        # the longest step that a piece of the graphs' background work (ModelRunner.background) ran beside, and
+        # when the last piece ran (start, end)
+        self.max_step_background_s = 0.0
+        self._background = (0.0, 0.0)
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -172,6 +180,7 @@ class Engine:
         self._step_tokens: deque[tuple[float, int]] = deque()
         self._last_batch = 0
         self._thread = threading.Thread(target=self._loop, name="llamaterm-engine", daemon=True)
+        self.ready_at = time.perf_counter()  # serving from here on
         self._thread.start()
 
     @classmethod
@@ -180,13 +189,14 @@ class Engine:
         from llamaterm.engine.store.loader import load_checkpoint
 
         name = config.model
-        t0 = time.perf_counter()
-        ckpt, tokenizer, path = load_checkpoint(name)
-        t1 = time.perf_counter()
         dev = resolve_device(config.device)
-        dtype = torch.float32 if dev.type == "cpu" else torch.float16
-        with out_of_memory("loading the weights", "free the GPU, or take a smaller model (or --device cpu)"):
-            model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        with triton_cache_key_beside(dev):
+            t0 = time.perf_counter()
+            ckpt, tokenizer, path = load_checkpoint(name)
+            t1 = time.perf_counter()
+            dtype = torch.float32 if dev.type == "cpu" else torch.float16
+            with out_of_memory("loading the weights", "free the GPU, or take a smaller model (or --device cpu)"):
+                model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
         draft = None
@@ -267,6 +277,13 @@ class Engine:
             self._cv.notify()
         return handle
 
+    @contextmanager
+    def together(self):
+        """Requests submitted inside (from this thread) reach the scheduler in one step: a response's n choices of
+        one prompt, which then fork from its one prefill (engine/serving/scheduler.py)."""
+        with self._cv:  # (a reentrant lock: submit takes it again)
+            yield
+
     def _vocabulary(self) -> Vocabulary:
         """The vocabulary grammars are matched over, built at the first request with a grammar (0.2-0.4 s)."""
         return vocabulary(self.tokenizer, self.model.config.vocab_size)
@@ -304,7 +321,19 @@ class Engine:
             host_s=self.host_s,
             drafted=self.drafted,
             kept=self.kept,
+            **self._graph_stats(),
         )
+
+    def _graph_stats(self) -> dict:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return {}
+        ready = sorted(list(graphs.ready_at.items()))  # (a copy first: the loop may add one meanwhile)
+        return {
+            "graphs_ready_s": tuple((bucket, t - self.ready_at) for bucket, t in ready),
+            "graphs_pending": len(graphs.wanted(idle=True)),
+            "max_step_background_s": self.max_step_background_s,
+        }
 
     def shutdown(self) -> None:
         """Stop the loop; requests still in flight finish as cancelled."""
@@ -324,13 +353,21 @@ class Engine:
     def _loop(self) -> None:
         inflight: LaunchedStep | None = None  # the step launched last, its tokens not yet read
         while True:
+            idle_piece = False
             with self._cv:
                 while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
-                    self._cv.wait()
+                    if not self.runner.background_pending(idle=True):
+                        self._cv.wait()
+                    elif not self._cv.wait(IDLE_S):  # idle a while: the graphs' work goes on, a piece a turn
+                        idle_piece = True
+                        break
                 if self._stopped:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
+            if idle_piece:
+                self._background_piece()
+                continue
             start = time.perf_counter()
             self._wait_s = 0.0
             for handle in incoming:
@@ -350,14 +387,24 @@ class Engine:
                 self._complete(inflight)
                 inflight = None
             launched = self._launch()
+            piece_s = 0.0
+            if launched is not None and self.runner.background_pending(idle=False):
+                piece_s = self._background_piece()  # while the device runs the steps queued
             if inflight is not None:
                 self._complete(inflight)
             inflight = launched
             self._flush()
-            self.host_s += time.perf_counter() - start - self._wait_s
+            self.host_s += time.perf_counter() - start - self._wait_s - piece_s
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
         self._flush()
+
+    def _background_piece(self) -> float:
+        """One piece of the CUDA graphs' background work (model_runner.py); returns its time."""
+        t = time.perf_counter()
+        self.runner.background()
+        self._background = (t, time.perf_counter())
+        return self._background[1] - t
 
     def _flush(self) -> None:
         if self._records or self._cached:
@@ -398,7 +445,10 @@ class Engine:
         self._wait_s += now - t
         step_s = now - max(step.start, self._last_done)  # with overlap, about the step's time on the device
         self.max_step_s = max(self.max_step_s, step_s)
-        self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
+        if self._background[1] > now - step_s:  # a piece of the graphs' background work held this step up
+            self.max_step_background_s = max(self.max_step_background_s, step_s)
+        else:  # the pace of prefill learns from steps as they run without it
+            self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
         self._last_done = now
         for seq, drafts in zip(step.sampling, step.drafts, strict=True):
             if drafts and seq.status is not Status.FINISHED:
@@ -469,6 +519,25 @@ class Engine:
             text += output.finish()
         logprobs = () if logprob is None else (logprob,)
         handle.events_queue.put(Event(handle.id, text, token_ids, True, reason, error, logprobs))
+
+
+@contextmanager
+def triton_cache_key_beside(device: torch.device):
+    """Triton keys its kernel cache by a hash of its own library (libtriton, 500 MB), computed at the first kernel
+    lookup: 0.4 s on an H200's host, 1.6 s on two CPU cores, on the way to the first request. Hashing lets go of
+    the GIL, so a thread computes it beside the block's work (reading the checkpoint, the weights to the device);
+    the block ends once both are done. Nothing off CUDA."""
+    if device.type != "cuda" or REFERENCES_ONLY:
+        yield
+        return
+    from triton.runtime.cache import triton_key  # (an lru_cache: computed once a process)
+
+    thread = threading.Thread(target=triton_key, name="llamaterm-triton-key", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 @contextmanager

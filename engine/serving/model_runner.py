@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,8 @@ from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
 log = logging.getLogger(__name__)
+# the prompt the warm-up readies a step for, besides a decode: a one-line question in a chat template
+FIRST_PROMPT = 64
 
 # A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
 # token_ids when that step completes. Only the last tokens of a sequence can be pending.
@@ -59,6 +62,7 @@ PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
+MASK_SWITCH_S = 1e-4  # the engine process's GIL switch interval once grammars are in use (_start_masks)
 Masks = tuple[list[int], torch.Tensor]  # grammar masks: the sequences' sampler slots, and their rows on the host
 # A step's outcome for one sequence still under way: its token, and the token's log-probability if it asked
 Sampled = tuple[Sequence, int, TokenLogprob | None]
@@ -110,8 +114,6 @@ class ModelRunner:
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
             self.sampler = Sampler(max_running, model.config.vocab_size, model.device)
-        with self._timed("warm-up"):
-            self._warm_up()
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
@@ -121,19 +123,37 @@ class ModelRunner:
         self._host_turn = 0
         self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
-        if cuda_graphs and use_triton(self.kv_cache):  # the torch references sync with the host: no capture
-            # a first start compiles every kernel variant a step can launch, before the first request
-            marker = compiled_marker(model, rows, max_batch_tokens)
-            first = not marker.exists()
-            if first:
-                log.warning("compiling kernels for this GPU and model, once (later starts reuse them)")
-            max_blocks = -(-model.config.context_length // block_size)
-            with self._timed("CUDA graphs"):
-                self.graphs = StepGraphs(
-                    self._forward, self._sample, model.device, rows, max_batch_tokens, max_blocks, first
-                )
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+        if not (cuda_graphs and use_triton(self.kv_cache)):  # the torch references sync with the host: no capture
+            with self._timed("warm-up"):
+                self._warm_up()
+            return
+        marker = compiled_marker(model, rows, max_batch_tokens)
+        max_blocks = -(-model.config.context_length // block_size)
+        graphs = self.graphs = StepGraphs(self._forward, self._sample, model.device, rows, max_batch_tokens, max_blocks)
+        if marker.exists():  # the kernels of the first steps, a decode and a short prompt; the rest in the background
+            first_steps = [1, next((b for b in graphs.buckets if b >= FIRST_PROMPT), graphs.buckets[-1])]
+        else:  # a first start compiles every kernel variant a step can launch, before the first request
+            log.warning(
+                "compiling the kernels of %d step sizes for this GPU and model, once (later starts reuse them)",
+                len(graphs.buckets),
+            )
+            first_steps = graphs.buckets
+        with self._timed("warm-up"):
+            for bucket in first_steps:
+                graphs.warm(bucket)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+    def background_pending(self, idle: bool) -> bool:
+        """Whether CUDA graphs are still to be captured: while serving, of the step sizes in use; idle, of any
+        (the engine's loop calls `background`, a piece at a time, until not)."""
+        return self.graphs is not None and bool(self.graphs.wanted(idle))
+
+    def background(self) -> None:
+        """One piece of the graphs' background work (cuda_graph.py), the most wanted: between steps, with the
+        device busy, or idle."""
+        if self.graphs is not None:
+            self.graphs.background()
 
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the
@@ -157,12 +177,13 @@ class ModelRunner:
             take_pending(device_step, step, last)
             logits = self._forward(device_step)
             sample = lambda: self._sample(device_step, logits)
+        self._copy_blocks([c.block_copy for c in chunks if c.block_copy])  # after the forward pass wrote them
         for seq in sampling:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
         drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
         prefill = sum(c.length for c in chunks if c.length > 1 + c.seq.num_drafts)  # a decode with drafts: a row
-        decode_rows = len(chunks) - sum(c.length > 1 + c.seq.num_drafts for c in chunks)
+        decode_rows = sum(c.length == 1 + c.seq.num_drafts for c in chunks)
         launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample)
         row_seqs = [seq for seq, d in zip(sampling, drafts, strict=True) for _ in range(1 + len(d))]
         asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
@@ -174,6 +195,12 @@ class ModelRunner:
         else:
             self._queue_sampler(launched)
         return launched
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: forks' last partial blocks."""
+        if copies:
+            source, destination = (torch.tensor(x, device=self.model.device) for x in zip(*copies, strict=True))
+            self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
         """Start filling the next token's masks of the sequences under a grammar, on llguidance's threads (the GIL
@@ -191,6 +218,9 @@ class ModelRunner:
         matchers = [seq.grammar for seq in constrained if seq.grammar is not None]
         slots = [cast(int, seq.sampler_slot) for seq in constrained]
         bitmask = self._host_bitmasks[0]
+        # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
+        # default switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it
+        sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_S))
 
         def fill() -> tuple[list[int], torch.Tensor]:
             fill_bitmasks(matchers, bitmask)
@@ -373,7 +403,8 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         qsl.append(qsl[-1] + c.length)
-        if end == known:  # the chunk samples (ScheduledChunk.samples): its last token, and each draft
+        if end == known:  # the chunk samples (ScheduledChunk.samples): its last token, and each draft; a fork's (no
+            # tokens) the chunk before's row
             assert seq.sampler_slot is not None  # admitted
             drafts = seq.num_drafts
             rows += range(qsl[-1] - 1 - drafts, qsl[-1])

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -183,6 +184,7 @@ class EngineProcess:
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer)
         self._send_lock = threading.Lock()
+        self._group = threading.local()  # .submits: what together() gathers in this thread
         self._handles: dict[int, ProcessHandle] = {}
         self._stats = EngineStats(model=self.model_name, device=self.device)
         self._ids = itertools.count(1)
@@ -213,12 +215,31 @@ class EngineProcess:
         request_id = next(self._ids)
         output = OutputState(self.tokenizer, params.stop, THINK_OPEN if opens else "")
         handle = self._handles[request_id] = ProcessHandle(request_id, output, len(ids), self.max_context)
-        try:
-            self._send(Submit(request_id, ids, params))
-        except LlamatermError:
-            del self._handles[request_id]
-            raise
+        if (group := getattr(self._group, "submits", None)) is not None:
+            group.append(Submit(request_id, ids, params))
+            return handle
+        self._submit([Submit(request_id, ids, params)])
         return handle
+
+    @contextmanager
+    def together(self):
+        """Requests submitted inside (from this thread) go to the child as one message, which its engine takes in
+        one step (Engine.together): a response's n choices, forked from one prefill."""
+        self._group.submits = []
+        try:
+            yield
+        finally:
+            group, self._group.submits = self._group.submits, None
+            if group:
+                self._submit(group)
+
+    def _submit(self, submits: list[Submit]) -> None:
+        try:
+            self._send(submits)
+        except LlamatermError:
+            for submit in submits:
+                del self._handles[submit.request_id]
+            raise
 
     def cancel(self, handle: RequestStream | int) -> None:
         self._send(Cancel(handle if isinstance(handle, int) else handle.id))
@@ -248,7 +269,7 @@ class EngineProcess:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _send(self, message: Submit | Cancel | Shutdown) -> None:
+    def _send(self, message: list[Submit] | Cancel | Shutdown) -> None:
         with self._send_lock:
             try:
                 self._conn.send(message)
@@ -327,7 +348,8 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
 
 
 def take_requests(conn, engine: Engine, sink: Sink) -> None:
-    """The parent's messages to the engine, until it says to shut down or is gone."""
+    """The parent's messages to the engine, until it says to shut down or is gone: requests sent together (a
+    response's n choices) reach the engine's scheduler together, and fork from one prefill."""
     while True:
         try:
             message = conn.recv()
@@ -338,11 +360,17 @@ def take_requests(conn, engine: Engine, sink: Sink) -> None:
         if isinstance(message, Cancel):
             engine.cancel(message.request_id)
             continue
-        try:
-            engine.submit(None, message.params, prompt_ids=message.prompt_ids, request_id=message.request_id)
-        except Exception as e:  # the parent checked the prompt: a refusal here is unforeseen; keep serving
-            error = e if isinstance(e, LlamatermError) else f"{type(e).__name__}: {e}"
-            sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})", None)], [])
+        with engine.together():
+            for submit in message:
+                take(submit, engine, sink)
+
+
+def take(message: Submit, engine: Engine, sink: Sink) -> None:
+    try:
+        engine.submit(None, message.params, prompt_ids=message.prompt_ids, request_id=message.request_id)
+    except Exception as e:  # the parent checked the prompt: a refusal here is unforeseen; keep serving
+        error = e if isinstance(e, LlamatermError) else f"{type(e).__name__}: {e}"
+        sink([(message.request_id, -1, "error", f"the engine could not take the request ({error})", None)], [])
 
 
 class Outbox:

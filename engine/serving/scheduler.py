@@ -11,7 +11,9 @@ streaming a steady, small slowdown rather than a stall: a session's gap between 
 
 A prompt that begins as one being computed right now (the n choices of one request, clients with the same long
 system prompt arriving together) waits until that prefill has passed their common part, then takes it from the
-prefix cache: a shared prompt is computed once, plus at most a block per sequence that shares it.
+prefix cache. A prompt equal to one whose last chunk is in the step forks from it instead: a chunk of no tokens
+right after that one, which samples its own token from the same logits, and a block table that shares the full
+blocks and starts with a copy of the partial last one; so n choices of a prompt compute it once.
 
 Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
 admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
@@ -29,7 +31,9 @@ from llamaterm.engine.serving.sequence import Sequence, Status
 class ScheduledChunk:
     seq: Sequence
     start: int  # first token index computed in this step
-    length: int
+    length: int  # 0: a fork, which samples from the logits of the chunk before it (the same prompt's last chunk)
+    block_copy: tuple[int, int] | None = None  # a fork's last partial block: (source, destination) to copy once
+    # the chunk before it has written the source
 
     @property
     def samples(self) -> bool:
@@ -179,11 +183,13 @@ class Scheduler:
         its own); one whose prompt is being computed by another waits for it, and the next is considered."""
         budget = self.max_batch_tokens - sum(c.length for c in chunks)
         for seq in list(self.waiting):
-            if budget <= 0:
-                break
             if seq.done_sampling:  # preempted while its last token is in flight: it finishes when that arrives
                 break
             if seq.sampler_slot is None and not self.free_slots:
+                break
+            if self._fork(seq, chunks):  # (takes no tokens of the budget)
+                continue
+            if budget <= 0:
                 break
             if self._computing_its_prefix(seq):
                 continue
@@ -204,6 +210,25 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
             prefill -= n
+
+    def _fork(self, seq: Sequence, chunks: list[ScheduledChunk]) -> bool:
+        """Fork a fresh sequence from one in the step whose chunk ends its prompt, the same tokens as seq's: a
+        chunk of no tokens placed after that chunk (step_lists gives it the same logits row)."""
+        if seq.table.block_ids or seq.num_computed or seq.num_generated:
+            return False
+        n = len(seq.token_ids)
+        same = lambda c: c.length and c.samples and not c.seq.num_pending and c.seq.token_ids == seq.token_ids
+        i = next((i for i, c in enumerate(chunks) if same(c)), None)
+        if i is None or not self.blocks.can_fork(n):
+            return False
+        self.waiting.remove(seq)
+        copy = self.blocks.fork(chunks[i].seq.table, seq.table, n)
+        seq.num_computed = seq.num_cached = n
+        self._admit(seq, 0)
+        while i + 1 < len(chunks) and chunks[i + 1].length == 0:  # after the parent's earlier forks
+            i += 1
+        chunks.insert(i + 1, ScheduledChunk(seq, n, 0, copy))
+        return True
 
     def _computing_its_prefix(self, seq: Sequence) -> bool:
         """A running sequence is computing at least a block of seq's prompt that seq would otherwise compute

@@ -54,9 +54,10 @@ def composition(d: int, p: int, context: int, prefill_start: int, block_size: in
 def step_ms(engine, step: StepLists) -> tuple[int, float, torch.cuda.CUDAGraph]:
     graphs = engine.runner.graphs
     bucket, device_step = graphs.prepare(step)
-    for _ in range(3):  # eager once, captured on the second use
-        graphs.run(bucket, device_step)
-    graph = graphs.graphs[bucket][0]
+    if bucket not in graphs.graphs:
+        graphs.warm(bucket)
+        graphs.capture(bucket)
+    graph = graphs.graphs[bucket].forward
     return bucket, replay_ms(graph, 30), graph
 
 
@@ -65,7 +66,6 @@ def forget(engine) -> None:
     graphs = engine.runner.graphs
     for bucket in [b for b in graphs.graphs if b > graphs.max_running]:
         del graphs.graphs[bucket]
-        graphs._ran_eagerly.discard(bucket)
 
 
 def matmul_rate(device: torch.device) -> float:

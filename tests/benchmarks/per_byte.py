@@ -41,7 +41,7 @@ def main() -> None:
             gb = wl.weight_bytes(engine.model) / 1e9
             one = wl.static_rate(sessions, 1, 128, 128)
             many = wl.static_rate(sessions, 64, 128, 128)
-            graph = engine.runner.graphs.graphs[1][0]
+            graph = engine.runner.graphs.graphs[1].forward
             kernels = kernel_table(graph, rows=0)[0].split()[0]
             print(
                 f"| {engine.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "

@@ -1,5 +1,7 @@
 """Block manager: allocation, ref counts, prefix caching and LRU eviction."""
 
+import tracemalloc
+
 from llamaterm.engine.serving.block_manager import FREED, BlockManager, BlockTable, chain_hash
 
 
@@ -136,8 +138,8 @@ def test_window_prefix_match_takes_only_the_blocks_its_window_reaches():
 
 def test_window_prefix_match_stops_before_an_evicted_block_inside_the_window():
     window, bs = 10, 4
-    bm = BlockManager(num_blocks=40, block_size=bs, window=window)
-    prompt = list(range(300, 340))  # 40 tokens: 10 blocks
+    bm = BlockManager(num_blocks=10, block_size=bs, window=window)
+    prompt = list(range(300, 340))  # 40 tokens: 10 blocks, the whole pool (a block never used goes first)
     a = BlockTable()
     run_sequence(bm, prompt, a, 0, chunk=40)
     bm.release(a)
@@ -161,3 +163,35 @@ def hash_of(token_ids: list[int], n_blocks: int, bs: int) -> int:
     for i in range(n_blocks):
         h = chain_hash(h, tuple(token_ids[i * bs : (i + 1) * bs]))
     return h
+
+
+def test_set_up_makes_nothing_per_block():
+    """A pool of ten million blocks (a small model's KV pool on an H200 is about 300,000) is set up in memory that
+    does not grow with it; a block gets its record when first used, and every block is free until then."""
+    tracemalloc.start()
+    bm = BlockManager(num_blocks=10_000_000, block_size=16)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 100_000
+    assert bm.num_free == bm.num_blocks == 10_000_000 and not bm.blocks
+    t = BlockTable()
+    bm.allocate(t, 40)
+    assert t.block_ids == [0, 1, 2] and sorted(bm.blocks) == [0, 1, 2] and bm.num_free == 10_000_000 - 3
+
+
+def test_blocks_never_used_go_before_any_cached_block_is_evicted():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    a = BlockTable()
+    bm.allocate(a, 5)
+    bm.commit_full_blocks(a, prompt, 5)
+    bm.release(a)  # blocks 0 and 1 cache the prompt's two full blocks; block 2 caches nothing
+    b = BlockTable()
+    bm.allocate(b, 8)  # block 2 first, then the never used 3, 4, 5; then the least recent cached one
+    assert b.block_ids == [2, 3, 4, 5]
+    probe = BlockTable()
+    assert bm.match_prefix(prompt, probe) == 4
+    bm.release(probe)
+    c = BlockTable()
+    bm.allocate(c, 2)
+    assert c.block_ids == [1] and bm.match_prefix(prompt, BlockTable()) == 2  # the tail block went first

@@ -1,9 +1,23 @@
-"""The graph buckets (engine/serving/cuda_graph.py), checked on the CPU: every step the scheduler can make has a
-bucket, and padding stays under one 64-row matmul tile up to 512 tokens and under 256 tokens above."""
+"""The CUDA graphs' machinery (engine/serving/cuda_graph.py), checked on the CPU: every step the scheduler can make
+has a bucket, and padding stays under one 64-row matmul tile up to 512 tokens and under 256 tokens above; the
+engine serves before any graph exists and captures in the background, between steps and when idle, the buckets in
+use first. The CPU has no CUDA graphs: the capture alone is stubbed (the work is recorded as a callable that each
+replay runs again over the live buffers); the padded buffers, the eager steps over them, the warm-ups and the
+engine loop's scheduling of the pieces are the real ones (tests/engine/test_gpu_model.py captures for real)."""
+
+import time
 
 import pytest
+import torch
 
-from llamaterm.engine.serving.cuda_graph import token_buckets
+from llamaterm.app.bench import format_serve_first
+from llamaterm.engine import bench as wl
+from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.bench import synthetic_model
+from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.serving.cuda_graph import StepGraphs, token_buckets
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.synthetic import SyntheticTokenizer
 
 
 @pytest.mark.parametrize(("max_batch", "max_tokens"), [(64, 2048), (8, 256), (48, 2048), (64, 100), (256, 4096)])
@@ -19,3 +33,110 @@ def test_every_step_size_has_a_tight_bucket(max_batch, max_tokens):
             assert bucket - t < 64
         else:
             assert bucket - t < 256
+
+
+class Recorded:
+    """A CUDA graph's stand-in: each replay runs the recorded work again and writes its output in place."""
+
+    def __init__(self, work, out: torch.Tensor):
+        self.work, self.out, self.replays = work, out, 0
+
+    @torch.inference_mode()  # (the output is made in inference mode, as the work runs)
+    def replay(self) -> None:
+        self.out.copy_(self.work())
+        self.replays += 1
+
+
+def record_without_running(self: StepGraphs, work):
+    """As a capture, nothing takes effect: the work runs once over padding alone (no KV written, nothing sampled),
+    for its output's shape."""
+    live = self.flat.clone(), self.tables.clone()
+    self.flat.copy_(self._padding[0])
+    self.tables.copy_(self._padding[1])
+    out = work()
+    self.flat.copy_(live[0])
+    self.tables.copy_(live[1])
+    return Recorded(work, out), out
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """An engine without graphs (the oracle) and one with StepGraphs on the CPU, captures stubbed: 4 sequences at
+    most and 64 tokens a step, so the buckets are 1, 2, 4 (decodes), then 8 .. 64."""
+    monkeypatch.setattr(StepGraphs, "_record", record_without_running)
+    model = synthetic_model("tiny", True, torch.device("cpu"))
+    # without drafts, which would take random weights' repeated tokens several a step
+    config = EngineConfig(max_running=4, max_batch_tokens=64, cuda_graphs=False, speculate="off")
+    eager = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)  # type: ignore[arg-type]
+    served = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)  # type: ignore[arg-type]
+    runner = served.runner
+    max_blocks = -(-model.config.context_length // config.block_size)
+    runner.graphs = StepGraphs(runner._forward, runner._sample, model.device, 4, 64, max_blocks)  # before a request
+    yield eager, served, runner.graphs
+    eager.shutdown()
+    served.shutdown()
+
+
+def generated(engine: Engine, prompt: list[int]):
+    handle = engine.submit(None, GREEDY, prompt_ids=prompt)
+    events = list(handle.events())
+    assert events[-1].finish_reason == "length", events[-1]
+    return [t for e in events for t in e.token_ids], handle
+
+
+def wait_idle_work(engine: Engine, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.runner.background_pending(idle=True):
+        assert time.monotonic() < deadline, "the background captures did not finish"
+        time.sleep(0.01)
+
+
+def test_a_request_is_answered_before_any_graph_and_as_without_graphs(engines):
+    eager, served, graphs = engines
+    prompt = list(range(5, 25))  # 20 tokens: the 32 bucket, then decodes in the 1 bucket
+    expected, _ = generated(eager, prompt)
+    tokens, handle = generated(served, prompt)
+    assert tokens == expected
+    first_token = handle.seq.first_token_time
+    assert first_token is not None and min(graphs.ready_at.values()) > first_token  # served first, captured later
+    # its decode bucket was captured after its first decode step, and the rest of its steps replayed it
+    assert graphs.graphs[1].forward.replays == graphs.graphs[1].sample.replays >= len(tokens) - 3
+
+
+def test_graphs_are_captured_in_use_first_and_the_rest_when_idle(engines):
+    eager, served, graphs = engines
+    prompt = list(range(30, 50))
+    _, handle = generated(served, prompt)
+    busy = {b for b, t in graphs.ready_at.items() if t < handle.finish_time}
+    assert busy == {1}  # while it ran, only the bucket its steps used: a one-shot command's steps make way for it
+    wait_idle_work(served)
+    assert sorted(graphs.graphs) == [1, 2, 4]  # idle: every decode bucket; not 32, which one step used
+    assert graphs.ready_at[2] < graphs.ready_at[4] and graphs.uses[32] == 1
+    # a second prompt of that size: its bucket is captured now, and replays give the eager path's tokens
+    other = list(range(60, 80))
+    expected, _ = generated(eager, other)
+    assert generated(served, other)[0] == expected
+    wait_idle_work(served)
+    assert 32 in graphs.graphs and graphs.uses[32] == 2
+    assert generated(served, prompt[::-1])[0] == generated(eager, prompt[::-1])[0]
+    assert graphs.graphs[32].forward.replays == 1
+    assert served.block_manager.num_free == served.block_manager.num_blocks
+
+
+def test_the_bench_times_the_captures_while_sessions_run(engines):
+    """engine/bench.py's graphs_timeline (what `llamaterm bench` prints as serve-first figures): 3 sessions from
+    start-up use the 4 bucket, captured while they run; the engine's stats say when, and what a capture held up."""
+    _, served, graphs = engines
+    sessions = wl.Sessions(served, False, wl.GREEDY, served.model.config.vocab_size)
+    timeline = wl.graphs_timeline(sessions, 3, 8, seconds=1.5)
+    ready = timeline["graphs_ready_s"]
+    assert 4 in ready and ready == {b: t - served.ready_at for b, t in graphs.ready_at.items()}
+    assert timeline["full_graph_speed_s"] == max(ready.values()) > 0
+    assert timeline["max_step_background_ms"] > 0 and timeline["normal_step_ms"] > 0
+    assert timeline["pending_after"] == len(graphs.wanted(idle=True))
+    assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
+    lines = format_serve_first({"first_answer_s": 0.5, **timeline, "idle_captures_s": 0.1})
+    assert lines[0].startswith("first answer 0.50 s after the imports; 3 sessions") and "4 " in lines[1]

@@ -84,6 +84,32 @@ def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("prompt_len", [37, 48])  # a partial last block (copied by each fork), and none
+def test_choices_forked_from_one_prefill_sample_as_if_alone(tiny, overlap, prompt_len):
+    """n choices of one prompt (seeds 7 + i, as serve gives them; one greedy) submitted together: the prompt is
+    computed once and the others fork from it, and each choice generates what it generates alone, with the same
+    log-probabilities (which would move if a fork's copy of the partial last block were wrong)."""
+    prompt = [(11 * t) % 40000 + 3 for t in range(prompt_len)]
+    filters = dict(temperature=1.0, top_k=40, repetition_penalty=1.2, presence_penalty=0.3, ignore_eos=True)
+    requests = [(prompt, SamplingParams(max_tokens=20, seed=7 + i, logprobs=0, **filters)) for i in range(4)]
+    requests.append((prompt, SamplingParams(max_tokens=20, logprobs=0, ignore_eos=True)))
+
+    def replies(engine: Engine, handles) -> list[list[tuple[int, float]]]:
+        return [[(lp.token_id, lp.logprob) for e in h.events() for lp in e.logprobs] for h in handles]
+
+    with make_engine(tiny) as engine:
+        expected = [replies(engine, [engine.submit(None, sp, prompt_ids=p)])[0] for p, sp in requests]
+    with make_engine(tiny, overlap=overlap, block_size=16) as engine:
+        with engine.together():  # as serve submits a response's choices
+            handles = [engine.submit(None, params, prompt_ids=p) for p, params in requests]
+        for got, want in zip(replies(engine, handles), expected, strict=True):
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)
+        assert [h.stats().cached_tokens for h in handles] == [0] + [prompt_len] * 4  # computed once
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_small_pool_preempts_and_recomputes(tiny, overlap):
@@ -276,3 +302,20 @@ def test_dense_prefill_weights_only_within_budget():
     assert all(w.kept_dense(torch.float32) is None for w in linears)
     assert model.keep_dense_weights(need) == need
     assert all(torch.equal(w.kept_dense(torch.float32), w.dequantize(torch.float32)) for w in linears)
+
+
+def test_triton_hashes_its_library_beside_the_loading():
+    """On CUDA the hash Triton keys its kernel cache by (of its 500 MB library) is computed on a thread while the
+    block loads the model, and is ready when the block ends; elsewhere nothing happens."""
+    from triton.runtime.cache import triton_key
+
+    from llamaterm.engine.serving.engine import triton_cache_key_beside
+
+    triton_key.cache_clear()
+    with triton_cache_key_beside(torch.device("cpu")):
+        assert "llamaterm-triton-key" not in {t.name for t in threading.enumerate()}
+    assert triton_key.cache_info().currsize == 0
+    with triton_cache_key_beside(torch.device("cuda")):  # (a device object: nothing here touches CUDA)
+        assert "llamaterm-triton-key" in {t.name for t in threading.enumerate()}
+    assert triton_key.cache_info().currsize == 1
+    assert "llamaterm-triton-key" not in {t.name for t in threading.enumerate()}

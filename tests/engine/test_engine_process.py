@@ -34,6 +34,21 @@ def test_same_tokens_as_in_process(tiny):
         assert remote.stats().model == "tiny"
 
 
+def test_choices_submitted_together_fork_from_one_prefill(tiny):
+    """A response's n choices, submitted together (as serve does), reach the child's scheduler in one step: the
+    prompt is computed once (every other choice's prompt tokens come from it) and each choice samples what it
+    samples alone."""
+    prompt = [(13 * t) % 30000 + 5 for t in range(150)]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=3 + i) for i in range(4)]
+    with Engine.from_model(EngineConfig(model=tiny, device="cpu")) as local:
+        expected = [local.generate(None, p, prompt_ids=prompt)[1].seq.generated for p in params]
+    with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
+        with remote.together():
+            handles = [remote.submit(None, p, prompt_ids=prompt) for p in params]
+        assert [[t for e in h.events() for t in e.token_ids] for h in handles] == expected
+        assert [h.stats().cached_tokens for h in handles] == [0, 150, 150, 150]
+
+
 def test_text_and_stop_strings_as_in_process(tiny):
     """The parent detokenizes and finds stop strings: the same text and finish as the in-process engine, and the
     child stops the request (its blocks come back)."""

@@ -5,6 +5,7 @@ of memory at start-up. Tokens are checked against the fp32 CPU reference (tests/
 import gc
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
         SyntheticTokenizer(),
         EngineConfig(max_running=4, max_batch_tokens=64),
     )
-    captured_at_start = set(gpu.runner.graphs.graphs)
+    captured_at_start = set(gpu.runner.graphs.graphs)  # (serve first: none, unless the loop idled already)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (1, 5, 17, 40, 64, 65, 100, 300, 700, 3, 9, 129)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -70,6 +71,33 @@ def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
     finally:
         gpu.shutdown()
         cpu.shutdown()
+
+
+def test_the_same_tokens_before_and_after_the_graphs_are_captured():
+    """A fresh engine answers at once, its steps eager until their buckets' graphs exist (captured between its
+    steps); once idle, it captures the rest. Asked again, sampled with a seed, every step replayed from a graph:
+    the same tokens (the same kernels over the same padded buffers). One request at a time, prompts of 12 tokens
+    (no full block, so no prefix-cache hit): the same step sizes both times."""
+    model = synthetic_model("smollm2-135m", True, torch.device("cuda"))
+    # one token a step (no drafts, which random weights' repeated tokens would take several a step): the decodes
+    # use bucket 1
+    config = EngineConfig(max_running=8, kv_tokens=8192, speculate="off")
+    gpu = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)
+    graphs = gpu.runner.graphs
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = [list(range(100 + 12 * i, 112 + 12 * i)) for i in range(3)]
+    run = lambda p: [t for e in gpu.submit(None, params, prompt_ids=p).events() for t in e.token_ids]
+    try:
+        before = [run(p) for p in prompts]
+        assert 1 in graphs.graphs  # captured between the first request's steps
+        deadline = time.monotonic() + 60
+        while gpu.runner.background_pending(idle=True):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert {1, 2, 4, 8} <= set(graphs.graphs)
+        assert [run(p) for p in prompts] == before
+    finally:
+        gpu.shutdown()
 
 
 def test_seeded_sampling_alone_and_in_a_batch_on_the_gpu(tmp_path):
@@ -117,6 +145,37 @@ def test_seeded_sampling_alone_and_in_a_batch_on_the_gpu(tmp_path):
         together = [h.seq.generated for h in handles]
     assert all(len(t) == 24 for t in together)
     assert sum(a == t for a, t in zip(alone, together, strict=True)) >= 6, (alone, together)
+
+
+@pytest.mark.parametrize("prompt_len", [37, 48])  # forks copy a partial last block, or none
+def test_forked_choices_on_the_gpu_sample_as_if_alone(tmp_path, prompt_len):
+    """n choices of one prompt submitted together fork from its one prefill (a chunk of no tokens in the graphs'
+    step, the partial last block copied): each samples what it samples alone (most whole, as above)."""
+    path = write_tiny_llama(
+        tmp_path / "tiny.gguf",
+        vocab_from=None,
+        vocab_size=512,
+        n_layers=2,
+        hidden=256,
+        n_heads=8,
+        n_kv_heads=2,
+        intermediate=512,
+        context_length=1024,
+        seed=9,
+    )
+    ckpt = load_gguf(path)
+    prompt = [(7 * t) % 511 + 1 for t in range(prompt_len)]
+    filters = dict(temperature=0.9, top_k=40, repetition_penalty=1.1, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, seed=100 + i, **filters) for i in range(5)]
+    with Engine(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), SyntheticTokenizer()) as gpu:
+        alone = [gpu.generate(None, p, prompt_ids=prompt)[1].seq.generated for p in params]
+        with gpu.together():
+            handles = [gpu.submit(None, p, prompt_ids=prompt) for p in params]
+        for h in handles:
+            list(h.events())
+        assert [h.stats().cached_tokens for h in handles[1:]] == [prompt_len] * 4  # forks
+        together = [h.seq.generated for h in handles]
+    assert sum(a == t for a, t in zip(alone, together, strict=True)) >= 4, (alone, together)
 
 
 def test_out_of_memory_at_start_up_says_which_kv_tokens_to_try():

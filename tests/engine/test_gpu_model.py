@@ -81,15 +81,20 @@ def test_gpu_batch_matches_solo(engines):
 
 def test_step_graphs_match_eager():
     """Steps replayed from CUDA graphs give the eager forward pass's logits and write the same K/V: decodes, a
-    prefill chunk beside decodes, each padded to its bucket after a larger step left its rows in the buffers. The
-    engines above run every step through graphs (Engine's default), so the tests before this one check graph
-    steps against the fp32 reference. Random 4-bit weights: no model file needed."""
+    prefill chunk beside decodes, each padded to its bucket after a larger step left its rows in the buffers. Each
+    step runs eagerly over the padded buffers first, its bucket is then warmed and captured between steps (as the
+    engine's background work does), and the same step replayed gives the same again. The engines above run every
+    step through graphs (Engine's default), so the tests before this one check graph steps against the fp32
+    reference. Random 4-bit weights: no model file needed."""
     model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
     caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
     caches[1].copy_(caches[0])
-    # a body that returns the logits, so the graphs' steps compare with the eager forward pass
-    body = lambda step: model.forward(step.inputs, caches[0])
-    graphs = StepGraphs(body, model.device, max_running=8, max_batch_tokens=64, max_blocks=8, compile_all=True)
+    # the forward pass over cache 0 and a sampler that takes the logits' argmax, so the graphs' steps compare with
+    # the eager forward pass over cache 1
+    forward = lambda step: model.forward(step.inputs, caches[0])
+    sample = lambda step, logits: logits.argmax(-1)
+    graphs = StepGraphs(forward, sample, model.device, max_running=8, max_batch_tokens=64, max_blocks=8)
+    assert not graphs.graphs and not graphs.warmed  # nothing before the first step
     gen = torch.Generator().manual_seed(0)
 
     def step(lens: list[int], queries: list[int]) -> StepLists:
@@ -121,14 +126,23 @@ def test_step_graphs_match_eager():
     last = SimpleNamespace(tokens=SimpleNamespace(device_tokens=pending))  # as model_runner's LaunchedStep
     for s, k in zip(steps, known, strict=True):
         ref = model.forward(device_tensors(k, model.device).inputs, caches[1]).float()
-        for _ in range(2):  # a bucket above max_running runs eagerly (padded) first, then from its new graph
+        for captured in (False, True):
             bucket, device_step = graphs.prepare(s)
             take_pending(device_step, s, last)
-            out = graphs.run(bucket, device_step)[: len(s.context_lens)].float()
+            out = graphs.run_forward(bucket, device_step)
+            tokens = graphs.run_sample(bucket, device_step, out)[: len(s.context_lens)]
+            out = out[: len(s.context_lens)].float()
+            assert (bucket in graphs.graphs) == captured
             assert out.shape == ref.shape == (len(s.context_lens), model.config.vocab_size)
             assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
             assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
-    assert sorted(graphs.graphs) == [1, 2, 4, 8, 32, 64]  # decode buckets from the start, the others once used
+            assert torch.equal(tokens, out.argmax(-1))
+            if not captured:  # between two steps, as the engine does it: a warm run over padding (writes no KV)
+                graphs.warm(bucket)
+                assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
+                graphs.capture(bucket)
+    assert sorted(graphs.graphs) == [4, 32, 64]
+    assert graphs.wanted(idle=False) == [] and graphs.wanted(idle=True) == [1, 2, 8]  # the decode buckets left
 
 
 def test_engine_replays_every_step_kind(engines):

@@ -60,15 +60,51 @@ def prompt_tokens_computed(s: Scheduler, seqs: list[Sequence]) -> int:
 
 
 def test_choices_of_one_prompt_compute_it_once():
-    """n = 8 on a 512-token prompt (a request's choices arrive together): the prompt is computed once; each other
-    choice computes only its last block, whose last token the prefix cache never serves (its logits are needed)."""
+    """n = 8 on a 512-token prompt (a request's choices arrive together): the prompt is computed once; the other
+    choices fork from it in the step of its last chunk, which they sample beside."""
     s = Scheduler(BlockManager(1000, 16), max_batch_tokens=2048, max_running=16)
     prompt = [(7 * t) % 5000 for t in range(512)]
     choices = [Sequence(i, list(prompt), 512, SamplingParams(max_tokens=50), 50) for i in range(8)]
     for q in choices:
         s.add(q)
-    assert prompt_tokens_computed(s, choices) == 512 + 7 * 16
-    assert [q.num_cached for q in choices] == [0] + [496] * 7
+    assert prompt_tokens_computed(s, choices) == 512
+    assert [q.num_cached for q in choices] == [0] + [512] * 7
+    assert all(q.table.block_ids == choices[0].table.block_ids for q in choices)  # 32 full blocks, shared
+
+
+def test_a_fork_waits_for_the_last_chunk_and_copies_the_partial_last_block():
+    """A 700-token prompt over two steps of 512: its copies wait through the first chunk, then fork beside the
+    second; each shares the 43 full blocks and copies the 44th (12 tokens) into a block of its own."""
+    blocks = BlockManager(100, 16)
+    s = Scheduler(blocks, max_batch_tokens=512, max_running=4)
+    prompt = [(3 * t) % 911 for t in range(700)]
+    choices = [Sequence(i, list(prompt), 700, SamplingParams(max_tokens=50), 50) for i in range(3)]
+    for q in choices:
+        s.add(q)
+    first = s.schedule()
+    assert [(c.seq.id, c.length) for c in first] == [(0, 512)]
+    s.advance(first)
+    second = s.schedule()
+    assert [(c.seq.id, c.start, c.length) for c in second] == [(0, 512, 188), (1, 700, 0), (2, 700, 0)]
+    parent = choices[0].table.block_ids
+    copies = [c.block_copy for c in second[1:]]
+    assert [src for src, _ in copies] == [parent[43]] * 2
+    for q, (_, dst) in zip(choices[1:], copies, strict=True):
+        assert q.table.block_ids == parent[:43] + [dst] and dst not in parent
+    s.advance(second)
+    assert all(blocks.blocks[b].ref_count == 3 for b in parent[:43]) and blocks.num_free == 100 - 44 - 2
+    for q in choices:
+        s.finish(q)
+    assert blocks.num_free == 100 and all(b.ref_count == 0 for b in blocks.blocks.values())
+
+
+def test_a_prompt_that_only_begins_like_one_being_computed_does_not_fork():
+    s = Scheduler(BlockManager(100, 16), max_batch_tokens=512, max_running=4)
+    a = Sequence(0, list(range(100)), 100, SamplingParams(), 50)
+    b = Sequence(1, list(range(100)) + [5], 101, SamplingParams(), 50)
+    s.add(a)
+    s.add(b)
+    assert [(c.seq.id, c.length) for c in s.schedule()] == [(0, 100)]  # b waits for a's 6 full blocks
 
 
 def test_prompts_that_share_only_a_beginning_wait_for_it_alone():

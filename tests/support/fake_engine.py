@@ -8,6 +8,7 @@ probability going to ALTERNATIVES, halving from one to the next.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import queue
@@ -120,6 +121,9 @@ class FakeEngine:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._thread.start()
+
+    def together(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()  # its requests stream at once, one by one
 
     def submit(
         self,
