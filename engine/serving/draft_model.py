@@ -21,10 +21,12 @@ import torch
 
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
-from llamaterm.engine.serving.model import Model, StepLists
+from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.model import DeviceStep, Model, StepLists
 from llamaterm.engine.serving.model_runner import device_tensors
 from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.kernels.dispatch import use_triton
 
 FAMILY = "pick a draft model of the same family (its tokenizer), or --speculate ngram"
 
@@ -42,9 +44,26 @@ def check_vocabulary(draft: Tokenizer, target: Tokenizer, draft_name: str, targe
 
 
 class DraftModel:
-    def __init__(self, model: Model, num_blocks: int, block_size: int, sampler: Sampler):
+    def __init__(
+        self,
+        model: Model,
+        num_blocks: int,
+        block_size: int,
+        sampler: Sampler,
+        max_running: int,
+        max_batch_tokens: int,
+        cuda_graphs: bool,
+    ):
         self.model, self.block_size, self.sampler = model, block_size, sampler
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        # its steps replayed from CUDA graphs of their own, as the model's (cuda_graph.py): a bucket runs eagerly
+        # until its graph is captured, a piece between two draft steps once steps have needed it
+        self.graphs = None
+        if cuda_graphs and use_triton(self.kv_cache):
+            max_blocks = -(-model.config.context_length // block_size)
+            self.graphs = StepGraphs(
+                self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
+            )
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Fill each sequence's drafts (the scheduler placed num_drafts placeholders after its known tokens) with the
@@ -96,6 +115,19 @@ class DraftModel:
             [],
             [],
         )
-        device_step = device_tensors(step, self.model.device)
-        logits = self.model.forward(device_step.inputs, self.kv_cache)
-        return self.sampler.sample(logits, device_step.sampler_slots, device_step.sample_positions).tolist()
+        graphs = self.graphs
+        if graphs is None or not graphs.fits(step):
+            device_step = device_tensors(step, self.model.device)
+            return self._sample(device_step, self._forward(device_step)).tolist()
+        bucket, device_step = graphs.prepare(step)
+        tokens = graphs.run_sample(bucket, device_step, graphs.run_forward(bucket, device_step))
+        out = tokens[: len(rows)].tolist()
+        if graphs.wanted(idle=False):  # the step is done (its tokens read): a piece of the captures' work
+            graphs.background()
+        return out
+
+    def _forward(self, step: DeviceStep) -> torch.Tensor:
+        return self.model.forward(step.inputs, self.kv_cache)
+
+    def _sample(self, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
+        return self.sampler.sample(logits, step.sampler_slots, step.sample_positions)

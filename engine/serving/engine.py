@@ -155,7 +155,12 @@ class Engine:
                 c.cuda_graphs,
                 max(c.max_running, spec_rows),
             )
-        self.draft = None if draft is None else DraftModel(draft, num_blocks, c.block_size, self.runner.sampler)
+        self.draft = None
+        if draft is not None:
+            with out_of_memory("preparing the draft model's KV cache", "give a smaller --kv-tokens"):
+                self.draft = DraftModel(
+                    draft, num_blocks, c.block_size, self.runner.sampler, c.max_running, max_batch_tokens, c.cuda_graphs
+                )
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks

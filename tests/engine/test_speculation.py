@@ -15,12 +15,14 @@ from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import speculation
+from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
+from tests.engine.test_cuda_graph import record_without_running
 from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
 from tests.support.cli import llamaterm
 from tests.support.engine_checks import assert_greedy_choices, our_last_logits
@@ -443,3 +445,21 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
     for a, b, c in triples:
         observed[a, b, c] += 1
     assert chi_square_p(observed.flatten(), expected.flatten()) > 1e-4
+
+
+def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypatch):  # noqa: F811
+    """The draft model's steps through StepGraphs of its own (on the CPU, captures stubbed as in test_cuda_graph):
+    eager until a bucket is captured between two draft steps, replayed after; the replies as without drafts."""
+    monkeypatch.setattr(StepGraphs, "_record", record_without_running)
+    requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(4, seed=60)]
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(4)
+    with draft_engine(tiny, drafts["draft"], max_running=4, max_batch_tokens=64) as engine:
+        draft = engine.draft
+        max_blocks = -(-engine.max_context // engine.block_manager.block_size)
+        draft.graphs = StepGraphs(draft._forward, draft._sample, torch.device("cpu"), 4, 64, max_blocks)
+        assert replies(engine, requests) == expected
+        assert engine.stats().drafted > 0
+        assert sum(g.forward.replays for g in draft.graphs.graphs.values()) > 0  # captured, then replayed
+        assert_every_block_back(engine)
