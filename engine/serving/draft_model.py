@@ -12,7 +12,11 @@ rewrites such blocks with the values they hold anyway (the same tokens at the sa
 Each draft token is drawn as the target's next token would be (the batched sampler, the sequence's own row of the
 target's tables: temperature, filters, bias, seed), from the draft's logits. The draws share their noise with the
 target's (keyed by seed, position and token), so the closer the two distributions, the likelier a draft is the
-target's own token and kept; greedy rows draft the draft's argmax.
+target's own token and kept; greedy rows draft the draft's argmax. This coupling keeps the replies exactly those
+without drafts (the model's own draws decide every token); for sampled rows it keeps fewer drafts than rejection
+sampling with min(1, p/q) would, which needs a draw of its own and so gives up that sameness.
+
+On CUDA the draft's steps replay from graphs of their own (cuda_graph.py's StepGraphs over its cache).
 """
 
 from __future__ import annotations
