@@ -646,6 +646,8 @@ def speculation_table(
         progress(f"speculation: {workload}, {sampling}, {n} sessions")
         params = SamplingParams(max_tokens=max_tokens, **values)
         speculation_run(engine, prompts, n, replace(params, max_tokens=16), speculate)  # warm: graphs, buckets
+        while engine.runner.background_pending(idle=True):  # the graphs captured when idle, before the runs
+            time.sleep(0.01)
         off = speculation_run(engine, prompts, n, params, "off")
         on = speculation_run(engine, prompts, n, params, speculate)
         rows.append(
