@@ -154,6 +154,7 @@ class Engine:
                 max_batch_tokens,
                 c.cuda_graphs,
                 max(c.max_running, spec_rows),
+                max(0, spec_rows - 1),
             )
         self.draft = None
         if draft is not None:
@@ -271,8 +272,9 @@ class Engine:
             seed=params.seed if params.seed is not None else secrets.randbits(64),
             grammar=None if params.grammar is None else self._vocabulary().matcher(params.grammar),
         )
-        # drafts would change the logits of penalised rows and need a grammar's matcher advanced through them
-        if self.speculate != "off" and not penalised(params) and params.grammar is None:
+        # a grammar's matcher would need advancing through the drafts; a draft model's draws would count up a
+        # penalised sequence's tokens (its drafts' rows of the model have counts of their own: model_runner.py)
+        if self.speculate != "off" and params.grammar is None and not (self.speculate == "draft" and penalised(params)):
             seq.speculation = Speculation()
         handle = RequestHandle(seq.id, seq, self, opens_thinking=opens)
         with self._cv:

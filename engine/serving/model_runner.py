@@ -45,7 +45,7 @@ from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLists
-from llamaterm.engine.serving.sampling import Sampler
+from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.engine.serving.sequence import Sequence, Status
 from llamaterm.engine.serving.speculation import accepted
@@ -106,14 +106,16 @@ class ModelRunner:
         max_batch_tokens: int,
         cuda_graphs: bool,
         max_rows: int | None = None,
+        max_drafts: int = 0,
     ):
-        """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running)."""
+        """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running);
+        max_drafts: the most drafts a step holds."""
         rows = max_rows or max_running
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-            self.sampler = Sampler(max_running, model.config.vocab_size, model.device)
+            self.sampler = Sampler(max_running, model.config.vocab_size, model.device, max_drafts)
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
@@ -167,6 +169,7 @@ class ModelRunner:
         step = step_lists(chunks, self.block_size, rows)
         if last is not None:
             self._queue_sampler(last)  # where it waited for masks, the host's work since hid their time
+        self._penalised_drafts(sampling, step)
         if self.graphs and self.graphs.fits(step):
             graphs, (bucket, device_step) = self.graphs, self.graphs.prepare(step)
             take_pending(device_step, step, last)
@@ -201,6 +204,17 @@ class ModelRunner:
         if copies:
             source, destination = (torch.tensor(x, device=self.model.device) for x in zip(*copies, strict=True))
             self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
+
+    def _penalised_drafts(self, sampling: list[Sequence], step: StepLists) -> None:
+        """The rows at a penalised sequence's drafts sample from slots of their own, whose counts hold the drafts
+        before them (Sampler.draft_rows)."""
+        row, used = 0, 0
+        for seq in sampling:
+            if seq.num_drafts and penalised(seq.params):
+                drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
+                step.sampler_slots[row + 1 : row + 1 + len(drafts)] = self.sampler.draft_rows(seq, drafts, used)
+                used += len(drafts)
+            row += 1 + seq.num_drafts
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
         """Start filling the next token's masks of the sequences under a grammar, on llguidance's threads (the GIL
@@ -267,6 +281,8 @@ class ModelRunner:
                 seq.num_drafts = 0
                 assert seq.speculation is not None
                 seq.speculation.observe(len(drafts), kept, seq.num_generated)
+                if penalised(seq.params):
+                    self.sampler.count_kept(seq, new)
                 step.verified, step.kept = step.verified + len(drafts), step.kept + kept
             else:
                 new = [REFUSED if i in refused else tokens[first]]

@@ -18,12 +18,15 @@ as every prompt-lookup draft is) it is the rejection sampling of Leviathan et al
 probability p(d) (p: the target's distribution after every filter), and otherwise the token comes from p with d
 removed, renormalised, which is the target's draw given that it is not d. So every filter, bias and seed holds.
 
-Rows whose logits the kept tokens would change are not drafted: repetition, presence and frequency penalties count
-the tokens sampled before each position, and a grammar's mask needs its matcher advanced through the drafts.
+Repetition, presence and frequency penalties count the tokens sampled before each position: a penalised sequence's
+rows at its drafts sample from slots of their own whose counts hold the drafts before them, and the drafts kept are
+counted in its slot after the step (Sampler.draft_rows, count_kept). A sequence under a grammar is not drafted (its
+matcher would have to be advanced through the drafts for their masks), nor a penalised one with a draft model (its
+draws from the sequence's slot would count up its tokens).
 
 How many tokens to draft adapts to each sequence's measured acceptance (`DraftLength`), and the scheduler turns
-drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` tokens in the step's
-decode rows.
+drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` rows sampled in the
+step.
 """
 
 from __future__ import annotations

@@ -119,8 +119,30 @@ def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):  # noqa: F811
         assert_every_block_back(engine)
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):  # noqa: F811
+    """Repetition, presence and frequency penalties count the drafts before each row's position, and the kept ones
+    after the step: greedy and seeded replies as without drafts, alone and together."""
+    penalties = {"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.1, "ignore_eos": True}
+    kinds = [
+        SamplingParams(max_tokens=40, frequency_penalty=0.3, ignore_eos=True),  # random weights' loops, held back
+        SamplingParams(max_tokens=40, temperature=0.9, seed=4, **penalties),
+        SamplingParams(max_tokens=40, repetition_penalty=1.05, ignore_eos=True),
+    ]
+    requests = [(p, kinds[i % 3]) for i, p in enumerate(repetitive_prompts(6, seed=70 + k))]
+    with make_engine(tiny, speculate="off") as engine:
+        expected = [replies(engine, [r])[0] for r in requests]
+    fixed_k(k)
+    with make_engine(tiny) as engine:
+        assert [replies(engine, [r])[0] for r in requests] == expected
+        assert replies(engine, requests) == expected
+        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert_every_block_back(engine)
+
+
 def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
-    """Greedy and seeded sampled requests that draft, beside penalised and grammar-bound ones that never do."""
+    """Greedy, seeded and penalised requests that draft, beside grammar-bound ones that never do (nor penalised ones
+    with a draft model)."""
     prompts = repetitive_prompts(8, seed)
     kinds = [
         SamplingParams(max_tokens=30, ignore_eos=True),
