@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx2
 
+from llamaterm.app.announcements import Announcer
 from llamaterm.app.serve import EngineSupervisor, Server, Service
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
@@ -88,20 +89,22 @@ class NeverExits:
 
 
 @contextlib.contextmanager
-def app_server(engine, api_key: str | None = None) -> Iterator[str]:
+def app_server(engine, api_key: str | None = None, announcer: Announcer | None = None) -> Iterator[str]:
     """The server on `engine` (the test's, which it shuts down), in a thread of this process; yields its base
-    URL."""
-    port = free_port()
-    server = Server(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, api_key)
+    URL. With an announcer, on its port, announced while the block runs."""
+    port = free_port() if announcer is None else announcer.port
+    server = Server(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, api_key, 10, announcer)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        while not server.started:
+        while not server.started or (announcer is not None and not announcer.file.exists()):
             time.sleep(0.02)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        if announcer is not None:
+            announcer.remove()
 
 
 def healthy(port: int) -> bool:
