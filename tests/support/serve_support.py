@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx2
 
-from llamaterm.app.announcements import Announcer
+from llamaterm.app.announcements import Announcer, servers_dir
 from llamaterm.app.serve import EngineSupervisor, Server, Service
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
@@ -40,6 +40,11 @@ class Served:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    @property
+    def announcement(self) -> Path:
+        """Its announcement for `llamaterm run` (app/announcements.py), there while it serves."""
+        return servers_dir() / f"{self.process.pid}-{self.url.split(':')[2].split('/')[0]}.json"
+
 
 @contextlib.contextmanager
 def served(*args: str, timeout: float = 300) -> Iterator[Served]:
@@ -62,6 +67,9 @@ def served(*args: str, timeout: float = 300) -> Iterator[Served]:
                     raise AssertionError("llamaterm serve did not start in time")
                 time.sleep(0.1)
             server.startup_s = time.monotonic() - start
+            while not server.announcement.exists():  # written as it began to answer
+                assert time.monotonic() < start + timeout, "llamaterm serve did not announce itself"
+                time.sleep(0.01)
             yield server
         finally:
             process.terminate()
