@@ -311,7 +311,7 @@ def find_server(model: str | None, device: str | None, note: Note) -> RemoteEngi
             if e.stale:
                 remove(found.file)
             continue
-        others = f" (the first started of {len(holding)} that hold it)" if len(holding) > 1 else ""
+        others = f" (of the {len(holding)} that hold it, the first started that answers)" if len(holding) > 1 else ""
         note(
             f"{held.id} on the server at {found.url}{others}: pid {found.pid}, {found.device}, announced in "
             f"{found.file}; found in {time.perf_counter() - t:.3f} s (--local loads the model here instead)"

@@ -204,7 +204,9 @@ def test_of_two_servers_the_one_started_first_is_used(model):
         second, _ = stack.enter_context(announced(model))
         engine, notes = find(model)
         assert engine is not None and engine.base_url == first.url != second.url
-        assert any(f"on the server at {first.url} (the first started of 2 that hold it)" in n for n in notes), notes
+        assert any(
+            f"on the server at {first.url} (of the 2 that hold it, the first started that answers)" in n for n in notes
+        ), notes
 
 
 def test_a_server_that_goes_away_mid_answer_is_an_error_not_a_fallback(model):
