@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from llamaterm.app.console import fail, interrupts_held
+from llamaterm.app.console import fail, interrupts_held, startup_split
 from llamaterm.app.inputs import reply_grammar
 from llamaterm.engine.workload import PromptMix
 
@@ -434,10 +434,7 @@ def format_tables(r: dict) -> str:
         f"{lim['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s (read + write): at most {lim['steps_per_s']:,.0f} "
         "decode steps/s",
         "",
-        "start-up: "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in r["startup_s"].items())
-        + f" (total {sum(r['startup_s'].values()):.2f} s; the engine was ready {r['ready_s']:.2f} s after the "
-        "imports)",
+        f"start-up: {startup_split(r['startup_s'])}; the engine was ready {r['ready_s']:.2f} s after the imports",
         f"TTFT, {r['ttft']['prompt_tokens']}-token prompt: {r['ttft']['ms']:.1f} ms",
         *format_serve_first(r.get("serve_first")),
     ]

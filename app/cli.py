@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 
 from llamaterm.app import bench, models_cli
-from llamaterm.app.console import fail, interrupts_held, say
+from llamaterm.app.console import fail, interrupts_held, say, startup_split
 from llamaterm.app.inputs import read_file, read_prompt, reply_grammar
 from llamaterm.app.terminal import TerminalStream, shown
 
@@ -36,6 +37,13 @@ ServerOpt = Annotated[
     ),
 ]
 ApiKeyOpt = Annotated[str | None, typer.Option(envvar="LLAMATERM_API_KEY", help="The server's API key.")]
+LocalOpt = Annotated[
+    bool,
+    typer.Option(
+        "--local",
+        help="Load the model here, even where a `llamaterm serve` on this machine holds it (which is used by default).",
+    ),
+]
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
 ]
@@ -53,9 +61,12 @@ DraftOpt = Annotated[
 SPECULATE_KINDS = ("off", "ngram", "draft")
 
 
-def speculation(speculate: str | None, draft: str | None) -> dict:
-    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads."""
-    kind = speculate or ("draft" if draft else "ngram")
+def speculation(speculate: str | None, draft: str | None) -> dict | None:
+    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads; None when
+    neither is given (the engine's default)."""
+    if speculate is None and draft is None:
+        return None
+    kind = speculate or "draft"
     if kind not in SPECULATE_KINDS:
         fail(f"unknown --speculate {kind!r}: one of {', '.join(SPECULATE_KINDS)}", 2)
     if kind == "draft" and not draft:
@@ -94,22 +105,37 @@ def load_engine(
     server: str | None = None,
     api_key: str | None = None,
     sessions: int = 1,
+    local: bool = False,
+    verbose: bool = False,
     speculate: dict | None = None,
 ):
-    """The local engine on `model` for `sessions` requests at a time (so start-up prepares no more), or with
-    --server, that server's `model` (None: its first). speculate: speculation()'s fields."""
+    """With --server, that server's `model` (None: its first). Else a `llamaterm serve` on this machine that holds
+    `model` (app/announcements.py), unless `local`, --kv-tokens or speculate (speculation()'s fields: --speculate,
+    --draft), which shape a local engine, say otherwise; else the local engine on `model` for `sessions` requests at a
+    time (so start-up prepares no more). verbose: say which, and where a local start-up's time went."""
     if server:
         from llamaterm.app.remote import RemoteEngine
 
         return RemoteEngine(server, model, api_key)
+    note = (lambda message: say(f"llamaterm: {message}")) if verbose else (lambda message: None)
+    if not local and kv_tokens is None and speculate is None:
+        from llamaterm.app.announcements import find_server
+
+        found = find_server(model, device, note)
+        if found is not None:
+            return found
+        note(f"no server on this machine holds {model or 'the default model'}: loading it here")
+    t = time.perf_counter()
     with interrupts_held():
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.engine import Engine
-
+    imports = time.perf_counter() - t
     config = EngineConfig(
         model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions), **(speculate or {})
     )
-    return Engine.from_model(config)
+    engine = Engine.from_model(config)
+    note(f"{engine.model_name} on {engine.device}: start-up {startup_split({'imports': imports, **engine.startup_s})}")
+    return engine
 
 
 def messages_for(prompt: str, system: str | None) -> list[dict]:
@@ -207,6 +233,16 @@ def run(
     draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
+    local: LocalOpt = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Say on stderr whether a server on this machine answers (which, or why none) and where a local "
+            "start-up's time went.",
+        ),
+    ] = False,
 ):
     """Generate a reply to PROMPT and stream it to stdout.
 
@@ -239,7 +275,8 @@ def run(
         prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens, server, api_key, len(prompts), speculation(speculate, draft)) as engine:
+    spec = speculation(speculate, draft)
+    with load_engine(model, device, kv_tokens, server, api_key, len(prompts), local, verbose, spec) as engine:
         params = model_sampling(engine, given)
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [
@@ -346,8 +383,10 @@ def chat(
     draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
+    local: LocalOpt = False,
 ):
-    """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits)."""
+    """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits). --plain
+    uses a `llamaterm serve` on this machine that holds the model, unless --local."""
     spec = speculation(speculate, draft)
     if not plain:
         from llamaterm.app.tui.app import run_tui
@@ -360,7 +399,9 @@ def chat(
     messages = [{"role": "system", "content": system}] if system else []
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
-    with load_engine(models[0] if models else None, device, kv_tokens, server, api_key, speculate=spec) as engine:
+    with load_engine(
+        models[0] if models else None, device, kv_tokens, server, api_key, local=local, speculate=spec
+    ) as engine:
         params = model_sampling(engine, given)
         say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
         while True:
@@ -420,6 +461,7 @@ def serve(
     if api_key == "":  # not a key at all: serving without one must be asked for by leaving the option out
         fail("--api-key is empty: give a key, or leave the option out to serve without one", 2)
     with interrupts_held():
+        from llamaterm.app.announcements import Announcer, served_model
         from llamaterm.app.serve import LOOPBACK, EngineSupervisor, check_port
         from llamaterm.app.serve import serve as serve_http
         from llamaterm.engine.api import EngineConfig
@@ -432,7 +474,7 @@ def serve(
         typer.echo(
             f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
         )
-    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, **speculation(speculate, draft))
+    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, **(speculation(speculate, draft) or {}))
     with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
         engine = supervisor.engine
         for warning in engine.sampling_defaults.warnings:
@@ -441,7 +483,9 @@ def serve(
             f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 (Ctrl-C stops)",
             err=True,
         )
-        serve_http(supervisor, host, port, api_key, shutdown_timeout)
+        # run and chat --plain on this machine find the server by its announcement, once it answers
+        held = served_model(model, engine.model_name)
+        serve_http(supervisor, host, port, api_key, shutdown_timeout, Announcer(host, port, engine.device, [held]))
 
 
 @app.command()

@@ -22,6 +22,12 @@ def say(message: str) -> None:
     typer.echo(shown(message, sys.stderr), err=True)
 
 
+def startup_split(parts: dict[str, float]) -> str:
+    """Where start-up time went, as `run --verbose` and `llamaterm bench` say it: 'imports 1.02 s, read checkpoint
+    0.10 s, ... (total 1.80 s)'."""
+    return ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) + f" (total {sum(parts.values()):.2f} s)"
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     say(f"llamaterm: {message}")
     raise typer.Exit(code)

@@ -13,10 +13,11 @@ TokenBytes = Callable[[int], bytes]  # a token id -> the bytes it stands for (th
 
 
 class Responder:
-    """One response's shapes, chat or text completion. `token_bytes` names the tokens of log-probabilities."""
+    """One response's shapes, chat or text completion. `token_bytes` names the tokens of log-probabilities;
+    token_ids: each choice carries its tokens' ids (vLLM's return_token_ids)."""
 
-    def __init__(self, model: str, chat: bool, token_bytes: TokenBytes | None = None):
-        self.model, self.chat, self.token_bytes = model, chat, token_bytes
+    def __init__(self, model: str, chat: bool, token_bytes: TokenBytes | None = None, token_ids: bool = False):
+        self.model, self.chat, self.token_bytes, self.token_ids = model, chat, token_bytes, token_ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -28,13 +29,16 @@ class Responder:
         finish_reason: str | None,
         calls: list[dict] | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
+        ids: Sequence[int] = (),
     ) -> dict:
         """A whole completion's choice; logprobs None: not asked for."""
         shown = None if logprobs is None else self.logprobs(logprobs)
         if self.chat:
             message = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
-            return {"index": index, "message": message, "logprobs": shown, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}
+            choice = {"index": index, "message": message, "logprobs": shown, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}
+        return choice | ({"token_ids": list(ids)} if self.token_ids else {})
 
     def whole(self, choices: list[dict], usage: dict) -> dict:
         return self.envelope("chat.completion" if self.chat else "text_completion", choices, usage=usage)
@@ -48,9 +52,11 @@ class Responder:
         index: int = 0,
         logprobs: Sequence[TokenLogprob] | None = None,
         offset: int = 0,
+        ids: Sequence[int] = (),
         **extra: object,
     ) -> dict:
-        """A streamed chunk of choice `index`; `offset`: where its text starts in the choice's whole text."""
+        """A streamed chunk of choice `index`; `offset`: where its text starts in the choice's whole text; `ids`:
+        the tokens it adds."""
         shown = None if not logprobs else self.logprobs(logprobs, offset)
         if self.chat:
             delta: dict[str, Any] = (
@@ -60,6 +66,7 @@ class Responder:
             choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}
+        choice |= {"token_ids": list(ids)} if self.token_ids else {}
         return self.envelope(self.chunk_kind, [choice], **extra)
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:

@@ -73,12 +73,14 @@ class RemoteStream(ArrivalStats, EventStream):
         self.response: httpx2.Response | None = None  # while the reply streams
         self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
 
-    def text(self, text: str, now: float, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+    def text(
+        self, text: str, now: float, logprobs: tuple[TokenLogprob, ...] = (), token_ids: tuple[int, ...] = ()
+    ) -> None:
         if self.first_token is None:
             self.first_token = now
         self.token_times.append(now)
         self.generated += 1
-        self.events_queue.put(Event(self.id, text, logprobs=logprobs))
+        self.events_queue.put(Event(self.id, text, token_ids, logprobs=logprobs))
 
     def finish(self, reason: str, error: str | None = None) -> bool:
         """The last event; False when the stream had already ended (cancelled while the reader still read)."""
@@ -93,13 +95,18 @@ class RemoteStream(ArrivalStats, EventStream):
 class RemoteEngine:
     """Satisfies engine.api.EngineClient with a model on an OpenAI-compatible server."""
 
-    def __init__(self, url: str, model: str | None = None, api_key: str | None = None):
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, token_ids: bool = False):
         """Checks the server at once (GET /models): one that is down, refuses the key, is not OpenAI-compatible or
-        lacks `model` raises LlamatermError. model None: the server's first model."""
+        lacks `model` raises LlamatermError. model None: the server's first model. token_ids: ask for the reply's
+        token ids too (vLLM's return_token_ids, which llamaterm serve takes; a strict server refuses it), into
+        the events' token_ids."""
         self.base_url = api_base(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx2.Client(
-            base_url=self.base_url, headers=headers, timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
+            verify=self.base_url.startswith("https:"),  # plain http needs no TLS context (its CA bundle: 50 ms)
         )
         cards = self._models()
         card = cards[0] if model is None else next((c for c in cards if c.get("id") == model), None)
@@ -111,6 +118,7 @@ class RemoteEngine:
         self.device = urlsplit(self.base_url).netloc
         self.sampling_defaults = SERVER_DEFAULTS  # the server fills what the user left unset with its own
         self.tokens = ServerTokens()  # the ids of Event.logprobs
+        self.token_ids = token_ids
         self._ids = itertools.count(1)
         self._live: dict[int, RemoteStream] = {}
         self._closed = False
@@ -129,6 +137,7 @@ class RemoteEngine:
             raise LlamatermError("the connection to the server is closed")
         params = params or SamplingParams()
         path, body = request_body(self.model_name, prompt, params, raw, enable_thinking, parse_special)
+        body |= {"return_token_ids": True} if self.token_ids else {}
         try:
             content = json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError:  # a lone surrogate: an undecodable byte from argv or stdin
@@ -286,8 +295,11 @@ def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:
         if not isinstance(text, str | None) or not isinstance(choice.get("finish_reason"), str | None):
             raise TypeError(f"a choice of {json.dumps(choice)[:100]}")
         logprobs = token_logprobs(choice.get("logprobs"), stream.tokens)
-        if text or logprobs:
-            stream.text(text or "", time.perf_counter(), logprobs)
+        ids = choice.get("token_ids") or []  # where asked for (RemoteEngine.token_ids)
+        if not all(count(t) is not None for t in ids):
+            raise TypeError(f"token_ids of {json.dumps(ids)[:100]}")
+        if text or logprobs or ids:
+            stream.text(text or "", time.perf_counter(), logprobs, tuple(ids))
         reason = choice.get("finish_reason") or reason
     return reason
 

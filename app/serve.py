@@ -46,6 +46,7 @@ from llamaterm.engine.sampling_params import MAX_BIAS, MAX_LOGPROBS, Grammar, Sa
 from llamaterm.engine.serving import grammar
 
 if TYPE_CHECKING:
+    from llamaterm.app.announcements import Announcer
     from llamaterm.engine.checkpoints.tokenizer import Tokenizer
     from llamaterm.engine.tool_calls import ToolCallStream
 
@@ -149,6 +150,7 @@ class Completion:
     prompt_ids: list[int] | None = None  # the prompt rendered with its tools (with_tool_prompt)
     n: int = 1  # choices, each its own request to the engine
     parse_special: bool = True  # a raw prompt's special-token text becomes those tokens (False: plain text)
+    token_ids: bool = False  # each choice carries its tokens' ids (vLLM's return_token_ids)
 
     @property
     def with_tools(self) -> bool:
@@ -239,6 +241,7 @@ def parse_request(
         parallel,
         n=parse_n(body.get("n")),
         parse_special=parse_special(body.get("parse_special"), chat),
+        token_ids=parse_token_ids(body.get("return_token_ids")),
     )
 
 
@@ -290,6 +293,13 @@ def parse_special(value: object, chat: bool) -> bool:
     if not isinstance(value, bool):
         raise APIError(400, "parse_special must be true or false", "parse_special")
     return value
+
+
+def parse_token_ids(value: object) -> bool:
+    """vLLM's return_token_ids: each choice's token ids beside its text (`token_ids`; in a stream, each chunk's)."""
+    if not isinstance(value, bool | None):
+        raise APIError(400, "return_token_ids must be true or false", "return_token_ids")
+    return bool(value)
 
 
 def parse_thinking(kwargs: object, chat: bool) -> bool | None:
@@ -485,7 +495,7 @@ def check_fields(body: dict) -> None:
         | set(FLOATS)
         | set(INTS)
         | {"max_tokens", "max_completion_tokens", "stop", "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"}
-        | {"n", "logprobs", "top_logprobs", "logit_bias", "parse_special"}
+        | {"n", "logprobs", "top_logprobs", "logit_bias", "parse_special", "return_token_ids"}
     )
     for name in body:
         if name not in known:
@@ -615,6 +625,7 @@ class Choice:
     calls: ToolCallStream | None  # what reads its reply for tool calls, where it is read for them
     text: list[str] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     streamed: int = 0  # characters sent so far (a stream's text offsets)
     finish_reason: str | None = None
 
@@ -859,9 +870,12 @@ def too_large(limit: int) -> APIError:
     )
 
 
-def create_app(service: Service, api_key: str | None = None, host: str = "127.0.0.1") -> Starlette:
-    """The ASGI app over the service's engine (which the caller owns and shuts down), for a server on `host`."""
-    api = Handlers(service, api_key, host)
+def create_app(
+    service: Service, api_key: str | None = None, host: str = "127.0.0.1", announcer: Announcer | None = None
+) -> Starlette:
+    """The ASGI app over the service's engine (which the caller owns and shuts down), for a server on `host`; one
+    that announces itself (app/announcements.py) takes its local key too."""
+    api = Handlers(service, api_key, host, announcer)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -883,10 +897,11 @@ def create_app(service: Service, api_key: str | None = None, host: str = "127.0.
 
 
 class Handlers:
-    """The routes' handlers over one service, for a server on `host` that asks for `api_key` (None: no key)."""
+    """The routes' handlers over one service, for a server on `host` that asks for `api_key` (None: no key), or
+    its announcer's local key."""
 
-    def __init__(self, service: Service, api_key: str | None, host: str):
-        self.service, self.api_key = service, api_key
+    def __init__(self, service: Service, api_key: str | None, host: str, announcer: Announcer | None = None):
+        self.service, self.api_key, self.announcer = service, api_key, announcer
         # a web page's script can reach a keyless server on loopback under a name of the page's own (DNS rebinding):
         # such a server answers only requests that name loopback
         self.check_host = api_key is None and host in LOOPBACK
@@ -910,12 +925,13 @@ class Handlers:
         return await self.answer(request, chat=False)
 
     async def health(self, request: Request) -> Response:
+        """Without a key; given the local key, it also tells the server's instance id (app/announcements.py)."""
         self.authorize(request, key=False)
         status = self.service.status()
-        return JSONResponse(
-            {"status": status, "model": self.service.supervisor.engine.model_name},
-            status_code=200 if status == "ok" else 503,
-        )
+        shown = {"status": status, "model": self.service.supervisor.engine.model_name}
+        if self.announcer is not None and self.is_key(request, self.announcer.key):
+            shown["instance"] = self.announcer.instance
+        return JSONResponse(shown, status_code=200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:
         self.authorize(request)
@@ -933,11 +949,16 @@ class Handlers:
             )
         if not key or self.api_key is None:
             return
-        given = bearer_token(request.headers.get("authorization", "")) or ""
-        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+        local = self.announcer is not None and self.is_key(request, self.announcer.key)
+        if not local and not self.is_key(request, self.api_key):
             raise APIError(
                 401, "Incorrect API key provided: give the server's key as a bearer token", code="invalid_api_key"
             )
+
+    @staticmethod
+    def is_key(request: Request, key: str) -> bool:
+        given = bearer_token(request.headers.get("authorization", "")) or ""
+        return secrets.compare_digest(given.encode(), key.encode())
 
     def check_engine(self) -> None:
         if not self.service.supervisor.alive:
@@ -977,7 +998,7 @@ class Handlers:
             cancel_all(engine, streams)
             raise
         asked = req.params.logprobs is not None
-        responder = Responder(engine.model_name, chat, engine.tokenizer.token_bytes if asked else None)
+        responder = Responder(engine.model_name, chat, engine.tokenizer.token_bytes if asked else None, req.token_ids)
         choices = [Choice(stream, call_reader(family, req)) for stream in streams]
         if req.stream:
             events = stream_events(queue, choices, responder, req.include_usage)
@@ -1092,14 +1113,17 @@ async def stream_events(
         # a chunk per token would cost the server more than the engine
         text = "".join(e.text for e in events[:-1])
         logprobs = [lp for e in events for lp in e.logprobs]
+        ids = [t for e in events for t in e.token_ids]
         if last.finished and (error := failure(last)) is not None:
-            yield (sse(responder.chunk(text, index=i, **extra)) if text else "") + sse(error.body) + DONE
+            yield (sse(responder.chunk(text, index=i, ids=ids, **extra)) if text else "") + sse(error.body) + DONE
             return
         text, deltas = choice.read(text + last.text, final=last.finished)
         reason = finish_reason(last.finish_reason, choice.calls) if last.finished else None
-        if text or deltas or logprobs or reason:
+        if text or deltas or logprobs or reason or (ids and responder.token_ids):
             at = choice.streamed
-            yield sse(responder.chunk(text, reason, calls=deltas, index=i, logprobs=logprobs, offset=at, **extra))
+            yield sse(
+                responder.chunk(text, reason, calls=deltas, index=i, logprobs=logprobs, offset=at, ids=ids, **extra)
+            )
         choice.streamed += len(text)
         running -= last.finished
     if include_usage:
@@ -1123,6 +1147,7 @@ async def whole_reply(
         choice, last = choices[i], events[-1]
         choice.text += [e.text for e in events]
         choice.logprobs += [lp for e in events for lp in e.logprobs]
+        choice.token_ids += [t for e in events for t in e.token_ids]
         if last.finished:
             if (error := failure(last)) is not None:
                 cancel_all(engine, streams)
@@ -1135,7 +1160,7 @@ async def whole_reply(
         logprobs = c.logprobs if asked else None
         reason = finish_reason(c.finish_reason, c.calls)
         text = content or None if c.calls is not None else content  # with tools, no text is null, as OpenAI
-        shown.append(responder.choice(i, text, reason, found, logprobs))
+        shown.append(responder.choice(i, text, reason, found, logprobs, c.token_ids))
     return JSONResponse(responder.whole(shown, usage(streams)))
 
 
@@ -1229,11 +1254,19 @@ class Server(uvicorn.Server):
     SIGTERM or SIGINT and waits for every response without limit; a second signal cuts them mid-body. Here the
     first starts a drain: new requests get 503 while those in flight may finish for `shutdown_timeout` seconds;
     then, or at a second signal, the rest end with an error event and [DONE], and the server exits. It exits too
-    when the supervisor gives up on the engine."""
+    when the supervisor gives up on the engine. With an announcer, it announces itself once it answers."""
 
-    def __init__(self, service: Service, host: str, port: int, api_key: str | None, shutdown_timeout: float = 10):
+    def __init__(
+        self,
+        service: Service,
+        host: str,
+        port: int,
+        api_key: str | None,
+        shutdown_timeout: float = 10,
+        announcer: Announcer | None = None,
+    ):
         config = uvicorn.Config(
-            create_app(service, api_key, host),
+            create_app(service, api_key, host, announcer),
             host=host,
             port=port,
             http=HeadersDeadline,
@@ -1243,8 +1276,16 @@ class Server(uvicorn.Server):
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         super().__init__(config)
-        self.service, self.shutdown_timeout = service, shutdown_timeout
+        self.service, self.shutdown_timeout, self.announcer = service, shutdown_timeout, announcer
         self.drain_until: float | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.announcer is not None:
+            try:
+                self.announcer.write()
+            except (LlamatermError, OSError) as e:
+                log.warning("llamaterm serve: not announced for `llamaterm run` (%s): it serves all the same", e)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.drain_until is None:
@@ -1261,9 +1302,20 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(supervisor: EngineSupervisor, host: str, port: int, api_key: str | None, shutdown_timeout: float) -> None:
+def serve(
+    supervisor: EngineSupervisor,
+    host: str,
+    port: int,
+    api_key: str | None,
+    shutdown_timeout: float,
+    announcer: Announcer | None = None,
+) -> None:
     """Serve until a SIGTERM or SIGINT (Ctrl-C) has drained the server; raises LlamatermError if the engine failed
-    too often."""
-    Server(Service(supervisor), host, port, api_key, shutdown_timeout).run()
+    too often. The announcement, if any, goes as the server stops answering, however it stops."""
+    try:
+        Server(Service(supervisor), host, port, api_key, shutdown_timeout, announcer).run()
+    finally:
+        if announcer is not None:
+            announcer.remove()
     if supervisor.gave_up:
         raise LlamatermError(supervisor.gave_up)

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +10,11 @@ if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on the CPU; set before any test module is imported (see
     # tests/kernels/test_kernels_triton.py): triton reads it as kernels are decorated.
     os.environ["TRITON_INTERPRET"] = "1"
+
+# `llamaterm serve` announces itself in the user's runtime directory, where `run` finds it (app/announcements.py): the
+# tests' servers and runs, subprocesses too, meet in a folder of their own, never the user's
+RUNTIME_DIR = os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llamaterm-tests-")
+atexit.register(shutil.rmtree, RUNTIME_DIR, ignore_errors=True)
 
 # The fast lane (`make test-fast`, `pytest --fast`) leaves out the tests marked slow (pyproject.toml says which are),
 # and fails a test that takes longer than this there (its setup included), so that a test of many seconds added

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from llamaterm.engine.sampling_params import SamplingParams
 
 # where a value came from
@@ -142,6 +140,8 @@ def from_generation_config(folder: Path) -> SamplingDefaults:
 
 def from_gguf(metadata: Mapping[str, Any], where: str) -> SamplingDefaults:
     """A GGUF's general.sampling.* keys (numbers arrive as numpy scalars), llama.cpp's defaults for the rest."""
+    import numpy as np  # here: a client of a server (RemoteEngine's SERVER_DEFAULTS) loads no numpy
+
     found = {}
     for name, key in GGUF_KEYS.items():
         value = metadata.get(key)

@@ -21,7 +21,6 @@ from typing import Any
 from filelock import FileLock
 from platformdirs import user_data_dir
 
-from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.checkpoints.gguf_files import is_first_gguf
 from llamaterm.engine.errors import LlamatermError, ModelFormatError, ModelNotFound
 
@@ -111,6 +110,8 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 def describe_checkpoint(checkpoint: Path) -> dict[str, Any]:
     """The manifest fields that `ls` shows, read once from the files so `ls` stays fast."""
+    from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint  # numpy: not for resolving a name
+
     info = read_checkpoint(checkpoint)
     return {
         "format": info.format,

@@ -1,16 +1,19 @@
 """RemoteEngine on the edges a real server shows rarely: a connection dropped mid-reply, a cancel that must reach
 the server, and the URLs users type."""
 
+import json
 import socket
 import threading
 import time
 
+import httpx2
 import pytest
 
 from llamaterm.app import remote
 from llamaterm.app.remote import RemoteEngine, api_base
 from llamaterm.engine.errors import LlamatermError, RequestError
-from tests.support.fake_engine import FakeEngine
+from llamaterm.engine.sampling_params import SamplingParams
+from tests.support.fake_engine import REPLY, FakeEngine, words
 from tests.support.serve_support import app_server
 
 MODELS = b'{"object": "list", "data": [{"id": "dropper", "object": "model"}]}'
@@ -258,3 +261,31 @@ def test_a_models_reply_too_deep_or_too_big_is_no_server(models):
         return err
 
     within(10, connect)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_return_token_ids_gives_the_engine_s_ids_whole_and_streamed(chat):
+    """vLLM's field on llamaterm serve; RemoteEngine(token_ids=True) reads them into its events."""
+    with FakeEngine() as engine, app_server(engine) as url:
+        path = "/chat/completions" if chat else "/completions"
+        body = {"model": "fake-llama", "max_tokens": 4} | (
+            {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        )
+        ids = [engine.vocabulary.id_of(w) for w in words(REPLY)[:4]]
+        whole = httpx2.post(url + path, json=body | {"return_token_ids": True}).json()["choices"][0]
+        assert whole["token_ids"] == ids
+        assert "token_ids" not in httpx2.post(url + path, json=body).json()["choices"][0]  # not asked for
+        with httpx2.stream("POST", url + path, json=body | {"return_token_ids": True, "stream": True}) as reply:
+            chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
+        bad = httpx2.post(url + path, json=body | {"return_token_ids": "yes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_token_ids"
+        with RemoteEngine(url, token_ids=True) as remote:
+            events = list(
+                remote.submit(
+                    "hi" if not chat else [{"role": "user", "content": "hi"}],
+                    SamplingParams(max_tokens=4),
+                    raw=not chat,
+                ).events()
+            )
+        assert [t for e in events for t in e.token_ids] == ids

@@ -250,7 +250,7 @@ def llamaterm(*args: str) -> subprocess.CompletedProcess:
 def test_run_on_the_server_answers_as_the_local_engine(server):
     args = ["run", "--json", "--temperature", "0", "--max-tokens", "8", "What is the capital of France?"]
     remote = llamaterm(*args, "--server", server, "--api-key", KEY)
-    local = llamaterm(*args, "--device", "cpu")
+    local = llamaterm(*args, "--device", "cpu", "--local")  # not the server below, which is announced
     assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
     remote_reply, local_reply = json.loads(remote.stdout), json.loads(local.stdout)
     assert remote_reply["text"] == local_reply["text"] and "Paris" in remote_reply["text"]

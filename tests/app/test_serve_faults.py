@@ -163,6 +163,7 @@ def test_the_third_engine_failure_in_ten_minutes_stops_the_server(tiny):
         assert server.process.wait(timeout=30) == 1
         last = server.log().strip().splitlines()[-1]
         assert last.startswith("llamaterm: the engine failed 3 times in 10 minutes") and "SIGKILL" in last, last
+        assert not server.announcement.exists() and not server.announcement.with_suffix(".key").exists()
 
 
 # ---- stopping: SIGTERM and SIGINT ----
@@ -185,6 +186,7 @@ def test_a_sigterm_drains_for_the_shutdown_timeout_then_ends_the_streams(tiny):
             assert any(sent + 1 < t < sent + 2 for t in s.times)  # it streamed during the drain
         assert server.process.wait(timeout=5) == 0
         assert time.monotonic() - sent < 2 + serve.SHUTDOWN_GRACE_S + 1
+        assert not server.announcement.exists() and not server.announcement.with_suffix(".key").exists()
 
 
 def test_a_second_signal_ends_the_drain_at_once(tiny):
@@ -207,6 +209,7 @@ def test_a_drain_ends_as_soon_as_the_requests_in_flight_finish(tiny):
         stream.join(timeout=30)
         assert stream.data[-1] == "[DONE]" and json.loads(stream.data[-2])["choices"][0]["finish_reason"] == "length"
         assert server.process.wait(timeout=5) == 0
+        assert not server.announcement.exists()  # a SIGINT (Ctrl-C) too
 
 
 # ---- what a request may be ----

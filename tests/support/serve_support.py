@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx2
 
+from llamaterm.app.announcements import Announcer, servers_dir
 from llamaterm.app.serve import EngineSupervisor, Server, Service
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
@@ -39,6 +40,11 @@ class Served:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    @property
+    def announcement(self) -> Path:
+        """Its announcement for `llamaterm run` (app/announcements.py), there while it serves."""
+        return servers_dir() / f"{self.process.pid}-{self.url.split(':')[2].split('/')[0]}.json"
+
 
 @contextlib.contextmanager
 def served(*args: str, timeout: float = 300) -> Iterator[Served]:
@@ -61,6 +67,9 @@ def served(*args: str, timeout: float = 300) -> Iterator[Served]:
                     raise AssertionError("llamaterm serve did not start in time")
                 time.sleep(0.1)
             server.startup_s = time.monotonic() - start
+            while not server.announcement.exists():  # written as it began to answer
+                assert time.monotonic() < start + timeout, "llamaterm serve did not announce itself"
+                time.sleep(0.01)
             yield server
         finally:
             process.terminate()
@@ -88,20 +97,22 @@ class NeverExits:
 
 
 @contextlib.contextmanager
-def app_server(engine, api_key: str | None = None) -> Iterator[str]:
+def app_server(engine, api_key: str | None = None, announcer: Announcer | None = None) -> Iterator[str]:
     """The server on `engine` (the test's, which it shuts down), in a thread of this process; yields its base
-    URL."""
-    port = free_port()
-    server = Server(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, api_key)
+    URL. With an announcer, on its port, announced while the block runs."""
+    port = free_port() if announcer is None else announcer.port
+    server = Server(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, api_key, 10, announcer)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        while not server.started:
+        while not server.started or (announcer is not None and not announcer.file.exists()):
             time.sleep(0.02)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        if announcer is not None:
+            announcer.remove()
 
 
 def healthy(port: int) -> bool:
