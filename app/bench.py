@@ -113,7 +113,9 @@ def bench(
     peer: Annotated[
         str | None, typer.Option(help="hf: Hugging Face transformers on the same model, one session, three runs each.")
     ] = None,
-    tokens: Annotated[int, typer.Option(min=2, help="New tokens per session in static batches.")] = 128,
+    tokens: Annotated[
+        int, typer.Option(min=2, help="New tokens per session in static batches (--speculate: a reply's most).")
+    ] = 128,
     prompt: Annotated[
         int, typer.Option(min=1, help="Prompt tokens per session (chat: words, about a token each).")
     ] = 128,
@@ -125,6 +127,22 @@ def bench(
         Path | None,
         typer.Option(help="Every reply follows this JSON schema (a file), as `run --json-schema` constrains one."),
     ] = None,
+    speculate: Annotated[
+        str,
+        typer.Option(
+            help="ngram or draft: instead of the tables above, editing requests (a reply that repeats its prompt "
+            "with a name changed, the texts of --edit-texts) and open chat, greedy and sampled, at --sessions (default "
+            "1,8): tok/s without speculation and with it, its acceptance and tokens per step. off (the default): the "
+            "tables above, without speculation (random weights' greedy replies repeat, which drafts would cut short)."
+        ),
+    ] = "off",
+    draft: Annotated[str | None, typer.Option(help="The draft model of --speculate draft.")] = None,
+    speculate_tokens: Annotated[
+        int, typer.Option(min=1, help="Drafts ride while a step samples at most this many rows (rows + drafts).")
+    ] = 32,
+    edit_texts: Annotated[
+        Path, typer.Option(help="A folder of texts to edit (*.txt, first line '# rename: OLD -> NEW').")
+    ] = Path("tests/benchmarks/editing"),
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Measure decode tok/s by sessions, a session's gap between tokens, TTFT and start-up, against the weight-read
@@ -141,6 +159,8 @@ def bench(
       llamaterm bench --device cpu --peer hf --sessions 1
 
       llamaterm bench --json-schema tests/benchmarks/people.schema.json
+
+      llamaterm bench --speculate ngram --sessions 1,8
     """
     if workload not in WORKLOADS:
         fail(f"unknown workload {workload!r}: chat or ids", 2)
@@ -172,6 +192,25 @@ def bench(
     if json_schema and serve:
         fail("--json-schema constrains the engine's replies: leave out --serve", 2)
     grammar = reply_grammar(json_schema, None, None)
+    if speculate != "off":
+        if serve or grid or peer or json_schema:
+            fail("--speculate measures speculation alone: leave out --serve, --grid, --peer and --json-schema", 2)
+        if speculate not in ("ngram", "draft") or (speculate == "draft") != (draft is not None):
+            fail("--speculate takes ngram, or draft with --draft MODEL", 2)
+        result = run_speculation(
+            model,
+            device,
+            speculate,
+            draft,
+            speculate_tokens,
+            [int(c) for c in (sessions or "1,8").split(",")],
+            edit_texts,
+            tokens,
+            eager,
+            kv_tokens,
+        )
+        typer.echo(json.dumps(result, indent=1) if as_json else format_speculation(result))
+        return
     if serve:
         from llamaterm.app.serve_load import format_serve_load, run_serve_load
 
@@ -244,7 +283,7 @@ def run_bench(
     progress.step("loading the model")
     max_running = max(64, *counts) if not grid else 64
     kv = kv_tokens or (max(b for _, _, b in GRID) * (1024 + 256) if grid else None)
-    config = EngineConfig(kv_tokens=kv, max_running=max_running, cuda_graphs=not eager)
+    config = EngineConfig(kv_tokens=kv, max_running=max_running, cuda_graphs=not eager, speculate="off")
     dev = resolve_device(device)
     bw = wl.copy_bandwidth(dev)  # before the engine takes the memory
     if dev.type == "cuda":
@@ -461,3 +500,71 @@ def format_tables(r: dict) -> str:
 
 def register(app: typer.Typer) -> None:
     app.command()(bench)
+
+
+def run_speculation(
+    model, device, speculate, draft, speculate_tokens, counts, edit_texts: Path, max_tokens, eager, kv_tokens
+) -> dict:
+    """`--speculate`'s comparison, on the engine in this process (engine/bench.py's speculation_table)."""
+    texts = sorted(edit_texts.glob("*.txt")) if edit_texts.is_dir() else []
+    if not texts:
+        fail(f"--edit-texts {edit_texts}: no *.txt texts there: run from the repository, or give a folder", 2)
+    with interrupts_held():
+        from llamaterm.engine import bench as wl
+        from llamaterm.engine.api import EngineConfig
+    edits = [wl.EditText.read(p.name, p.read_text()) for p in texts]
+    progress = Progress(1 + 4 * len(counts))
+    progress.step("loading the model")
+    config = EngineConfig(
+        kv_tokens=kv_tokens,
+        max_running=max(64, *counts),
+        cuda_graphs=not eager,
+        speculate=speculate,
+        draft=draft,
+        speculate_tokens=speculate_tokens,
+    )
+    try:
+        opened = wl.open_engine(model, device, config)
+        try:
+            rows = wl.speculation_table(opened.engine, speculate, counts, edits, max_tokens, progress.step)
+        finally:
+            opened.engine.shutdown()
+    finally:
+        progress.close()
+    return {
+        "model": opened.label,
+        "device": opened.engine.device,
+        "speculate": speculate,
+        "draft": draft,
+        "speculate_tokens": speculate_tokens,
+        "max_tokens": max_tokens,
+        "edit_texts": [e.name for e in edits],
+        "rows": rows,
+    }
+
+
+def format_speculation(r: dict) -> str:
+    kind = "prompt lookup" if r["speculate"] == "ngram" else f"draft model {r['draft']}"
+    lines = [
+        f"llamaterm bench: {r['model']} on {r['device']}, speculative decoding ({kind}, drafts while a step samples "
+        f"at most {r['speculate_tokens']} rows), replies of at most {r['max_tokens']} tokens",
+        f"editing: {', '.join(r['edit_texts'])} with a name changed; open chat: 4 questions; sampled: temperature "
+        "0.8, top-k 40, top-p 0.95, min-p 0.05, seed i for session i",
+        "",
+        f"{'workload':10} {'sampling':8} {'sessions':>8} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>8} "
+        f"{'accepted':>8} {'tok/step':>8} {'same':>5}",
+    ]
+    for row in r["rows"]:
+        accepted = "-" if row["acceptance"] is None else f"{100 * row['acceptance']:.0f}%"
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        lines.append(
+            f"{row['workload']:10} {row['sampling']:8} {row['sessions']:8d} {row['off_tok_s']:10,.1f} "
+            f"{row['on_tok_s']:10,.1f} {speedup:>8} {accepted:>8} {row['tokens_per_step']:8.2f} "
+            f"{'yes' if row['same_tokens'] else 'NO':>5}"
+        )
+    lines.append(
+        "tok/s: all sessions' tokens after their first, over the time from the first token to the last; accepted: "
+        "drafts kept; tok/step: tokens per engine step (the sessions' together); same: the replies with "
+        "speculation are the tokens of those without"
+    )
+    return "\n".join(lines)

@@ -47,6 +47,33 @@ LocalOpt = Annotated[
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
 ]
+SpeculateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Speculative decoding: ngram drafts tokens from the prompt and the reply so far, draft from --draft's "
+        "model, off; the model verifies the drafts, so replies are the same. Default: draft with --draft, else ngram."
+    ),
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option(help="A small model with the model's vocabulary that drafts tokens for it (a store name or a path)."),
+]
+SPECULATE_KINDS = ("off", "ngram", "draft")
+
+
+def speculation(speculate: str | None, draft: str | None) -> dict | None:
+    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads; None when
+    neither is given (the engine's default)."""
+    if speculate is None and draft is None:
+        return None
+    kind = speculate or "draft"
+    if kind not in SPECULATE_KINDS:
+        fail(f"unknown --speculate {kind!r}: one of {', '.join(SPECULATE_KINDS)}", 2)
+    if kind == "draft" and not draft:
+        fail("--speculate draft needs a draft model: add --draft MODEL", 2)
+    if draft and kind != "draft":
+        fail(f"--draft gives a draft model, which --speculate {kind} does not use: leave one out", 2)
+    return {"speculate": kind, "draft": draft}
 
 
 def checked_sampling(**given) -> dict:
@@ -80,17 +107,18 @@ def load_engine(
     sessions: int = 1,
     local: bool = False,
     verbose: bool = False,
+    speculate: dict | None = None,
 ):
     """With --server, that server's `model` (None: its first). Else a `llamaterm serve` on this machine that holds
-    `model` (app/announcements.py), unless `local` or --kv-tokens (which sizes a local engine) says otherwise; else
-    the local engine on `model` for `sessions` requests at a time (so start-up prepares no more). verbose: say
-    which, and where a local start-up's time went."""
+    `model` (app/announcements.py), unless `local`, --kv-tokens or speculate (speculation()'s fields: --speculate,
+    --draft), which shape a local engine, say otherwise; else the local engine on `model` for `sessions` requests at a
+    time (so start-up prepares no more). verbose: say which, and where a local start-up's time went."""
     if server:
         from llamaterm.app.remote import RemoteEngine
 
         return RemoteEngine(server, model, api_key)
     note = (lambda message: say(f"llamaterm: {message}")) if verbose else (lambda message: None)
-    if not local and kv_tokens is None:
+    if not local and kv_tokens is None and speculate is None:
         from llamaterm.app.announcements import find_server
 
         found = find_server(model, device, note)
@@ -102,7 +130,9 @@ def load_engine(
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.engine import Engine
     imports = time.perf_counter() - t
-    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions))
+    config = EngineConfig(
+        model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions), **(speculate or {})
+    )
     engine = Engine.from_model(config)
     note(f"{engine.model_name} on {engine.device}: start-up {startup_split({'imports': imports, **engine.startup_s})}")
     return engine
@@ -199,6 +229,8 @@ def run(
     ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
@@ -243,7 +275,8 @@ def run(
         prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    with load_engine(model, device, kv_tokens, server, api_key, len(prompts), local, verbose) as engine:
+    spec = speculation(speculate, draft)
+    with load_engine(model, device, kv_tokens, server, api_key, len(prompts), local, verbose, spec) as engine:
         params = model_sampling(engine, given)
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [
@@ -346,24 +379,29 @@ def chat(
     max_tokens: int = 1024,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
 ):
     """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits). --plain
     uses a `llamaterm serve` on this machine that holds the model, unless --local."""
+    spec = speculation(speculate, draft)
     if not plain:
         from llamaterm.app.tui.app import run_tui
         from llamaterm.app.tui.backends import Backend
 
-        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key)
+        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key, spec)
     given = checked_sampling(temperature=temperature, max_tokens=max_tokens)
     from llamaterm.engine.errors import RequestError
 
     messages = [{"role": "system", "content": system}] if system else []
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
-    with load_engine(models[0] if models else None, device, kv_tokens, server, api_key, local=local) as engine:
+    with load_engine(
+        models[0] if models else None, device, kv_tokens, server, api_key, local=local, speculate=spec
+    ) as engine:
         params = model_sampling(engine, given)
         say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
         while True:
@@ -404,6 +442,8 @@ def serve(
     ] = None,
     device: DeviceOpt = None,
     kv_tokens: KvTokensOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -434,7 +474,7 @@ def serve(
         typer.echo(
             f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
         )
-    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens)
+    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, **(speculation(speculate, draft) or {}))
     with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
         engine = supervisor.engine
         for warning in engine.sampling_defaults.warnings:

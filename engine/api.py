@@ -29,6 +29,13 @@ class EngineConfig:
     max_running: int = 64  # sequences decoding at once
     cuda_graphs: bool = True  # replay steps from CUDA graphs
     overlap: bool | None = None  # launch the next step before reading this one's tokens; None: on CUDA
+    # speculative decoding (engine/serving/speculation.py): "ngram" drafts from each sequence's own tokens, "draft"
+    # from the draft model `draft` (a store name or a path; it must share the model's vocabulary), "off"
+    speculate: str = "ngram"
+    draft: str | None = None
+    # drafts ride while a step samples at most this many rows (a row per sequence, one per draft); past it the step
+    # stops being a cheap read of the weights
+    speculate_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class EngineStats:
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
     steps: int = 0  # steps run so far
     host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
+    drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
+    kept: int = 0
     # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
     # after the engine was ready) of each graph captured, the graphs still to capture, and the longest step that a
     # piece of that work held up

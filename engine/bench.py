@@ -6,6 +6,7 @@ Every figure is measured in the calling process; nothing here prints.
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -566,3 +567,103 @@ def grid_cell(engine: Engine, batch: int, prompt_len: int, out_len: int, prompts
         "peak_allocated_gb": peak[0] and peak[0] / 1e9,
         "peak_reserved_gb": peak[1] and peak[1] / 1e9,
     }
+
+
+# ---- speculative decoding: replies with and without drafts ----
+
+OPEN_CHAT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "What are the pros and cons of working from home? Give a balanced answer.",
+    "Describe a good plan for learning to play the guitar in three months.",
+)
+
+
+@dataclass(frozen=True)
+class EditText:
+    """An editing request: a text, and a name in it to change (`# rename: OLD -> NEW` on its first line)."""
+
+    name: str
+    text: str
+    old: str
+    new: str
+
+    @classmethod
+    def read(cls, name: str, source: str) -> EditText:
+        first, _, text = source.partition("\n")
+        old, arrow, new = first.removeprefix("# rename:").partition("->")
+        if not first.startswith("# rename:") or not arrow or not old.strip() or not new.strip():
+            raise LlamatermError(f"{name}: the first line must be '# rename: OLD -> NEW'")
+        return cls(name, text, old.strip(), new.strip())
+
+    def messages(self) -> list[dict]:
+        ask = f"Rewrite this code with `{self.old}` renamed to `{self.new}`. Reply with the whole code only."
+        return [{"role": "user", "content": f"{ask}\n\n```python\n{self.text}```"}]
+
+
+def speculation_run(
+    engine: Engine, prompts: list[list[dict]], sessions: int, params: SamplingParams, speculate: str
+) -> dict[str, Any]:
+    """Every prompt once at least, `sessions` requests at a time (request i: prompt i % len(prompts), seed i), the
+    engine speculating as `speculate` says: the decode rate from each wave's first token to its last, tokens per
+    step, and the drafts' acceptance. Seeds are fixed, so with and without speculation the replies are the same
+    tokens (checked by the caller)."""
+    engine.speculate = speculate
+    before = engine.stats()
+    handles, seconds = [], 0.0
+    for start in range(0, max(sessions, len(prompts)), sessions):
+        wave = [
+            engine.submit(prompts[i % len(prompts)], replace(params, seed=i)) for i in range(start, start + sessions)
+        ]
+        for h in wave:
+            list(h.events())
+        seconds += max(h.finish_time or 0.0 for h in wave) - min(h.seq.first_token_time or 0.0 for h in wave)
+        handles += wave
+    after = engine.stats()
+    tokens = sum(len(h.seq.generated) for h in handles)
+    drafted, kept = after.drafted - before.drafted, after.kept - before.kept
+    return {
+        "tok_s": (tokens - len(handles)) / seconds if seconds > 0 else 0.0,  # the tokens after each first one
+        "tokens": tokens,
+        "steps": after.steps - before.steps,
+        "tokens_per_step": tokens / max(1, after.steps - before.steps),
+        "drafted": drafted,
+        "acceptance": kept / drafted if drafted else None,
+        "replies": [h.seq.generated for h in handles],
+    }
+
+
+def speculation_table(
+    engine: Engine, speculate: str, counts: list[int], edits: list[EditText], max_tokens: int, progress: Callable
+) -> list[dict[str, Any]]:
+    """Editing requests (replies that mostly repeat the prompt) and open chat, greedy and sampled with llama.cpp's
+    defaults, at each session count: tok/s without speculation and with `speculate`, acceptance, tokens per step."""
+    chats = [[{"role": "user", "content": text}] for text in OPEN_CHAT]
+    workloads = {"editing": [e.messages() for e in edits], "open chat": chats}
+    samplings = {"greedy": GREEDY, "sampled": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}}
+    rows = []
+    for (workload, prompts), (sampling, values), n in itertools.product(workloads.items(), samplings.items(), counts):
+        progress(f"speculation: {workload}, {sampling}, {n} sessions")
+        params = SamplingParams(max_tokens=max_tokens, **values)
+        speculation_run(engine, prompts, n, replace(params, max_tokens=16), speculate)  # warm: graphs, buckets
+        while engine.runner.background_pending(idle=True):  # the graphs captured when idle, before the runs
+            time.sleep(0.01)
+        off = speculation_run(engine, prompts, n, params, "off")
+        on = speculation_run(engine, prompts, n, params, speculate)
+        rows.append(
+            {
+                "workload": workload,
+                "sampling": sampling,
+                "sessions": n,
+                "off_tok_s": off["tok_s"],
+                "on_tok_s": on["tok_s"],
+                "speedup": on["tok_s"] / off["tok_s"] if off["tok_s"] else None,
+                "acceptance": on["acceptance"],
+                "tokens_per_step": on["tokens_per_step"],
+                "off_tokens_per_step": off["tokens_per_step"],
+                "tokens": on["tokens"],
+                "same_tokens": on["replies"] == off["replies"],
+            }
+        )
+    engine.speculate = speculate
+    return rows

@@ -118,10 +118,17 @@ class ChatApp(App):
             yield from screen.commands()
 
 
-def run_tui(backends: list[Backend], sessions: int, system: str | None, api_key: str | None = None) -> None:
-    """`llamaterm chat`: the TUI with `sessions` panes, which take `backends` in turn."""
+def run_tui(
+    backends: list[Backend],
+    sessions: int,
+    system: str | None,
+    api_key: str | None = None,
+    speculate: dict | None = None,
+) -> None:
+    """`llamaterm chat`: the TUI with `sessions` panes, which take `backends` in turn; local engines speculate as
+    `speculate` says (EngineConfig's fields)."""
     ChatApp(
-        lambda backend, kv_share: open_engine(backend, kv_share, api_key),
+        lambda backend, kv_share: open_engine(backend, kv_share, api_key, speculate),
         sessions=sessions,
         system=system,
         backends=backends,

@@ -28,14 +28,14 @@ class Backend:
         return f"{self.model or 'first model'} @ {self.server}"
 
 
-def open_engine(backend: Backend, kv_share: float, api_key: str | None) -> EngineClient:
+def open_engine(backend: Backend, kv_share: float, api_key: str | None, speculate: dict | None = None) -> EngineClient:
     """The engine for `backend`. A local one's KV pool takes kv_share of the memory free when it loads, so that
-    several local models fit on one device."""
+    several local models fit on one device; it speculates as `speculate` says (EngineConfig's fields)."""
     if backend.local:
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess  # the engine loop never shares a GIL with the UI
 
-        return EngineProcess(EngineConfig(model=backend.model or None, kv_share=kv_share))
+        return EngineProcess(EngineConfig(model=backend.model or None, kv_share=kv_share, **(speculate or {})))
     from llamaterm.app.remote import RemoteEngine
 
     return RemoteEngine(backend.server, backend.model or None, api_key)

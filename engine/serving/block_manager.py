@@ -183,6 +183,15 @@ class BlockManager:
             table.num_hashed += 1
             table.last_hash = h
 
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Shrink the table to the blocks that hold its first num_tokens tokens: the blocks after them held only
+        rejected drafts (engine/serving/speculation.py), never hashed, so they go back to be reused first."""
+        keep = max(self.blocks_needed(num_tokens), table.num_freed)
+        assert table.num_hashed <= keep, "a hashed block held rejected drafts"
+        for block_id in reversed(table.block_ids[keep:]):
+            self._unref(block_id)
+        del table.block_ids[keep:]
+
     def release(self, table: BlockTable) -> None:
         """Drop the sequence's references. Tail blocks go to the front of the LRU so they are evicted first."""
         for block_id in reversed(table.block_ids[table.num_freed :]):

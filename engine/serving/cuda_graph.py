@@ -10,7 +10,8 @@ transfers into fixed device buffers the graphs read, padded up to the bucket:
 - padding tokens write no KV (slot -1) and belong to no sequence: the padding sequences have no query tokens
   (query_start_loc stays at the real token count), so the attention kernel skips them; their rows are computed
   and dropped;
-- logits rows past the step's sampled sequences have sampler slot -1, which the sampler leaves alone.
+- logits rows past the step's sampled rows have sampler slot -1, which the sampler leaves alone (a sequence with
+  drafts samples a row for each, so a bucket's B rows hold sequences or their rows, whichever are more).
 The block-table buffer is as wide as the model's context, so one graph serves every context length (the
 attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
 Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
@@ -207,12 +208,13 @@ class StepGraphs:
         )
 
     def fits(self, step: StepLists) -> bool:
-        return len(step.input_ids) <= self.buckets[-1] and len(step.context_lens) <= self.max_running
+        rows = max(len(step.context_lens), len(step.logits_indices))  # a sequence with drafts samples more rows
+        return len(step.input_ids) <= self.buckets[-1] and rows <= self.max_running
 
     def prepare(self, step: StepLists) -> tuple[int, DeviceStep]:
         """Copy the step's metadata into the buffers of the smallest bucket that holds it (the copies are queued,
         not waited for); returns the bucket and the buffers' views."""
-        n, s = len(step.input_ids), len(step.context_lens)
+        n, s = len(step.input_ids), max(len(step.context_lens), len(step.logits_indices))
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
         self.uses[bucket] += 1
         self._turn ^= 1

@@ -39,13 +39,16 @@ from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
+from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
 from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
 from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
+from llamaterm.engine.serving.sampling import penalised
 from llamaterm.engine.serving.scheduler import Scheduler
-from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.speculation import MAX_DRAFT, SPECULATE, Speculation
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
 from llamaterm.kernels.dispatch import REFERENCES_ONLY
 
@@ -76,6 +79,7 @@ class RequestHandle(EventStream):
     finished: bool = False
     finish_time: float | None = None
     opens_thinking: bool = False  # the chat template opened a thinking block: the reply's text starts with its tag
+    num_tokens: int = 0  # tokens handed out
 
     def stats(self) -> RequestStats:
         seq = self.seq
@@ -83,11 +87,11 @@ class RequestHandle(EventStream):
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached,
-            generated_tokens=seq.num_generated - seq.num_pending,
+            generated_tokens=seq.num_known - seq.num_prompt_tokens,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
             tokens_per_s=decode_rate(list(seq.token_times)),
             elapsed_s=end - seq.arrival,
-            context_tokens=len(seq.token_ids) - seq.num_pending,
+            context_tokens=seq.num_known,
             max_context=self.engine.max_context,
             finished=self.finished,
         )
@@ -103,7 +107,9 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         name: str = "",
         sink: Sink | None = None,
+        draft: Model | None = None,
     ):
+        """draft: the draft model of config.speculate "draft" (from_model loads it and checks its vocabulary)."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, name
         self.prompts = PromptEncoder(tokenizer)
         self.sampling_defaults = LLAMA_CPP_DEFAULTS  # from_model reads the model's
@@ -121,11 +127,18 @@ class Engine:
             self.dense_weight_bytes = model.keep_dense_weights(int(free_memory(model.device) * c.kv_share) // 4)
             torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
         dense_s = time.perf_counter() - t
-        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share)
-        num_blocks = pool_blocks(kv_tokens, c.block_size, model.kv_bytes_per_token(), free_memory(model.device))
+        check_speculation(c, model, draft)
+        # a draft model's cache has the pool's blocks too (draft_model.py)
+        kv_bytes = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
+        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share, kv_bytes)
+        num_blocks = pool_blocks(kv_tokens, c.block_size, kv_bytes, free_memory(model.device))
         self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running)
+        self.speculate = c.speculate
+        # a step samples a row per sequence and one per draft: drafts ride while a step has at most speculate_tokens
+        # rows, no more than every sequence drafting the most could use
+        spec_rows = 0 if c.speculate == "off" else min(c.speculate_tokens, c.max_running * (1 + MAX_DRAFT))
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_rows, draft is not None)
         # steps overlap on CUDA (engine/serving/engine.py _loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
@@ -133,10 +146,26 @@ class Engine:
             f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
             f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})",
         ):
-            self.runner = ModelRunner(model, num_blocks, c.block_size, c.max_running, max_batch_tokens, c.cuda_graphs)
+            self.runner = ModelRunner(
+                model,
+                num_blocks,
+                c.block_size,
+                c.max_running,
+                max_batch_tokens,
+                c.cuda_graphs,
+                max(c.max_running, spec_rows),
+                max(0, spec_rows - 1),
+            )
+        self.draft = None
+        if draft is not None:
+            with out_of_memory("preparing the draft model's KV cache", "give a smaller --kv-tokens"):
+                self.draft = DraftModel(
+                    draft, num_blocks, c.block_size, self.runner.sampler, c.max_running, max_batch_tokens, c.cuda_graphs
+                )
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
+        self.drafted = self.kept = 0  # draft tokens verified, and kept, so far
         self.host_s = 0.0  # the loop's time outside waits for the device or for work, for per-step figures
         self._wait_s = 0.0  # this loop turn's wait for the device
         # the longest step so far, from its scheduling (or the end of the step it queued behind) to its sampled
@@ -176,9 +205,24 @@ class Engine:
                 model = Model(ckpt.config, ckpt.tensors, dev, dtype)
         t2 = time.perf_counter()
         shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
-        engine = cls(model, tokenizer, config, name=shown, sink=sink)
+        draft = None
+        if config.speculate == "draft" and config.draft:
+            try:
+                draft_ckpt, draft_tokenizer, _ = load_checkpoint(config.draft)
+            except LlamatermError as e:
+                raise LlamatermError(f"--draft {config.draft}: {e}") from None
+            check_vocabulary(draft_tokenizer, tokenizer, config.draft, shown)
+            with out_of_memory("loading the draft model", "take a smaller draft model, or --speculate ngram"):
+                draft = Model(draft_ckpt.config, draft_ckpt.tensors, dev, dtype)
+        t3 = time.perf_counter()
+        engine = cls(model, tokenizer, config, name=shown, sink=sink, draft=draft)
         engine.sampling_defaults = model_sampling_defaults(Path(path), ckpt.metadata)
-        engine.startup_s = {"read checkpoint": t1 - t0, "weights to device": t2 - t1, **engine.startup_s}
+        engine.startup_s = {
+            "read checkpoint": t1 - t0,
+            "weights to device": t2 - t1,
+            **({"draft model": t3 - t2} if draft else {}),
+            **engine.startup_s,
+        }
         return engine
 
     # ---- caller side (any thread) ----
@@ -228,6 +272,10 @@ class Engine:
             seed=params.seed if params.seed is not None else secrets.randbits(64),
             grammar=None if params.grammar is None else self._vocabulary().matcher(params.grammar),
         )
+        # a grammar's matcher would need advancing through the drafts; a draft model's draws would count up a
+        # penalised sequence's tokens (its drafts' rows of the model have counts of their own: model_runner.py)
+        if self.speculate != "off" and params.grammar is None and not (self.speculate == "draft" and penalised(params)):
+            seq.speculation = Speculation()
         handle = RequestHandle(seq.id, seq, self, opens_thinking=opens)
         with self._cv:
             if self._stopped:
@@ -278,6 +326,8 @@ class Engine:
             tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
             steps=self.num_steps,
             host_s=self.host_s,
+            drafted=self.drafted,
+            kept=self.kept,
             **self._graph_stats(),
         )
 
@@ -337,8 +387,10 @@ class Engine:
                 if request_id in self._handles:
                     self._finish(self._handles[request_id], "cancelled")
             # The next step is launched before the last one's tokens are read, so scheduling, building its inputs
-            # and reading tokens overlap the device's work; it finds the tokens it needs on the device.
-            if inflight is not None and not self.overlap:
+            # and reading tokens overlap the device's work; it finds the tokens it needs on the device. Drafts are
+            # proposed from tokens on the host: a step that verified drafts, or one before a step that may draft,
+            # completes first (no step in flight ever holds drafts when the scheduler runs).
+            if inflight is not None and (not self.overlap or inflight.has_drafts or self.scheduler.may_draft()):
                 self._complete(inflight)
                 inflight = None
             launched = self._launch()
@@ -376,6 +428,8 @@ class Engine:
         self._last_batch = len(chunks)
         self.num_steps += 1
         try:
+            if self.draft is not None and (drafting := [c.seq for c in chunks if c.seq.num_drafts]):
+                self.draft.propose(drafting)
             step = self.runner.launch(chunks, start)
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
@@ -403,13 +457,19 @@ class Engine:
         else:  # the pace of prefill learns from steps as they run without it
             self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
         self._last_done = now
+        for seq, drafts in zip(step.sampling, step.drafts, strict=True):
+            if drafts and seq.status is not Status.FINISHED:
+                self.scheduler.drop_rejected(seq)
+        self.drafted, self.kept = self.drafted + step.verified, self.kept + step.kept
         for seq, token, logprob in tokens:
-            handle = self._handles[seq.id]
+            handle = self._handles.get(seq.id)
+            if handle is None or handle.seq is not seq:  # ended by an earlier token of this step
+                continue
             try:
                 self._on_token(handle, token, logprob, now)
             except Exception as e:  # one request's failure stays its own
                 self._finish(handle, "error", f"{type(e).__name__}: {e}")
-        self._step_tokens.append((now, len(step.sampling)))
+        self._step_tokens.append((now, len(tokens)))
         while self._step_tokens and now - self._step_tokens[0][0] > RATE_WINDOW_S:
             self._step_tokens.popleft()
 
@@ -431,7 +491,8 @@ class Engine:
             text, stopped = self._outputs[seq.id].push(token)
             if stopped:
                 return self._finish(handle, "stop", text=text, token_ids=(token,), logprob=logprob)
-        if seq.num_generated - seq.num_pending >= seq.max_tokens:
+        handle.num_tokens += 1
+        if handle.num_tokens >= seq.max_tokens:
             return self._finish(handle, "length", text=text, token_ids=(token,), logprob=logprob)
         if self.sink is None:
             handle.events_queue.put(Event(seq.id, text, (token,), logprobs=() if logprob is None else (logprob,)))
@@ -499,10 +560,28 @@ def out_of_memory(doing: str, advice: str):
         ) from None
 
 
-def default_kv_tokens(model: Model, share: float = 1.0) -> int:
+def default_kv_tokens(model: Model, share: float = 1.0, kv_bytes: int | None = None) -> int:
     """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens.
-    An engine that shares the device with others takes `share` of that."""
-    free = free_memory(model.device)
+    An engine that shares the device with others takes `share` of that. kv_bytes: a token's (default: the
+    model's; with a draft model, both models')."""
+    free, per_token = free_memory(model.device), kv_bytes or model.kv_bytes_per_token()
     if model.device.type == "cuda":
-        return int(free * 0.85 * share) // model.kv_bytes_per_token()
-    return max(1024, min(32768, int(free / 4 * share) // model.kv_bytes_per_token()))
+        return int(free * 0.85 * share) // per_token
+    return max(1024, min(32768, int(free / 4 * share) // per_token))
+
+
+def check_speculation(c: EngineConfig, model: Model, draft: Model | None) -> None:
+    if c.speculate not in SPECULATE:
+        raise LlamatermError(f"unknown speculation {c.speculate!r}: one of {', '.join(SPECULATE)}")
+    if (c.speculate == "draft") != (draft is not None):
+        raise LlamatermError("speculation with a draft model needs one: give --draft MODEL with --speculate draft")
+    if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+        raise LlamatermError(
+            f"the draft model's vocabulary differs from the model's (size {draft.config.vocab_size} vs "
+            f"{model.config.vocab_size}): pick a draft model of the same family, or --speculate ngram"
+        )
+    if draft is not None and model.config.kv_window() is not None:  # its blocks behind the window are given back
+        raise LlamatermError(
+            "a draft model needs a model that attends to its whole context, and this one slides a window in every "
+            "layer: use --speculate ngram"
+        )

@@ -14,11 +14,19 @@ ready as soon as the device reaches the new forward pass), advances the grammars
 masks on llguidance's threads. The step's sampler, which reads the masks, is queued by the next launch, just
 before its forward pass (or by `complete`): meanwhile the engine's thread hands out the last step's tokens and
 schedules the next, and the GPU runs the forward pass, so the masks' time hides under both.
+
+A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
+samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
+confirm and the token after them in place of the drafts and PENDING (Scheduler.drop_rejected then shrinks its
+cache). Drafts are proposed from tokens on the host, so a step with drafts completes before the next one is
+scheduled, as does the step before one that may draft (engine.py): no step in flight holds drafts when the
+scheduler runs, and no input of a step is a draft step's pending token.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import sys
@@ -37,9 +45,10 @@ from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLists
-from llamaterm.engine.serving.sampling import Sampler
+from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.speculation import accepted
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
@@ -61,9 +70,11 @@ Sampled = tuple[Sequence, int, TokenLogprob | None]
 
 @dataclass
 class LaunchedStep:
-    """A step on its way: the sequences it samples for, in row order, and their tokens on the way to the host."""
+    """A step on its way: the sequences it samples for, in row order, and their tokens on the way to the host. A
+    sequence with drafts samples a row per draft and one after them (engine/serving/speculation.py)."""
 
     sampling: list[Sequence]
+    drafts: list[list[int]]  # each sampling sequence's drafts, as launched
     start: float  # when it was scheduled
     decode_rows: int  # its chunks of one token, and
     prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
@@ -72,19 +83,41 @@ class LaunchedStep:
     logprobs: StepLogprobs | None = None
     tokens: HostTokens | None = None  # once its sampler is queued
     outcome: list[Sampled] | None = None  # complete()'s answer, kept: a grammar's step may complete it early
+    verified: int = 0  # drafts verified by complete(), and of them those kept
+    kept: int = 0
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
+
+    def last_rows(self) -> dict[int, int]:
+        """Each sequence's last row (its token after any drafts), by sequence id."""
+        ends = itertools.accumulate(1 + len(d) for d in self.drafts)
+        return {seq.id: end - 1 for seq, end in zip(self.sampling, ends, strict=True)}
 
 
 class ModelRunner:
     def __init__(
-        self, model: Model, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int, cuda_graphs: bool
+        self,
+        model: Model,
+        num_blocks: int,
+        block_size: int,
+        max_running: int,
+        max_batch_tokens: int,
+        cuda_graphs: bool,
+        max_rows: int | None = None,
+        max_drafts: int = 0,
     ):
+        """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running);
+        max_drafts: the most drafts a step holds."""
+        rows = max_rows or max_running
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-            self.sampler = Sampler(max_running, model.config.vocab_size, model.device)
+            self.sampler = Sampler(max_running, model.config.vocab_size, model.device, max_drafts)
         pinned = model.device.type == "cuda"
-        self._host_tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
         # still wait in the stream while the next step's masks fill the other; the step before it has completed
         self._host_bitmasks = [torch.zeros(0, 0, dtype=torch.int32)] * 2
@@ -96,11 +129,9 @@ class ModelRunner:
             with self._timed("warm-up"):
                 self._warm_up()
             return
-        marker = compiled_marker(model, max_running, max_batch_tokens)
+        marker = compiled_marker(model, rows, max_batch_tokens)
         max_blocks = -(-model.config.context_length // block_size)
-        graphs = self.graphs = StepGraphs(
-            self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
-        )
+        graphs = self.graphs = StepGraphs(self._forward, self._sample, model.device, rows, max_batch_tokens, max_blocks)
         if marker.exists():  # the kernels of the first steps, a decode and a short prompt; the rest in the background
             first_steps = [1, next((b for b in graphs.buckets if b >= FIRST_PROMPT), graphs.buckets[-1])]
         else:  # a first start compiles every kernel variant a step can launch, before the first request
@@ -134,15 +165,16 @@ class ModelRunner:
         for seq in sampling:
             self.sampler.join(seq)
         last = self._last
-        rows = {seq.id: i for i, seq in enumerate(last.sampling)} if last else {}
+        rows = last.last_rows() if last else {}
         step = step_lists(chunks, self.block_size, rows)
         if last is not None:
             self._queue_sampler(last)  # where it waited for masks, the host's work since hid their time
+        self._penalised_drafts(sampling, step)
         if self.graphs and self.graphs.fits(step):
             graphs, (bucket, device_step) = self.graphs, self.graphs.prepare(step)
             take_pending(device_step, step, last)
             logits = graphs.run_forward(bucket, device_step)
-            sample = lambda: graphs.run_sample(bucket, device_step, logits)[: len(sampling)]
+            sample = lambda: graphs.run_sample(bucket, device_step, logits)[: len(step.logits_indices)]
         else:
             device_step = device_tensors(step, self.model.device)
             take_pending(device_step, step, last)
@@ -152,10 +184,12 @@ class ModelRunner:
         for seq in sampling:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-        prefill = sum(c.length for c in chunks if c.length > 1)
-        decode_rows = sum(c.length == 1 for c in chunks)
-        launched = self._last = LaunchedStep(sampling, start, decode_rows, prefill, sample)
-        asked = [(i, seq.params.logprobs) for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
+        drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
+        prefill = sum(c.length for c in chunks if c.length > 1 + c.seq.num_drafts)  # a decode with drafts: a row
+        decode_rows = sum(c.length == 1 + c.seq.num_drafts for c in chunks)
+        launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample)
+        row_seqs = [seq for seq, d in zip(sampling, drafts, strict=True) for _ in range(1 + len(d))]
+        asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
             launched.logprobs = StepLogprobs(logits, *map(list, zip(*asked, strict=True)))
         constrained = [seq for seq in sampling if seq.grammar is not None]
@@ -170,6 +204,17 @@ class ModelRunner:
         if copies:
             source, destination = (torch.tensor(x, device=self.model.device) for x in zip(*copies, strict=True))
             self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
+
+    def _penalised_drafts(self, sampling: list[Sequence], step: StepLists) -> None:
+        """The rows at a penalised sequence's drafts sample from slots of their own, whose counts hold the drafts
+        before them (Sampler.draft_rows)."""
+        row, used = 0, 0
+        for seq in sampling:
+            if seq.num_drafts and penalised(seq.params):
+                drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
+                step.sampler_slots[row + 1 : row + 1 + len(drafts)] = self.sampler.draft_rows(seq, drafts, used)
+                used += len(drafts)
+            row += 1 + seq.num_drafts
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
         """Start filling the next token's masks of the sequences under a grammar, on llguidance's threads (the GIL
@@ -221,20 +266,35 @@ class ModelRunner:
         assert step.tokens is not None
         tokens = step.tokens.wait()
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
-        refused = self._advance_grammars(step.sampling, tokens)
+        first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))
+        refused = self._advance_grammars(step.sampling, [tokens[row] for row in first_rows[:-1]])
         step.outcome = []
-        for row, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
+        for i, (seq, drafts) in enumerate(zip(step.sampling, step.drafts, strict=True)):
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
                 continue
-            token = REFUSED if row in refused else token
-            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            first = first_rows[i]
+            if drafts:  # the drafts the target confirms and its token after them replace the drafts and PENDING
+                kept = accepted(drafts, tokens[first : first_rows[i + 1]])
+                new = tokens[first : first + kept + 1]
+                del seq.token_ids[seq.num_known :]
+                seq.token_ids += new
+                seq.num_drafts = 0
+                assert seq.speculation is not None
+                seq.speculation.observe(len(drafts), kept, seq.num_generated)
+                if penalised(seq.params):
+                    self.sampler.count_kept(seq, new)
+                step.verified, step.kept = step.verified + len(drafts), step.kept + kept
+            else:
+                new = [REFUSED if i in refused else tokens[first]]
+                seq.token_ids[len(seq.token_ids) - seq.num_pending] = new[0]
             seq.num_pending -= 1
-            step.outcome.append((seq, token, logprobs.get(row)))
+            step.outcome += [(seq, token, logprobs.get(first + j)) for j, token in enumerate(new)]
         return step.outcome
 
     @staticmethod
     def _advance_grammars(sampling: list[Sequence], tokens: list[int]) -> set[int]:
-        """Each grammar past its sequence's new token, all at once on llguidance's threads; the rows refused."""
+        """Each grammar past its sequence's new token (never drafted), all at once on llguidance's threads; the
+        sequences refused, by index."""
         rows = [
             i
             for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True))
@@ -275,9 +335,9 @@ class ModelRunner:
 
 
 def drop_pending(seq: Sequence) -> None:
-    """A finished sequence's samples past its end, never read."""
-    del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
-    seq.num_pending = 0
+    """A finished sequence's samples past its end and drafts, never read."""
+    del seq.token_ids[seq.num_known :]
+    seq.num_pending = seq.num_drafts = 0
 
 
 def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
@@ -345,7 +405,9 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    qsl, rows, sampler_slots, sample_positions, pending, pending_from = [0], [], [], [], [], []
+    qsl, sampler_slots, pending, pending_from = [0], [], [], []
+    rows: list[int] = []
+    sample_positions: list[int] = []
     for c in chunks:
         seq, start, end = c.seq, c.start, c.start + c.length
         table, known = seq.table.block_ids, len(seq.token_ids)
@@ -357,11 +419,13 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         qsl.append(qsl[-1] + c.length)
-        if end == known:  # the chunk samples (ScheduledChunk.samples); a fork's (no tokens) the chunk before's row
-            rows.append(qsl[-1] - 1)
+        if end == known:  # the chunk samples (ScheduledChunk.samples): its last token, and each draft; a fork's (no
+            # tokens) the chunk before's row
             assert seq.sampler_slot is not None  # admitted
-            sampler_slots.append(seq.sampler_slot)
-            sample_positions.append(end)
+            drafts = seq.num_drafts
+            rows += range(qsl[-1] - 1 - drafts, qsl[-1])
+            sampler_slots += [seq.sampler_slot] * (1 + drafts)
+            sample_positions += range(end - drafts, end + 1)
     return StepLists(
         ids,
         positions,

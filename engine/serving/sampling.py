@@ -20,10 +20,12 @@ def as_int64(seed: int) -> int:
 
 
 class Sampler:
-    def __init__(self, slots: int, vocab: int, device: torch.device):
-        self.tables = SamplingTables.allocate(slots, vocab, device)
+    def __init__(self, slots: int, vocab: int, device: torch.device, draft_slots: int = 0):
+        """draft_slots: slots past the sequences' own for the rows of penalised sequences' drafts (draft_rows)."""
+        self.tables = SamplingTables.allocate(slots + draft_slots, vocab, device)
         self.device = device
         self._owner: list[int | None] = [None] * slots  # the sequence each slot's rows were written for
+        self.first_draft_slot = slots
 
     def join(self, seq: Sequence) -> None:
         """Write a sequence's parameters into its slot once; with penalties, its prompt tokens and zero counts.
@@ -63,6 +65,36 @@ class Sampler:
         rows = self._staged(slots, torch.int64).to(self.device, non_blocking=True)
         source = bitmask[: len(slots)]
         self.tables.bitmask.index_copy_(0, rows, source.to(self.device, non_blocking=True))
+
+    def draft_rows(self, seq: Sequence, drafts: list[int], first: int) -> list[int]:
+        """Slots first, first + 1, ... (of the draft slots) for a penalised sequence's rows at its drafts: row i
+        samples after drafts[:i + 1], so its penalties count them too, as decoding would have. Each is a copy of
+        the sequence's slot with those drafts counted; the sampler's count-up in them is dropped (count_kept counts
+        the drafts kept in the sequence's own slot)."""
+        t, own = self.tables, seq.sampler_slot
+        assert own is not None
+        slots = list(range(self.first_draft_slot + first, self.first_draft_slot + first + len(drafts)))
+        at = self._staged(slots, torch.int64).to(self.device, non_blocking=True)
+        for table in (t.floats, t.ints, t.in_prompt, t.bias, t.counts):
+            table.index_copy_(0, at, table[own].repeat(len(slots), 1))  # (a copy: the rows share no memory)
+        rows = [i for i in range(len(drafts)) for _ in range(i + 1)]  # row i: drafts 0 .. i
+        tokens = [d for i in range(len(drafts)) for d in drafts[: i + 1]]
+        index = (
+            at[self._staged(rows, torch.int64).to(self.device, non_blocking=True)],
+            self._staged(tokens, torch.int64).to(self.device, non_blocking=True),
+        )
+        t.counts.index_put_(index, torch.ones(len(tokens), dtype=t.counts.dtype, device=self.device), accumulate=True)
+        return slots
+
+    def count_kept(self, seq: Sequence, tokens: list[int]) -> None:
+        """A penalised sequence's kept drafts and the token after them, but the first (its own row counted it)."""
+        if tokens[1:]:
+            assert seq.sampler_slot is not None
+            counts = self.tables.counts[seq.sampler_slot]
+            ids = self._staged(tokens[1:], torch.int64).to(self.device, non_blocking=True)
+            counts.index_put_(
+                (ids,), torch.ones(len(tokens) - 1, dtype=counts.dtype, device=self.device), accumulate=True
+            )
 
     def sample(self, logits: torch.Tensor, sampler_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return sample(logits, sampler_slots, positions, self.tables)

@@ -74,10 +74,20 @@ class Pace:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_running: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_running: int,
+        speculate_tokens: int = 0,
+        draft_model: bool = False,
+    ):
         self.blocks = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        # drafts ride only while the step's sampled rows (a row per sequence, one per draft) stay within this
+        self.speculate_tokens = speculate_tokens
+        self.draft_model = draft_model  # drafts come from a draft model, which fills them in after scheduling
         self.pace = Pace(max_batch_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
@@ -100,11 +110,16 @@ class Scheduler:
         budget = self.max_batch_tokens
         prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
+        # every running and admitted sequence samples a row: drafts get what is left of speculate_tokens
+        drafts = self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
         for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
             n = min(seq.num_to_compute, budget)
             prefilling = seq.num_to_compute > 1
+            if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_pending:
+                n += self._draft(seq, min(drafts, budget - 1))
+                drafts -= n - 1
             if prefilling:
                 prefill = self._prefill_left(prefill, chunks)
                 n = min(n, prefill)
@@ -120,11 +135,43 @@ class Scheduler:
                 prefill = self._prefill_left(prefill, chunks) - n
         return chunks, prefill
 
+    def _draft(self, seq: Sequence, most: int) -> int:
+        """Append up to `most` drafts to a decoding sequence's tokens (its adaptive draft length, its tokens left,
+        and the blocks free without preempting anyone allowing); returns how many."""
+        spec = seq.speculation
+        assert spec is not None
+        k = min(most, spec.length.k(seq.num_generated), seq.max_tokens - seq.num_generated - 1)
+        if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine.py)
+            proposed = [0] * max(k, 0)
+        else:
+            proposed = spec.index.propose(seq.token_ids, len(seq.token_ids), k)
+        if not proposed or not self.blocks.can_allocate(seq.table, len(seq.token_ids) + len(proposed)):
+            return 0
+        seq.token_ids += proposed
+        seq.num_drafts = len(proposed)
+        return len(proposed)
+
+    def may_draft(self) -> bool:
+        """Some running sequence would draft in the next step if its tokens were all on the host (the engine then
+        reads the step in flight's tokens before it schedules: engine.py)."""
+        return self.speculate_tokens > len(self.running) and any(
+            seq.speculation is not None and seq.speculation.length.k(seq.num_generated) > 0 for seq in self.running
+        )
+
+    def drop_rejected(self, seq: Sequence) -> None:
+        """After a step verified a sequence's drafts (its token_ids hold the kept ones and the target's next
+        token): the cache keeps the K/V of the tokens before that next token, and the blocks past them go back."""
+        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
+        self.blocks.truncate(seq.table, seq.num_computed)
+
     def _make_room(self, seq: Sequence, n: int, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Preempts the newest running sequences until seq's next n tokens fit, or seq itself was the newest;
         returns the chunks without those of the preempted."""
         while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
             victim = self.running[-1]
+            if victim.num_drafts:  # drafted earlier in this loop (no step in flight holds drafts: engine.py)
+                del victim.token_ids[-victim.num_drafts :]
+                victim.num_drafts = 0
             self.preempt(victim)
             chunks = [c for c in chunks if c.seq is not victim]
             if victim is seq:
@@ -227,14 +274,16 @@ class Scheduler:
         for c in chunks:
             seq = c.seq
             seq.num_computed += c.length
-            known = min(seq.num_computed, len(seq.token_ids) - seq.num_pending)
-            self.blocks.commit_full_blocks(seq.table, seq.token_ids, known)
-            self.blocks.slide(seq.table, seq.num_computed)
+            self.blocks.commit_full_blocks(seq.table, seq.token_ids, min(seq.num_computed, seq.num_known))
+            # drafts may be rejected: no block their window would need goes back
+            self.blocks.slide(seq.table, seq.num_computed - seq.num_drafts)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.table)
         seq.num_computed = 0
+        if seq.speculation is not None:  # its blocks are gone from the draft model's cache too
+            seq.speculation.draft_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockTable
 from llamaterm.engine.serving.grammar import GrammarMatcher
+from llamaterm.engine.serving.speculation import Speculation
 
 
 class Status(enum.Enum):
@@ -31,6 +32,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_pending: int = 0  # trailing token_ids still PENDING (sampled by a step in flight: model_runner.py)
+    # drafts the step in flight verifies: the token_ids just before its PENDING one (engine/serving/speculation.py)
+    num_drafts: int = 0
+    speculation: Speculation | None = None  # None: it never drafts (off, penalties, a grammar)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     token_times: deque = field(default_factory=lambda: deque(maxlen=32))  # for the sliding-window rate
@@ -38,6 +42,11 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known(self) -> int:
+        """Tokens on the host and final: neither pending nor drafts."""
+        return len(self.token_ids) - self.num_pending - self.num_drafts
 
     @property
     def done_sampling(self) -> bool:

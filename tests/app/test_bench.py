@@ -134,3 +134,18 @@ def test_bench_help_names_every_synthetic_model():
 
     help_text = " ".join(llamaterm("bench", "--help").stdout.split())
     assert all(name in help_text for name in SYNTHETIC), help_text
+
+
+def test_bench_speculation_with_and_without_on_cpu():
+    """--speculate: editing requests and open chat, greedy and sampled, with and without drafts: the same tokens."""
+    r = bench_json("--speculate", "ngram", "--sessions", "1,2", "--tokens", "16")
+    assert r["speculate"] == "ngram" and r["edit_texts"] == ["inventory.txt", "matrix.txt", "tokenizer.txt"]
+    kinds = [(row["workload"], row["sampling"], row["sessions"]) for row in r["rows"]]
+    assert kinds == [(w, s, n) for w in ("editing", "open chat") for s in ("greedy", "sampled") for n in (1, 2)]
+    for row in r["rows"]:
+        assert row["same_tokens"] and row["off_tok_s"] > 0 and row["on_tok_s"] > 0
+        n, prompts = row["sessions"], 3 if row["workload"] == "editing" else 4
+        assert row["tokens"] == -(-max(n, prompts) // n) * n * 16  # every prompt, in waves of n sessions
+    assert any(row["acceptance"] for row in r["rows"])  # random weights repeat themselves: some drafts are kept
+    out = llamaterm("bench", "--speculate", "draft", "--device", "cpu")
+    assert out.returncode == 2 and "--speculate takes ngram, or draft with --draft MODEL" in out.stderr

@@ -79,7 +79,10 @@ def test_the_same_tokens_before_and_after_the_graphs_are_captured():
     the same tokens (the same kernels over the same padded buffers). One request at a time, prompts of 12 tokens
     (no full block, so no prefix-cache hit): the same step sizes both times."""
     model = synthetic_model("smollm2-135m", True, torch.device("cuda"))
-    gpu = Engine(model, SyntheticTokenizer(model.config.vocab_size), EngineConfig(max_running=8, kv_tokens=8192))
+    # one token a step (no drafts, which random weights' repeated tokens would take several a step): the decodes
+    # use bucket 1
+    config = EngineConfig(max_running=8, kv_tokens=8192, speculate="off")
+    gpu = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)
     graphs = gpu.runner.graphs
     params = SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True)
     prompts = [list(range(100 + 12 * i, 112 + 12 * i)) for i in range(3)]

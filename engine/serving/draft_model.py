@@ -1,0 +1,137 @@
+"""A draft model: a small model with the target's vocabulary that proposes each drafting sequence's k tokens by k
+steps of its own, for the target to verify in one (engine/serving/speculation.py).
+
+It keeps its own KV cache, laid out as the target's: the same number of blocks of the same size, so a sequence's
+block table and slot mapping serve both models. Its cache lags the target's: each proposal first computes the tokens
+the draft has not seen (the whole prompt the first time; after a step, the token the target added), then one token
+per step. Its K/V of a position stays valid while the tokens before it do: verification keeps the drafts the target
+confirms, so `Speculation.draft_computed` only shrinks to the target's computed count. A cached prefix block holds
+the draft's K/V only if a drafting sequence computed it, so each sequence's draft starts from position 0 and
+rewrites such blocks with the values they hold anyway (the same tokens at the same positions).
+
+Each draft token is drawn as the target's next token would be (the batched sampler, the sequence's own row of the
+target's tables: temperature, filters, bias, seed), from the draft's logits. The draws share their noise with the
+target's (keyed by seed, position and token), so the closer the two distributions, the likelier a draft is the
+target's own token and kept; greedy rows draft the draft's argmax. This coupling keeps the replies exactly those
+without drafts (the model's own draws decide every token); for sampled rows it keeps fewer drafts than rejection
+sampling with min(1, p/q) would, which needs a draw of its own and so gives up that sameness.
+
+On CUDA the draft's steps replay from graphs of their own (cuda_graph.py's StepGraphs over its cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.model import DeviceStep, Model, StepLists
+from llamaterm.engine.serving.model_runner import device_tensors
+from llamaterm.engine.serving.sampling import Sampler
+from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.kernels.dispatch import use_triton
+
+FAMILY = "pick a draft model of the same family (its tokenizer), or --speculate ngram"
+
+
+def check_vocabulary(draft: Tokenizer, target: Tokenizer, draft_name: str, target_name: str) -> None:
+    """The draft must name tokens as the target does: the same count, each id the same bytes."""
+    differs = f"the draft model {draft_name}'s vocabulary differs from {target_name}'s"
+    if draft.vocab_size != target.vocab_size:
+        raise LlamatermError(f"{differs} (size {draft.vocab_size} vs {target.vocab_size}): {FAMILY}")
+    for i in range(target.vocab_size):
+        if draft.token_bytes(i) != target.token_bytes(i):
+            raise LlamatermError(
+                f"{differs} (token {i}: {draft.token_text(i)!r} vs {target.token_text(i)!r}): {FAMILY}"
+            )
+
+
+class DraftModel:
+    def __init__(
+        self,
+        model: Model,
+        num_blocks: int,
+        block_size: int,
+        sampler: Sampler,
+        max_running: int,
+        max_batch_tokens: int,
+        cuda_graphs: bool,
+    ):
+        self.model, self.block_size, self.sampler = model, block_size, sampler
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        # its steps replayed from CUDA graphs of their own, as the model's (cuda_graph.py): a bucket runs eagerly
+        # until its graph is captured, a piece between two draft steps once steps have needed it
+        self.graphs = None
+        if cuda_graphs and use_triton(self.kv_cache):
+            max_blocks = -(-model.config.context_length // block_size)
+            self.graphs = StepGraphs(
+                self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
+            )
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Fill each sequence's drafts (the scheduler placed num_drafts placeholders after its known tokens) with the
+        draft model's tokens: a step that catches the draft's cache up and samples the first, then a step a token."""
+        rounds = max(seq.num_drafts for seq in seqs)
+        for i in range(rounds):
+            live = [seq for seq in seqs if seq.num_drafts > i]
+            chunks = [(seq, self._first_computed(seq) if i == 0 else seq.num_known + i - 1) for seq in live]
+            tokens = self._step([(seq, start, seq.num_known + i) for seq, start in chunks])
+            for seq, token in zip(live, tokens, strict=True):
+                seq.token_ids[seq.num_known + i] = max(token, 0)  # -1: not finite; the target decides anyway
+        for seq in seqs:
+            assert seq.speculation is not None
+            seq.speculation.draft_computed = seq.num_known + seq.num_drafts - 1
+
+    @staticmethod
+    def _first_computed(seq: Sequence) -> int:
+        spec = seq.speculation
+        assert spec is not None
+        return min(spec.draft_computed, seq.num_known - 1)
+
+    @torch.inference_mode()
+    def _step(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+        """Compute tokens [start, end) of each sequence in the draft's cache; sample the token after each."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, rows = [0], []
+        for seq, start, end in chunks:
+            table = seq.table.block_ids
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + end - start)
+            rows.append(qsl[-1] - 1)
+        sampler_slots = [seq.sampler_slot for seq, _, _ in chunks]
+        assert all(slot is not None for slot in sampler_slots)
+        step = StepLists(
+            ids,
+            positions,
+            slots,
+            [seq.table.block_ids for seq, _, _ in chunks],
+            [end for _, _, end in chunks],
+            qsl,
+            rows,
+            sampler_slots,  # type: ignore[arg-type]
+            [end for _, _, end in chunks],
+            [],
+            [],
+        )
+        graphs = self.graphs
+        if graphs is None or not graphs.fits(step):
+            device_step = device_tensors(step, self.model.device)
+            return self._sample(device_step, self._forward(device_step)).tolist()
+        bucket, device_step = graphs.prepare(step)
+        tokens = graphs.run_sample(bucket, device_step, graphs.run_forward(bucket, device_step))
+        out = tokens[: len(rows)].tolist()
+        if graphs.wanted(idle=False):  # the step is done (its tokens read): a piece of the captures' work
+            graphs.background()
+        return out
+
+    def _forward(self, step: DeviceStep) -> torch.Tensor:
+        return self.model.forward(step.inputs, self.kv_cache)
+
+    def _sample(self, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
+        return self.sampler.sample(logits, step.sampler_slots, step.sample_positions)

@@ -1,0 +1,130 @@
+"""Speculative decoding: draft tokens proposed cheaply, verified by one step of the target model.
+
+Drafts come from a small draft model (engine/serving/draft_model.py), or from prompt lookup: the sequence's last n
+tokens (n = MAX_NGRAM .. 1) are looked up among its earlier tokens, prompt and reply alike, and the k tokens that
+followed their latest earlier occurrence are proposed. A reply that repeats its prompt (an edited text, a quoted
+passage, code with a name changed) is then drafted many tokens at a time, at no cost but a dictionary lookup.
+`NgramIndex` keeps every n-gram's latest end position, updated as tokens become known, so a proposal costs O(k) and
+each token O(MAX_NGRAM) once.
+
+Verification (engine/serving/scheduler.py places the chunk, model_runner.py samples it): the step computes the
+sequence's last token and its k drafts as one chunk, and samples every position's logits in the batched sampler,
+each row keyed by its own position as a decode step would be. Draft i is kept while the target's token at its
+position equals it; the target's token at the first mismatch (or after the last draft) follows them. The tokens
+kept are exactly those that decoding one token a step gives: the target's token at each position is drawn from
+the same logits with the same noise (kernels/sampling.py keys it by seed, position and token). For a greedy row
+that is "accept while the argmax equals the draft". For a sampled row with a draft that is one token (a point mass,
+as every prompt-lookup draft is) it is the rejection sampling of Leviathan et al.: the draft d is kept with
+probability p(d) (p: the target's distribution after every filter), and otherwise the token comes from p with d
+removed, renormalised, which is the target's draw given that it is not d. So every filter, bias and seed holds.
+
+Repetition, presence and frequency penalties count the tokens sampled before each position: a penalised sequence's
+rows at its drafts sample from slots of their own whose counts hold the drafts before them, and the drafts kept are
+counted in its slot after the step (Sampler.draft_rows, count_kept). A sequence under a grammar is not drafted (its
+matcher would have to be advanced through the drafts for their masks), nor a penalised one with a draft model (its
+draws from the sequence's slot would count up its tokens).
+
+How many tokens to draft adapts to each sequence's measured acceptance (`DraftLength`), and the scheduler turns
+drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` rows sampled in the
+step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPECULATE = ("off", "ngram", "draft")  # EngineConfig.speculate
+MAX_NGRAM = 3  # the longest suffix looked up
+MAX_DRAFT = 8  # tokens drafted per step at most
+EWMA = 0.3  # weight of the newest step in a sequence's acceptance average
+FIRST_ACCEPTANCE = 0.6  # the average a sequence starts from, and comes back to after a pause
+MIN_ACCEPTANCE = 0.25  # below it, drafting pauses: the step's rows cost more than the tokens they bring
+PAUSE_TOKENS = 32  # tokens decoded one at a time before drafting is tried again; doubled by each pause in a row
+MAX_PAUSE_DOUBLINGS = 4
+MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
+
+
+@dataclass
+class NgramIndex:
+    """The latest end position of every n-gram (n = 1 .. MAX_NGRAM) among a sequence's known tokens, but for those
+    that end at the last one (they are the suffix looked up, and have no follower yet)."""
+
+    latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending before this position are in `latest`
+
+    def propose(self, tokens: list[int], known: int, k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest suffix of tokens[:known] that
+        occurred before (n from MAX_NGRAM down to 1); [] if none did."""
+        if k <= 0 or known < 2:
+            return []
+        for end in range(self.indexed, known - 1):  # n-grams ending at `end`, which tokens[end + 1] follows
+            for n in range(1, min(MAX_NGRAM, end + 1) + 1):
+                self.latest[tuple(tokens[end - n + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, known - 1)
+        for n in range(min(MAX_NGRAM, known - 1), 0, -1):
+            match = self.latest.get(tuple(tokens[known - n : known]))
+            if match is not None:
+                # past the known tokens the match's continuation is the drafts themselves: a run that repeats
+                # with period known - 1 - match goes on repeating
+                drafts: list[int] = []
+                for at in range(match + 1, match + 1 + k):
+                    drafts.append(tokens[at] if at < known else drafts[at - known])
+                return drafts
+        return []
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts the target's tokens confirm: sampled[i] is the target's token at drafts[i]'s
+    position (sampled has one more, the token after the last draft)."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft for one sequence, from its measured acceptance a: the chance that a draft is kept
+    when the one before it was (a step that keeps j of k drafts saw j such draws succeed, and one fail if j < k),
+    averaged over steps (EWMA). The k-th draft is kept with chance about a ** k; drafts are proposed while that is
+    at least MIN_GAIN. Below MIN_ACCEPTANCE drafting pauses
+    for PAUSE_TOKENS tokens, twice that after a second pause in a row and so on, then starts again from
+    FIRST_ACCEPTANCE (a reply may come to quote its prompt later). A pause lets the engine overlap its steps."""
+
+    acceptance: float = FIRST_ACCEPTANCE
+    paused_until: int = 0  # the generated-token count at which a pause ends
+    pauses: int = 0  # in a row: drafting has not reached FIRST_ACCEPTANCE since
+
+    def k(self, generated: int) -> int:
+        if generated < self.paused_until:
+            return 0
+        k, chance = 0, self.acceptance
+        while k < MAX_DRAFT and chance >= MIN_GAIN:
+            k, chance = k + 1, chance * self.acceptance
+        return k
+
+    def observe(self, drafted: int, kept: int, generated: int) -> None:
+        if drafted == 0:
+            return
+        self.acceptance += EWMA * (kept / (kept + (kept < drafted)) - self.acceptance)
+        if self.acceptance >= FIRST_ACCEPTANCE:
+            self.pauses = 0
+        elif self.acceptance < MIN_ACCEPTANCE:
+            self.paused_until = generated + (PAUSE_TOKENS << min(self.pauses, MAX_PAUSE_DOUBLINGS))
+            self.acceptance, self.pauses = FIRST_ACCEPTANCE, self.pauses + 1
+
+
+@dataclass
+class Speculation:
+    """A sequence's drafting state: its n-gram index, its draft length, and what its drafts came to."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    length: DraftLength = field(default_factory=DraftLength)
+    drafted: int = 0  # totals, for `llamaterm bench`
+    kept: int = 0
+    draft_computed: int = 0  # with a draft model: the tokens whose K/V are in its cache (draft_model.py)
+
+    def observe(self, drafted: int, kept: int, generated: int) -> None:
+        """A step verified `drafted` drafts and kept `kept`."""
+        self.drafted, self.kept = self.drafted + drafted, self.kept + kept
+        self.length.observe(drafted, kept, generated)
