@@ -18,6 +18,7 @@ import typer
 
 from llamaterm.app.console import fail, interrupts_held, startup_split
 from llamaterm.app.inputs import reply_grammar
+from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.workload import PromptMix
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def bench(
     draft: Annotated[str | None, typer.Option(help="The draft model of --speculate draft.")] = None,
     speculate_tokens: Annotated[
         int, typer.Option(min=1, help="Drafts ride while a step samples at most this many rows (rows + drafts).")
-    ] = 32,
+    ] = EngineConfig.speculate_tokens,
     edit_texts: Annotated[
         Path, typer.Option(help="A folder of texts to edit (*.txt, first line '# rename: OLD -> NEW').")
     ] = Path("tests/benchmarks/editing"),
@@ -275,7 +276,6 @@ def run_bench(
         import torch
 
         from llamaterm.engine import bench as wl
-        from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.device import resolve_device
     imports = time.perf_counter() - t
 
