@@ -23,7 +23,8 @@ from tests.support.tiny_models import write_tiny_llama
 pytestmark = pytest.mark.cuda
 
 
-def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
+def small_llama(tmp_path, seed: int):
+    """A 2-layer Llama of 512 tokens, GQA, random weights: the engine's awkward cases at a small size."""
     path = write_tiny_llama(
         tmp_path / "tiny.gguf",
         vocab_from=None,
@@ -34,9 +35,13 @@ def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
         n_kv_heads=2,
         intermediate=512,
         context_length=1024,
-        seed=5,
+        seed=seed,
     )
-    ckpt = load_gguf(path)
+    return load_gguf(path)
+
+
+def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
+    ckpt = small_llama(tmp_path, seed=5)
     cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer())
     # 4 sequences at most and 64 tokens a step: 12 requests queue, and the long prompts run in chunks
     gpu = Engine(
@@ -104,19 +109,7 @@ def test_seeded_sampling_alone_and_in_a_batch_on_the_gpu(tmp_path):
     """Seeded requests with every filter and penalty sample the tokens they sample alone when batched with greedy
     and other seeded ones, through the graphs and overlapped steps; a batch's other tile shapes may move a logit
     by a rounding, so a near-tie may differ: most sequences must match whole."""
-    path = write_tiny_llama(
-        tmp_path / "tiny.gguf",
-        vocab_from=None,
-        vocab_size=512,
-        n_layers=2,
-        hidden=256,
-        n_heads=8,
-        n_kv_heads=2,
-        intermediate=512,
-        context_length=1024,
-        seed=7,
-    )
-    ckpt = load_gguf(path)
+    ckpt = small_llama(tmp_path, seed=7)
     rng = random.Random(1)
     requests = []
     for i in range(8):
@@ -151,19 +144,7 @@ def test_seeded_sampling_alone_and_in_a_batch_on_the_gpu(tmp_path):
 def test_forked_choices_on_the_gpu_sample_as_if_alone(tmp_path, prompt_len):
     """n choices of one prompt submitted together fork from its one prefill (a chunk of no tokens in the graphs'
     step, the partial last block copied): each samples what it samples alone (most whole, as above)."""
-    path = write_tiny_llama(
-        tmp_path / "tiny.gguf",
-        vocab_from=None,
-        vocab_size=512,
-        n_layers=2,
-        hidden=256,
-        n_heads=8,
-        n_kv_heads=2,
-        intermediate=512,
-        context_length=1024,
-        seed=9,
-    )
-    ckpt = load_gguf(path)
+    ckpt = small_llama(tmp_path, seed=9)
     prompt = [(7 * t) % 511 + 1 for t in range(prompt_len)]
     filters = dict(temperature=0.9, top_k=40, repetition_penalty=1.1, ignore_eos=True)
     params = [SamplingParams(max_tokens=24, seed=100 + i, **filters) for i in range(5)]
