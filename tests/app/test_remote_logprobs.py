@@ -9,8 +9,8 @@ import pytest
 from llamaterm.app.logprobs import logprobs_json, token_pieces
 from llamaterm.app.remote import RemoteEngine, request_body
 from llamaterm.engine.sampling_params import SamplingParams
-from tests.app.test_remote import MODELS, scripted_server, within
 from tests.support.fake_engine import FakeEngine
+from tests.support.scripted_server import MODELS, scripted_server, within
 from tests.support.serve_support import app_server
 
 # OpenAI's API reference, "The chat completion chunk object" with logprobs, and a token that is part of a

@@ -18,6 +18,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import StepGraphs, token_buckets
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.synthetic import SyntheticTokenizer
+from tests.support.graphs import record_without_running
 
 
 @pytest.mark.parametrize(("max_batch", "max_tokens"), [(64, 2048), (8, 256), (48, 2048), (64, 100), (256, 4096)])
@@ -33,30 +34,6 @@ def test_every_step_size_has_a_tight_bucket(max_batch, max_tokens):
             assert bucket - t < 64
         else:
             assert bucket - t < 256
-
-
-class Recorded:
-    """A CUDA graph's stand-in: each replay runs the recorded work again and writes its output in place."""
-
-    def __init__(self, work, out: torch.Tensor):
-        self.work, self.out, self.replays = work, out, 0
-
-    @torch.inference_mode()  # (the output is made in inference mode, as the work runs)
-    def replay(self) -> None:
-        self.out.copy_(self.work())
-        self.replays += 1
-
-
-def record_without_running(self: StepGraphs, work):
-    """As a capture, nothing takes effect: the work runs once over padding alone (no KV written, nothing sampled),
-    for its output's shape."""
-    live = self.flat.clone(), self.tables.clone()
-    self.flat.copy_(self._padding[0])
-    self.tables.copy_(self._padding[1])
-    out = work()
-    self.flat.copy_(live[0])
-    self.tables.copy_(live[1])
-    return Recorded(work, out), out
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

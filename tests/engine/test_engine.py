@@ -18,20 +18,8 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.kernels.qweight import QuantWeight
+from tests.support.tiny_engine import make_engine
 from tests.support.tiny_models import write_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layers=2, context_length=512)
-    ckpt = load_gguf(path)
-    return ckpt, Tokenizer.from_gguf_metadata(ckpt.metadata)
-
-
-def make_engine(tiny, **kwargs) -> Engine:
-    ckpt, tokenizer = tiny
-    model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
-    return Engine(model, tokenizer, EngineConfig(**kwargs))
 
 
 def run_alone(engine: Engine, prompt_ids, params) -> list[int]:

@@ -22,10 +22,10 @@ from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
-from tests.engine.test_cuda_graph import record_without_running
-from tests.engine.test_engine import make_engine, tiny  # noqa: F401  (a fixture)
 from tests.support.cli import llamaterm
 from tests.support.engine_checks import assert_greedy_choices, our_last_logits
+from tests.support.graphs import record_without_running
+from tests.support.tiny_engine import make_engine
 from tests.support.tiny_models import write_tiny_llama
 from tests.support.tokenizer_files import byte_level_meta, write_byte_level_gguf
 
