@@ -217,7 +217,14 @@ class Scheduler:
         if seq.table.block_ids or seq.num_computed or seq.num_generated:
             return False
         n = len(seq.token_ids)
-        same = lambda c: c.length and c.samples and not c.seq.num_pending and c.seq.token_ids == seq.token_ids
+        # not from drafts: their blocks are written again where they are rejected
+        same = lambda c: (
+            c.length
+            and c.samples
+            and not c.seq.num_pending
+            and not c.seq.num_drafts
+            and c.seq.token_ids == seq.token_ids
+        )
         i = next((i for i, c in enumerate(chunks) if same(c)), None)
         if i is None or not self.blocks.can_fork(n):
             return False

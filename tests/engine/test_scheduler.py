@@ -5,6 +5,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager
 from llamaterm.engine.serving.scheduler import MIN_PREFILL, PACE, Pace, Scheduler
 from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.engine.serving.speculation import NgramIndex, Speculation
 
 
 def sequence(i: int, prompt: int) -> Sequence:
@@ -123,3 +124,31 @@ def test_prompts_that_share_only_a_beginning_wait_for_it_alone():
     a.token_ids.append(7)
     other.token_ids.append(7)
     assert prompt_tokens_computed(s, [b]) == 150 - 96 and b.num_cached == 96
+
+
+def test_a_prompt_equal_to_a_sequence_with_its_drafts_does_not_fork_from_them():
+    """A waiting prompt equal to a decoding sequence's tokens with the drafts it verifies in the step: forked, it
+    would share the blocks that hold the drafts, which the sequence writes again once it rejects them. It computes
+    its prompt instead, and every block a later step writes is its writer's alone."""
+    blocks, spec = BlockManager(100, 4), Speculation()
+    s = Scheduler(blocks, max_batch_tokens=64, max_running=4, speculate_tokens=8)
+    a = Sequence(0, [1, 2, 3, 1, 2, 3], 6, SamplingParams(max_tokens=50), 50, speculation=spec)
+    s.add(a)
+    s.advance(s.schedule())
+    a.token_ids.append(1)  # its first token, on the host
+    drafts = NgramIndex().propose(a.token_ids, len(a.token_ids), spec.length.k(1))
+    assert drafts == [2, 3, 1, 2]  # past a block's start: the block of tokens 4..7 holds the first
+    b = Sequence(1, a.token_ids + drafts, 11, SamplingParams(max_tokens=50), 50)
+    s.add(b)
+    step = s.schedule()
+    assert a.num_drafts == 4 and not any(c.seq is b and c.length == 0 for c in step)
+    s.advance(step)
+    del a.token_ids[a.num_known :]  # the target rejected every draft: its token at the first one follows
+    a.token_ids.append(9)
+    a.num_drafts = 0
+    s.drop_rejected(a)
+    b.token_ids.append(5)
+    for c in s.schedule():
+        written = {c.seq.table.block_ids[p // 4] for p in range(c.start, c.start + c.length)}
+        others = {x for q in (a, b) if q is not c.seq for x in q.table.block_ids}
+        assert not written & others, (c.seq.id, written & others)
