@@ -208,8 +208,10 @@ class StepGraphs:
         )
 
     def fits(self, step: StepLists) -> bool:
-        rows = max(len(step.context_lens), len(step.logits_indices))  # a sequence with drafts samples more rows
-        return len(step.input_ids) <= self.buckets[-1] and rows <= self.max_running
+        # a sequence with drafts samples more rows than it has sequences, and a fork has a row and no token: the
+        # largest bucket must hold both
+        rows = max(len(step.context_lens), len(step.logits_indices))
+        return len(step.input_ids) <= self.buckets[-1] and rows <= self._seqs(self.buckets[-1])
 
     def prepare(self, step: StepLists) -> tuple[int, DeviceStep]:
         """Copy the step's metadata into the buffers of the smallest bucket that holds it (the copies are queued,

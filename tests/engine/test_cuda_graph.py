@@ -17,6 +17,7 @@ from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import StepGraphs, token_buckets
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import StepLists
 from llamaterm.engine.synthetic import SyntheticTokenizer
 from tests.support.graphs import record_without_running
 
@@ -117,3 +118,30 @@ def test_the_bench_times_the_captures_while_sessions_run(engines):
     assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
     lines = format_serve_first({"first_answer_s": 0.5, **timeline, "idle_captures_s": 0.1})
     assert lines[0].startswith("first answer 0.50 s after the imports; 3 sessions") and "4 " in lines[1]
+
+
+def test_a_step_of_more_rows_than_the_largest_bucket_holds_runs_eagerly(engines):
+    """A fork samples a row of its own with no token (scheduler._fork), so a step of few tokens can have more rows
+    than its bucket has sequences: with 2 tokens a step at most, the largest bucket holds 2 sequences, and a step
+    of 2 tokens and 3 rows does not fit it (it runs eagerly) where one of 2 rows does."""
+    _, served, _ = engines
+    runner = served.runner
+    graphs = StepGraphs(runner._forward, runner._sample, runner.model.device, 4, 2, 4)
+
+    def step(rows: int) -> StepLists:
+        ids = [5, 6]
+        return StepLists(
+            ids,
+            [0, 0],
+            [0, 16],
+            [[0], [1]] + [[1]] * (rows - 2),
+            [1, 1] + [1] * (rows - 2),
+            [0, 1, 2] + [2] * (rows - 2),
+            [0, 1] + [1] * (rows - 2),
+            list(range(rows)),
+            [1] * rows,
+            [],
+            [],
+        )
+
+    assert graphs.fits(step(2)) and not graphs.fits(step(3))
