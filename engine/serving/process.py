@@ -225,6 +225,9 @@ class EngineProcess:
     def together(self):
         """Requests submitted inside (from this thread) go to the child as one message, which its engine takes in
         one step (Engine.together): a response's n choices, forked from one prefill."""
+        if getattr(self._group, "submits", None) is not None:  # inside another together(): one group
+            yield
+            return
         self._group.submits = []
         try:
             yield

@@ -44,7 +44,9 @@ def test_choices_submitted_together_fork_from_one_prefill(tiny):
         expected = [local.generate(None, p, prompt_ids=prompt)[1].seq.generated for p in params]
     with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         with remote.together():
-            handles = [remote.submit(None, p, prompt_ids=prompt) for p in params]
+            handles = [remote.submit(None, p, prompt_ids=prompt) for p in params[:2]]
+            with remote.together():  # nested: still the one message
+                handles += [remote.submit(None, p, prompt_ids=prompt) for p in params[2:]]
         assert [[t for e in h.events() for t in e.token_ids] for h in handles] == expected
         assert [h.stats().cached_tokens for h in handles] == [0, 150, 150, 150]
 
