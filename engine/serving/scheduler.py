@@ -154,7 +154,7 @@ class Scheduler:
     def may_draft(self) -> bool:
         """Some running sequence would draft in the next step if its tokens were all on the host (the engine then
         reads the step in flight's tokens before it schedules: engine.py)."""
-        return self.speculate_tokens > len(self.running) and any(
+        return self.speculate_tokens > min(self.max_running, len(self.running) + len(self.waiting)) and any(
             seq.speculation is not None and seq.speculation.length.k(seq.num_generated) > 0 for seq in self.running
         )
 

@@ -152,3 +152,18 @@ def test_a_prompt_equal_to_a_sequence_with_its_drafts_does_not_fork_from_them():
         written = {c.seq.table.block_ids[p // 4] for p in range(c.start, c.start + c.length)}
         others = {x for q in (a, b) if q is not c.seq for x in q.table.block_ids}
         assert not written & others, (c.seq.id, written & others)
+
+
+def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
+    """The engine completes the step in flight first when the next may carry drafts (may_draft); drafts ride only
+    while the running and waiting sequences leave rows of speculate_tokens: 2 running with 6 waiting leave none."""
+    s = Scheduler(BlockManager(100, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
+    running = [sequence(i, 20) for i in range(2)]
+    for q in running:
+        q.speculation = Speculation()
+        s.add(q)
+    s.advance(s.schedule())
+    assert s.may_draft()  # two decoding sequences that would draft
+    for i in range(2, 8):
+        s.waiting.append(sequence(i, 20))
+    assert not s.may_draft()
