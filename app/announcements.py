@@ -15,8 +15,9 @@ that took the port after the announced server died is not taken for it, and neve
 
 A reader trusts only what the user alone can have written: the folder and each file must be the user's own, closed
 to others, and regular files (no links); anything else is skipped, and under --verbose it says why. A stale
-announcement (its pid gone, nothing listening, another instance answering) is skipped without a wait a user would
-notice (the pid first, then a loopback connection, refused at once where nothing listens) and removed.
+announcement (its pid gone, or nothing listening) is skipped without a wait a user would notice (the pid first,
+then a loopback connection, refused at once where nothing listens) and removed, unless a new server has announced
+itself under its name since; one whose pid lives while another instance answers on its port is skipped and kept.
 """
 
 from __future__ import annotations
@@ -276,10 +277,21 @@ def check_alive(found: Announcement, key: str) -> None:
         raise Skipped(f"the server at {root} did not answer /health ({type(e).__name__})") from None
     finally:
         connection.close()
-    if not isinstance(body, dict) or body.get("instance") != found.instance:
-        raise Skipped(f"another server answers at {root}", stale=True)
+    if not isinstance(body, dict) or body.get("instance") != found.instance:  # its pid lives: the files stay
+        raise Skipped(f"another server answers at {root}")
     if reply.status != 200:
         raise Skipped(f"the server at {root} takes no requests now ({body.get('status')})")
+
+
+def remove_if_unchanged(found: Announcement) -> None:
+    """A stale announcement's files, unless a new server has announced itself under the same name since (the
+    same pid and port after a restart, as in a container)."""
+    try:
+        if read_announcement(found.file).instance != found.instance:
+            return
+    except Skipped:
+        pass
+    remove(found.file)
 
 
 def find_server(model: str | None, device: str | None, note: Note) -> RemoteEngine | None:
@@ -309,7 +321,7 @@ def find_server(model: str | None, device: str | None, note: Note) -> RemoteEngi
         except Skipped as e:
             note(f"skipped the server at {found.url} ({found.file}): {e}" + ("; removed it" if e.stale else ""))
             if e.stale:
-                remove(found.file)
+                remove_if_unchanged(found)
             continue
         others = f" (of the {len(holding)} that hold it, the first started that answers)" if len(holding) > 1 else ""
         note(

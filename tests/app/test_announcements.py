@@ -20,6 +20,8 @@ from llamaterm.app.announcements import (
     ServedModel,
     find_server,
     not_private,
+    read_announcement,
+    remove_if_unchanged,
     servers_dir,
     write_private,
 )
@@ -187,8 +189,24 @@ def test_another_server_on_the_announced_port_is_not_taken_for_it(model, tmp_pat
         engine, notes = find(model)
         assert engine is None
         assert any(f"it holds fake-llama, not {model}" in n for n in notes), notes
-        assert any("another server answers" in n and "removed it" in n for n in notes), notes
-        assert not impostor.file.exists() and there.file.exists()
+        # the announced pid lives (this process): its files stay, as that server may be coming up elsewhere
+        assert any("another server answers" in n and "removed it" not in n for n in notes), notes
+        assert impostor.file.exists() and there.file.exists()
+
+
+def test_a_stale_announcement_is_removed_only_if_no_new_server_took_its_name(model):
+    """A server restarted with the same pid and port (a container's) announces under the same name: an earlier
+    reader that found the old announcement stale leaves the new one."""
+    old = announcer(model)
+    old.write()
+    found = read_announcement(old.file)
+    new = announcer(model, port=old.port)
+    new.file = old.file
+    new.write()
+    remove_if_unchanged(found)
+    assert new.file.exists() and new.file.with_suffix(".key").exists()
+    remove_if_unchanged(read_announcement(new.file))
+    assert not new.file.exists() and not new.file.with_suffix(".key").exists()
 
 
 def test_a_server_on_another_device_is_not_used(model):
