@@ -425,22 +425,31 @@ def test_a_soak_of_64_clients_that_come_and_go_leaves_no_trace(tiny):
         process = psutil.Process(server.process.pid)
         for _ in range(3):  # warm: the first requests' allocations are not a leak
             assert ask(server.url, {"model": model, "messages": HELLO, "max_tokens": 8}).status_code == 200
-        before = server_rss(process)
+        cold = server_rss(process)
         statuses: list[int] = []
-        deadline = time.monotonic() + SOAK_S
 
-        async def soak() -> None:
-            rngs = [random.Random(i) for i in range(64)]
+        async def soak(seed: int) -> None:
+            deadline = time.monotonic() + SOAK_S / 2
+            rngs = [random.Random(seed + i) for i in range(64)]
             await asyncio.gather(*(soak_client(server.url, model, rng, deadline, statuses) for rng in rngs))
 
-        asyncio.run(soak())
+        def settled() -> int:
+            """Once every request has ended and every KV block is back: the server's memory."""
+            deadline = time.monotonic() + 5
+            while (m := metrics(server.url))["llamaterm_kv_blocks_used"] or m["llamaterm_requests_running"]:
+                assert time.monotonic() < deadline, m
+                time.sleep(0.1)
+            return server_rss(process)
+
+        # Two rounds: the first reaches the high-water mark of 64 clients' buffers (the allocator keeps some of it,
+        # more on a busy machine); a leak goes on growing through the second
+        asyncio.run(soak(0))
+        first = settled()
+        asyncio.run(soak(64))
+        after = settled()
         assert len(statuses) > 500 and {s for s in statuses if s >= 500} == set(), sorted(set(statuses))
         assert {s for s in statuses if s != 200} <= {400, 413}, sorted(set(statuses))
-        # every request ended, every KV block is back
-        settle = time.monotonic() + 5
-        while (m := metrics(server.url))["llamaterm_kv_blocks_used"] or m["llamaterm_requests_running"]:
-            assert time.monotonic() < settle, m
-            time.sleep(0.1)
-        after = server_rss(process)
-        assert after < 1.1 * before, f"the server held {before / 1e6:.0f} MB before and {after / 1e6:.0f} MB after"
+        assert after < 1.05 * first and after < 1.25 * cold, (
+            f"the server held {cold / 1e6:.0f} MB, then {first / 1e6:.0f} MB, then {after / 1e6:.0f} MB"
+        )
         assert ask(server.url, {"model": model, "messages": HELLO, "max_tokens": 4}).status_code == 200
