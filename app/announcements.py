@@ -10,18 +10,22 @@ often); a server that is killed leaves them, and readers clean up after it.
 
 The key: each server makes a random one at start and takes it as a bearer token besides its --api-key (a keyless
 server on loopback still answers any local client without one, as before). Only the user can read the key file.
-Given the key, /health also tells the server's instance id, which a client checks before it sends a prompt: a process
-that took the port after the announced server died is not taken for it, and never learns the id to pretend.
+Before a client sends a prompt or the key, it asks /health, without the key, to prove it holds the announced key (an
+HMAC of a fresh challenge under it): a process that took the port after the announced server died, or the same port
+on another address of its name, cannot, and is sent nothing. The instance id tells announcements apart (a restarted
+server may announce itself under the same file name).
 
 A reader trusts only what the user alone can have written: the folder and each file must be the user's own, closed
 to others, and regular files (no links); anything else is skipped, and under --verbose it says why. A stale
 announcement (its pid gone, or nothing listening) is skipped without a wait a user would notice (the pid first,
 then a loopback connection, refused at once where nothing listens) and removed, unless a new server has announced
-itself under its name since; one whose pid lives while another instance answers on its port is skipped and kept.
+itself under its name since; one whose pid lives while another process answers on its port is skipped and kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -44,6 +48,7 @@ FORMAT = 1  # of the announcement's JSON
 MAX_BYTES = 64 * 1024  # an announcement is a few hundred bytes
 CONNECT_TIMEOUT_S = 0.25  # a loopback connection takes microseconds, and is refused at once where nothing listens
 HEALTH_TIMEOUT_S = 2.0  # the server's event loop answers /health in milliseconds, whatever its engine is doing
+CHALLENGE_CHARS = 64  # of a /health challenge (hex): the server reads no more
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # a server on every address: reached on loopback
 
 Note = Callable[[str], None]  # where a reader says what it skipped and why (--verbose)
@@ -254,6 +259,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def proof(key: str, challenge: str) -> str:
+    """What only the holder of `key` can answer to `challenge`: an HMAC, which tells nothing of the key."""
+    return hmac.new(key.encode(), challenge[:CHALLENGE_CHARS].encode(), hashlib.sha256).hexdigest()
+
+
 def check_alive(found: Announcement, key: str) -> None:
     """Skipped unless the announced server answers, as itself, and takes requests. (http.client: a GET on loopback
     needs no more, and it loads at once.)"""
@@ -268,7 +278,8 @@ def check_alive(found: Announcement, key: str) -> None:
         connection.connect()
         assert connection.sock is not None
         connection.sock.settimeout(HEALTH_TIMEOUT_S)
-        connection.request("GET", "/health", headers={"Authorization": f"Bearer {key}"})
+        challenge = secrets.token_hex(CHALLENGE_CHARS // 2)
+        connection.request("GET", f"/health?challenge={challenge}")  # no key: it goes only to a server that proves
         reply = connection.getresponse()
         body = json.loads(reply.read(MAX_BYTES))
     except ConnectionRefusedError:
@@ -277,8 +288,8 @@ def check_alive(found: Announcement, key: str) -> None:
         raise Skipped(f"the server at {root} did not answer /health ({type(e).__name__})") from None
     finally:
         connection.close()
-    if not isinstance(body, dict) or body.get("instance") != found.instance:  # its pid lives: the files stay
-        raise Skipped(f"another server answers at {root}")
+    if not isinstance(body, dict) or not hmac.compare_digest(str(body.get("proof")), proof(key, challenge)):
+        raise Skipped(f"another server answers at {root}")  # (its pid lives: the files stay)
     if reply.status != 200:
         raise Skipped(f"the server at {root} takes no requests now ({body.get('status')})")
 

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from llamaterm.app.announcements import Announcer, proof
 from llamaterm.app.openai_shapes import Responder
 from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream, TokenLogprob
 from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
@@ -46,7 +47,6 @@ from llamaterm.engine.sampling_params import MAX_BIAS, MAX_LOGPROBS, Grammar, Sa
 from llamaterm.engine.serving import grammar
 
 if TYPE_CHECKING:
-    from llamaterm.app.announcements import Announcer
     from llamaterm.engine.checkpoints.tokenizer import Tokenizer
     from llamaterm.engine.tool_calls import ToolCallStream
 
@@ -925,12 +925,14 @@ class Handlers:
         return await self.answer(request, chat=False)
 
     async def health(self, request: Request) -> Response:
-        """Without a key; given the local key, it also tells the server's instance id (app/announcements.py)."""
+        """Without a key; asked with a challenge, it also proves that it holds its announcement's local key
+        (app/announcements.py), so a client sends that key to nothing else."""
         self.authorize(request, key=False)
         status = self.service.status()
         shown = {"status": status, "model": self.service.supervisor.engine.model_name}
-        if self.announcer is not None and self.is_key(request, self.announcer.key):
-            shown["instance"] = self.announcer.instance
+        challenge = request.query_params.get("challenge")
+        if self.announcer is not None and challenge is not None:
+            shown["proof"] = proof(self.announcer.key, challenge)
         return JSONResponse(shown, status_code=200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:

@@ -2,11 +2,15 @@
 and what it skips. The servers run the fake engine, in this process, or in a process of its own where a test kills
 one mid-answer. The model they announce is a file that holds no model: a `run` that loaded it here would fail."""
 
+import hashlib
+import hmac
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -94,10 +98,12 @@ def test_serve_announces_a_private_file_and_a_key_it_takes(model):
         root = data["url"].removesuffix("/v1")
         local, theirs, wrong = ({"Authorization": f"Bearer {k}"} for k in (found.key, "their-key", "wrong"))
         assert found.file.with_suffix(".key").read_text() == found.key
-        # the instance id only to the local key's holder: another process could not learn it to pass for the server
-        assert "instance" not in httpx2.get(f"{root}/health").json()
-        assert "instance" not in httpx2.get(f"{root}/health", headers=theirs).json()
-        assert httpx2.get(f"{root}/health", headers=local).json()["instance"] == data["instance"]
+        # asked with a challenge, the server proves it holds the local key (an HMAC of the challenge under it), so
+        # run sends its key to no other process that took the port
+        challenge = "c0ffee" * 4
+        expected = hmac.new(found.key.encode(), challenge.encode(), hashlib.sha256).hexdigest()
+        assert httpx2.get(f"{root}/health", params={"challenge": challenge}).json()["proof"] == expected
+        assert "proof" not in httpx2.get(f"{root}/health").json()
         assert [httpx2.get(f"{root}/v1/models", headers=h).status_code for h in (local, theirs, wrong)] == [
             200,
             200,
@@ -192,6 +198,33 @@ def test_another_server_on_the_announced_port_is_not_taken_for_it(model, tmp_pat
         # the announced pid lives (this process): its files stay, as that server may be coming up elsewhere
         assert any("another server answers" in n and "removed it" not in n for n in notes), notes
         assert impostor.file.exists() and there.file.exists()
+
+
+def test_a_process_on_the_announced_port_that_cannot_prove_the_key_is_sent_no_key(model):
+    """Another process on the announced address answers /health as a server would, but cannot prove it holds the
+    key: run asks nothing more of it, and what it received holds no key."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def answer() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                received.append(conn.recv(65536))
+                body = b'{"status": "ok", "model": "fake-llama", "proof": "0000"}'
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+                )
+
+    threading.Thread(target=answer, daemon=True).start()
+    found = announcer(model, port=listener.getsockname()[1])  # this process's pid: alive
+    found.write()
+    try:
+        engine, notes = find(model)
+        assert engine is None and any("another server answers" in n for n in notes), notes
+        assert received and b"authorization" not in received[0].lower() and found.key.encode() not in received[0]
+    finally:
+        found.remove()
 
 
 def test_a_stale_announcement_is_removed_only_if_no_new_server_took_its_name(model):
