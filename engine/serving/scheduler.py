@@ -9,9 +9,8 @@ Prefill tokens ride beside decode rows only as far as keeps the step's time with
 (`Pace`, from the measured times of the steps so far), so a long prompt arriving costs the sessions already
 streaming a steady, small slowdown rather than a stall: a session's gap between two tokens stays near the median.
 
-A prompt that begins as one being computed right now (the n choices of one request, clients with the same long
-system prompt arriving together) waits until that prefill has passed their common part, then takes it from the
-prefix cache. A prompt equal to one whose last chunk is in the step forks from it instead: a chunk of no tokens
+A prompt that begins as one being computed right now (clients with the same long system prompt arriving together)
+waits until that prefill has passed their common part, then takes it from the prefix cache. A prompt equal to one whose last chunk is in the step forks from it instead: a chunk of no tokens
 right after that one, which samples its own token from the same logits, and a block table that shares the full
 blocks and starts with a copy of the partial last one; so n choices of a prompt compute it once.
 
