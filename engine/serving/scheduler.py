@@ -10,9 +10,10 @@ Prefill tokens ride beside decode rows only as far as keeps the step's time with
 streaming a steady, small slowdown rather than a stall: a session's gap between two tokens stays near the median.
 
 A prompt that begins as one being computed right now (clients with the same long system prompt arriving together)
-waits until that prefill has passed their common part, then takes it from the prefix cache. A prompt equal to one whose last chunk is in the step forks from it instead: a chunk of no tokens
-right after that one, which samples its own token from the same logits, and a block table that shares the full
-blocks and starts with a copy of the partial last one; so n choices of a prompt compute it once.
+waits until that prefill has passed their common part, then takes it from the prefix cache. A prompt equal to one
+whose last chunk is in the step forks from it instead: a chunk of no tokens right after that one, which samples its
+own token from the same logits, and a block table that shares the full blocks and starts with a copy of the
+partial last one; so n choices of a prompt compute it once.
 
 Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
 admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
