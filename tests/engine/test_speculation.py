@@ -87,6 +87,12 @@ def replies(engine, requests) -> list[list[int]]:
     return [h.seq.generated for h in handles]
 
 
+def alone_without_drafts(tiny, requests) -> list[list[int]]:
+    """The oracle: each request's reply run alone on an engine that never drafts."""
+    with make_engine(tiny, speculate="off") as engine:
+        return [replies(engine, [r])[0] for r in requests]
+
+
 def assert_every_block_back(engine) -> None:
     bm = engine.block_manager
     assert bm.num_free == bm.num_blocks
@@ -95,11 +101,10 @@ def assert_every_block_back(engine) -> None:
 
 
 @pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):  # noqa: F811
+def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     requests = [(p, greedy) for p in repetitive_prompts(4, seed=k)]
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(k)
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
@@ -107,11 +112,10 @@ def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):  # noqa
         assert_every_block_back(engine)
 
 
-def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):  # noqa: F811
+def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):
     """`llamaterm run` prepares an engine for one sequence: its steps still have a row for each of 8 drafts."""
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in repetitive_prompts(2, seed=50)]
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(8)
     with make_engine(tiny, max_running=1) as engine:
         assert replies(engine, requests) == expected
@@ -120,7 +124,7 @@ def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):  # noqa: F811
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):  # noqa: F811
+def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
     """Repetition, presence and frequency penalties count the drafts before each row's position, and the kept ones
     after the step: greedy and seeded replies as without drafts, alone and together."""
     penalties = {"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.1, "ignore_eos": True}
@@ -130,8 +134,7 @@ def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):  # n
         SamplingParams(max_tokens=40, repetition_penalty=1.05, ignore_eos=True),
     ]
     requests = [(p, kinds[i % 3]) for i, p in enumerate(repetitive_prompts(6, seed=70 + k))]
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(k)
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected
@@ -156,10 +159,9 @@ def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("k", [2, 5, 8])
-def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):  # noqa: F811
+def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):
     requests = mixed_batch(seed=10 + k)
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(k)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=64, kv_tokens=40 * 16) as engine:
         assert replies(engine, requests) == expected
@@ -178,16 +180,15 @@ def assert_preempting_replies(engine, requests, expected) -> None:
     assert_every_block_back(engine)
 
 
-def test_a_small_pool_preempts_sequences_with_drafts(tiny, fixed_k):  # noqa: F811
+def test_a_small_pool_preempts_sequences_with_drafts(tiny, fixed_k):
     requests = [(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in repetitive_prompts(10, seed=3)]
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(6)
     with make_engine(tiny, kv_tokens=14 * 16, block_size=16, overlap=True) as engine:
         assert_preempting_replies(engine, requests, expected)
 
 
-def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed_k):  # noqa: F811
+def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed_k):
     """After each step the sequence holds the blocks of its tokens and no more, and every hashed block holds the
     tokens its sequence kept."""
     fixed_k(8)
@@ -210,7 +211,7 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed
         assert_every_block_back(engine)
 
 
-def test_stop_tokens_and_max_tokens_cut_a_run_of_kept_drafts(tiny, fixed_k):  # noqa: F811
+def test_stop_tokens_and_max_tokens_cut_a_run_of_kept_drafts(tiny, fixed_k):
     prompt = [5, 6, 7] * 10
     with make_engine(tiny, speculate="off") as engine:
         free = replies(engine, [(prompt, SamplingParams(max_tokens=40, ignore_eos=True))])[0]
@@ -327,7 +328,7 @@ def drafts(tmp_path_factory):
     return models
 
 
-def draft_engine(tiny, draft_path, **kwargs) -> Engine:  # noqa: F811
+def draft_engine(tiny, draft_path, **kwargs) -> Engine:
     ckpt, tokenizer = tiny
     draft = load_gguf(draft_path)
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
@@ -336,14 +337,13 @@ def draft_engine(tiny, draft_path, **kwargs) -> Engine:  # noqa: F811
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixed_k, k):  # noqa: F811
+def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixed_k, k):
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(3, seed=20 + k)]
     requests += [
         (p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=i))
         for i, (p, _) in enumerate(requests)
     ]
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(k)
     with draft_engine(tiny, drafts["draft"]) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
@@ -352,10 +352,9 @@ def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixe
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts, fixed_k, overlap):  # noqa: F811
+def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts, fixed_k, overlap):
     requests = mixed_batch(seed=30)
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], overlap=overlap, max_batch_tokens=64, kv_tokens=20 * 16) as engine:
         assert_preempting_replies(engine, requests, expected)
@@ -469,13 +468,12 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
     assert chi_square_p(observed.flatten(), expected.flatten()) > 1e-4
 
 
-def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypatch):  # noqa: F811
+def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypatch):
     """The draft model's steps through StepGraphs of its own (on the CPU, captures stubbed as in test_cuda_graph):
     eager until a bucket is captured between two draft steps, replayed after; the replies as without drafts."""
     monkeypatch.setattr(StepGraphs, "_record", record_without_running)
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(4, seed=60)]
-    with make_engine(tiny, speculate="off") as engine:
-        expected = [replies(engine, [r])[0] for r in requests]
+    expected = alone_without_drafts(tiny, requests)
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], max_running=4, max_batch_tokens=64) as engine:
         draft = engine.draft
