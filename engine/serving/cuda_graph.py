@@ -164,6 +164,7 @@ class StepGraphs:
         except Exception as e:  # (torch raises RuntimeError; anything else would be as fatal to the bucket)
             log.warning("the steps of %d tokens stay without a CUDA graph: %s: %s", bucket, type(e).__name__, e)
             self.eager_only.add(bucket)
+            self._pool = None  # a failed capture can leave its memory pool taking allocations: the next starts anew
 
     def _record(self, work: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = self._stream
