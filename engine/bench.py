@@ -633,14 +633,24 @@ def speculation_run(
     }
 
 
+# greedy, and llama.cpp's defaults (the default model's own)
+SPECULATION_SAMPLINGS = {"greedy": GREEDY, "sampled": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}}
+
+
+def speculation_workloads(edits: list[EditText]) -> dict[str, list[list[dict]]]:
+    """Editing requests (replies that mostly repeat the prompt) and open chat."""
+    return {
+        "editing": [e.messages() for e in edits],
+        "open chat": [[{"role": "user", "content": t}] for t in OPEN_CHAT],
+    }
+
+
 def speculation_table(
     engine: Engine, speculate: str, counts: list[int], edits: list[EditText], max_tokens: int, progress: Callable
 ) -> list[dict[str, Any]]:
-    """Editing requests (replies that mostly repeat the prompt) and open chat, greedy and sampled with llama.cpp's
-    defaults, at each session count: tok/s without speculation and with `speculate`, acceptance, tokens per step."""
-    chats = [[{"role": "user", "content": text}] for text in OPEN_CHAT]
-    workloads = {"editing": [e.messages() for e in edits], "open chat": chats}
-    samplings = {"greedy": GREEDY, "sampled": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}}
+    """speculation_workloads, greedy and sampled (SPECULATION_SAMPLINGS), at each session count: tok/s without
+    speculation and with `speculate`, acceptance, tokens per step."""
+    workloads, samplings = speculation_workloads(edits), SPECULATION_SAMPLINGS
     rows = []
     for (workload, prompts), (sampling, values), n in itertools.product(workloads.items(), samplings.items(), counts):
         progress(f"speculation: {workload}, {sampling}, {n} sessions")

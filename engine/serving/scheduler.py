@@ -152,10 +152,14 @@ class Scheduler:
         return len(proposed)
 
     def may_draft(self) -> bool:
-        """Some running sequence would draft in the next step if its tokens were all on the host (the engine then
-        reads the step in flight's tokens before it schedules: engine.py)."""
+        """Some running sequence may draft in the next step once its tokens are all on the host (the engine then
+        reads the step in flight's tokens before it schedules: engine.py): it is not pausing, and with prompt lookup
+        a proposal can follow its known tokens."""
         return self.speculate_tokens > min(self.max_running, len(self.running) + len(self.waiting)) and any(
-            seq.speculation is not None and seq.speculation.length.k(seq.num_generated) > 0 for seq in self.running
+            (spec := seq.speculation) is not None
+            and spec.length.k(seq.num_generated) > 0
+            and (self.draft_model or spec.index.may_match(seq.token_ids, seq.num_known))
+            for seq in self.running
         )
 
     def drop_rejected(self, seq: Sequence) -> None:

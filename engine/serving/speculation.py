@@ -1,11 +1,17 @@
 """Speculative decoding: draft tokens proposed cheaply, verified by one step of the target model.
 
-Drafts come from a small draft model (engine/serving/draft_model.py), or from prompt lookup: the sequence's last n
-tokens (n = MAX_NGRAM .. 1) are looked up among its earlier tokens, prompt and reply alike, and the k tokens that
-followed their latest earlier occurrence are proposed. A reply that repeats its prompt (an edited text, a quoted
-passage, code with a name changed) is then drafted many tokens at a time, at no cost but a dictionary lookup.
-`NgramIndex` keeps every n-gram's latest end position, updated as tokens become known, so a proposal costs O(k) and
-each token O(MAX_NGRAM) once.
+Drafts come from a small draft model (engine/serving/draft_model.py), or from prompt lookup: the longest suffix of
+the sequence's tokens (MIN_NGRAM .. MAX_NGRAM of them) that occurred before, prompt and reply alike, is found, and
+the k tokens that followed its latest earlier occurrence are proposed. A reply that repeats its prompt (an edited
+text, a quoted passage, code with a name changed) is then drafted many tokens at a time, at no cost but a
+dictionary lookup. `NgramIndex` keeps every n-gram's latest end position, updated as tokens become known, so a
+proposal costs O(MAX_NGRAM + k) and each token O(MAX_NGRAM ** 2) once.
+
+Why at least MIN_NGRAM = 3 tokens: how often the token after a match is the one that followed it before grows with
+the match's length. On the default model's replies to the editing and open chat requests of `llamaterm bench
+--speculate` (tests/benchmarks/draft_policy.py) the first draft was kept 13-21% of the time after a match of one
+token, 35-42% after two, 53-71% after three and 75-97% after eight or more; a step with drafts costs about 0.17 of
+a plain step more (below), so drafts after shorter matches cost more than they bring.
 
 Verification (engine/serving/scheduler.py places the chunk, model_runner.py samples it): the step computes the
 sequence's last token and its k drafts as one chunk, and samples every position's logits in the batched sampler,
@@ -26,7 +32,11 @@ draws from the sequence's slot would count up its tokens).
 
 How many tokens to draft adapts to each sequence's measured acceptance (`DraftLength`), and the scheduler turns
 drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` rows sampled in the
-step.
+step. What drafting costs where it does not pay: a step with drafts completes before the next is scheduled, and the
+engine completes the step in flight before scheduling one that may draft (scheduler.py's may_draft), so the host's
+work stops hiding under the device's; on the H200 a step with drafts at one session of the default model took 1.17x
+a plain step. So may_draft asks `NgramIndex.may_match` (could a suffix of MIN_NGRAM tokens match once the token in
+flight is known?) and a sequence gives up its steps' overlap only where a proposal can follow.
 """
 
 from __future__ import annotations
@@ -34,7 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPECULATE = ("off", "ngram", "draft")  # EngineConfig.speculate
-MAX_NGRAM = 3  # the longest suffix looked up
+MIN_NGRAM = 3  # the shortest suffix looked up: shorter matches' drafts are kept too seldom to pay
+MAX_NGRAM = 8  # the longest: among matches this long or longer, the latest
 MAX_DRAFT = 8  # tokens drafted per step at most
 EWMA = 0.3  # weight of the newest step in a sequence's acceptance average
 FIRST_ACCEPTANCE = 0.6  # the average a sequence starts from, and comes back to after a pause
@@ -52,16 +63,19 @@ class NgramIndex:
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending before this position are in `latest`
 
-    def propose(self, tokens: list[int], known: int, k: int) -> list[int]:
-        """The k tokens that followed the latest earlier occurrence of the longest suffix of tokens[:known] that
-        occurred before (n from MAX_NGRAM down to 1); [] if none did."""
-        if k <= 0 or known < 2:
-            return []
+    def _index(self, tokens: list[int], known: int) -> None:
         for end in range(self.indexed, known - 1):  # n-grams ending at `end`, which tokens[end + 1] follows
             for n in range(1, min(MAX_NGRAM, end + 1) + 1):
                 self.latest[tuple(tokens[end - n + 1 : end + 1])] = end
         self.indexed = max(self.indexed, known - 1)
-        for n in range(min(MAX_NGRAM, known - 1), 0, -1):
+
+    def propose(self, tokens: list[int], known: int, k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest suffix of tokens[:known] that
+        occurred before (n from MAX_NGRAM down to MIN_NGRAM); [] if none did."""
+        if k <= 0 or known < 2:
+            return []
+        self._index(tokens, known)
+        for n in range(min(MAX_NGRAM, known - 1), MIN_NGRAM - 1, -1):
             match = self.latest.get(tuple(tokens[known - n : known]))
             if match is not None:
                 # past the known tokens the match's continuation is the drafts themselves: a run that repeats
@@ -71,6 +85,14 @@ class NgramIndex:
                     drafts.append(tokens[at] if at < known else drafts[at - known])
                 return drafts
         return []
+
+    def may_match(self, tokens: list[int], known: int) -> bool:
+        """Whether some next token would give tokens[:known] and it a suffix that propose finds: the last
+        MIN_NGRAM - 1 known tokens occurred before, with a known token after them."""
+        if known < MIN_NGRAM:
+            return False
+        self._index(tokens, known)
+        return tuple(tokens[known - MIN_NGRAM + 1 : known]) in self.latest
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:

@@ -160,10 +160,29 @@ def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
     s = Scheduler(BlockManager(100, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
     running = [sequence(i, 20) for i in range(2)]
     for q in running:
+        q.token_ids = q.token_ids[:10] * 2  # prompts that repeat: a proposal may follow
         q.speculation = Speculation()
         s.add(q)
     s.advance(s.schedule())
-    assert s.may_draft()  # two decoding sequences that would draft
+    assert s.may_draft()  # two decoding sequences that may draft
     for i in range(2, 8):
         s.waiting.append(sequence(i, 20))
+    assert not s.may_draft()
+
+
+def test_overlap_is_given_up_only_where_a_proposal_can_follow():
+    """may_draft, with a token in flight: a sequence whose last known tokens never occurred before has no match to
+    propose from once that token arrives, whatever it is, so the engine keeps overlapping its steps; one whose
+    reply quotes its prompt may; one that pauses drafting does not."""
+    s = Scheduler(BlockManager(100, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
+    q = sequence(0, 20)
+    q.speculation = Speculation()
+    s.add(q)
+    s.advance(s.schedule())
+    q.token_ids.append(-1)  # its first token, in flight
+    q.num_pending = 1
+    assert not s.may_draft()  # a prompt of distinct tokens
+    q.token_ids[-1:] = [q.token_ids[5], q.token_ids[6], -1]  # the reply quotes the prompt's 6th and 7th tokens
+    assert s.may_draft()
+    q.speculation.length.paused_until = q.num_generated + 1
     assert not s.may_draft()

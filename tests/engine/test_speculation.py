@@ -19,7 +19,7 @@ from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.sampling import as_int64
-from llamaterm.engine.serving.speculation import MAX_NGRAM, NgramIndex, accepted
+from llamaterm.engine.serving.speculation import MAX_NGRAM, MIN_NGRAM, NgramIndex, accepted
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.support.cli import llamaterm
@@ -30,27 +30,49 @@ from tests.support.tiny_models import write_tiny_llama
 from tests.support.tokenizer_files import byte_level_meta, write_byte_level_gguf
 
 
-def latest_suffix_match(tokens: list[int], k: int) -> list[int]:
-    """The oracle of prompt lookup: a plain search, longest suffix first, latest earlier occurrence first."""
-    for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        for end in range(len(tokens) - 2, n - 2, -1):
-            if tokens[end - n + 1 : end + 1] == suffix:
-                seq = list(tokens)
-                for i in range(k):
-                    seq.append(seq[end + 1 + i])
-                return seq[len(tokens) :]
-    return []
+def longest_match(tokens: list[int], k: int) -> list[int]:
+    """The oracle of prompt lookup, by brute force: of every earlier position, how many tokens up to it equal the
+    last ones (MAX_NGRAM at most); the latest of the longest, if that is MIN_NGRAM or more, and the k tokens after
+    it (past the last token, the drafts themselves)."""
+    best, best_n = None, MIN_NGRAM
+    for end in range(len(tokens) - 1):
+        n = 0
+        while n < min(MAX_NGRAM, end + 1) and tokens[end - n] == tokens[-1 - n]:
+            n += 1
+        if n >= best_n:
+            best, best_n = end, n
+    if best is None:
+        return []
+    seq = list(tokens)
+    for i in range(k):
+        seq.append(seq[best + 1 + i])
+    return seq[len(tokens) :]
 
 
 def test_prompt_lookup_matches_a_plain_search():
     rng = random.Random(0)
-    for trial in range(200):
-        tokens = [rng.randrange(6) for _ in range(rng.randint(1, 60))]
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 6])  # few tokens: matches as long as MAX_NGRAM and longer
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
         index = NgramIndex()
         for known in range(1, len(tokens) + 1):  # tokens arrive one at a time, as a reply's do
             k = rng.randint(1, 8)
-            assert index.propose(tokens, known, k) == latest_suffix_match(tokens[:known], k), (trial, known)
+            assert index.propose(tokens, known, k) == longest_match(tokens[:known], k), (trial, known)
+
+
+def test_a_match_may_follow_where_some_next_token_gives_one():
+    """may_match (the engine gives up overlapping its steps for it) is true exactly where some token after the
+    known ones would give the lookup a match."""
+    rng = random.Random(1)
+    for trial in range(300):
+        vocab = rng.choice([3, 6, 12])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        index = NgramIndex()
+        for known in range(1, len(tokens) + 1):
+            possible = any(longest_match(tokens[:known] + [x], 1) for x in range(vocab))
+            assert index.may_match(tokens, known) == possible, (trial, known)
+            if rng.random() < 0.5:  # interleaved with proposals, as the scheduler asks
+                index.propose(tokens, known, 1)
 
 
 def test_prompt_lookup_drafts_a_quoted_prompt():
@@ -58,14 +80,19 @@ def test_prompt_lookup_drafts_a_quoted_prompt():
     index = NgramIndex()
     assert index.propose([*code, 7, *code[:3]], 64, 5) == code[3:8]  # the reply quotes the prompt
     assert index.propose([1, 2, 3], 3, 4) == []  # nothing occurred before
+    assert NgramIndex().propose([*code, 7, *code[:2]], 63, 5) == []  # two tokens' match: too seldom right
+    # the longest match, not the latest: 5 6 7 8 then 9 before, 6 7 8 then 1 later
+    assert NgramIndex().propose([5, 6, 7, 8, 9, 6, 7, 8, 1, 2, 5, 6, 7, 8], 14, 2) == [9, 6]
 
 
 @pytest.fixture
 def fixed_k(monkeypatch):
-    """Draft exactly k tokens wherever the lookup finds them (the adaptive length's choice set aside)."""
+    """Draft exactly k tokens wherever the lookup finds them (the adaptive length's choice set aside), after a
+    match of `shortest` tokens or more."""
 
-    def use(k: int) -> None:
+    def use(k: int, shortest: int = MIN_NGRAM) -> None:
         monkeypatch.setattr(speculation.DraftLength, "k", lambda self, generated: k)
+        monkeypatch.setattr(speculation, "MIN_NGRAM", shortest)
 
     return use
 
@@ -135,7 +162,7 @@ def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
     ]
     requests = [(p, kinds[i % 3]) for i, p in enumerate(repetitive_prompts(6, seed=70 + k))]
     expected = alone_without_drafts(tiny, requests)
-    fixed_k(k)
+    fixed_k(k, shortest=1)  # drafts after a match of one token too: the model refuses many of them
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected
         assert replies(engine, requests) == expected
@@ -440,15 +467,15 @@ def test_the_default_model_replies_with_drafts_as_without(tmp_path, fixed_k):
 
 def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fixed_k):
     """The engine on a model of 4 tokens, each of 4000 seeded requests sampling 3 tokens after a prompt that holds
-    every token, so that prompt lookup drafts the second (the first comes from the prompt's prefill; the third
-    would pass max_tokens): the triples follow p(t1) p(t2 | t1) p(t3 | t1 t2) from the model's logits (single
-    prefills on a cache of their own), by a chi-square test failing by chance with probability 1e-4 (the seeds are
-    fixed: it does not flake)."""
+    every token after its last two, so that prompt lookup drafts the second (the first comes from the prompt's
+    prefill; the third would pass max_tokens): the triples follow p(t1) p(t2 | t1) p(t3 | t1 t2) from the model's
+    logits (single prefills on a cache of their own), by a chi-square test failing by chance with probability 1e-4
+    (the seeds are fixed: it does not flake)."""
     vocab, n, temperature = 4, 4000, 1.5
     path = write_tiny_llama(tmp_path / "t.gguf", vocab_from=None, vocab_size=vocab, seed=11, context_length=64)
     ckpt = load_gguf(path)
     fixed_k(1)
-    prompt = [0, 1, 2, 3, 0, 1, 2]
+    prompt = [1, 2, 0, 1, 2, 1, 1, 2, 2, 1, 2, 3, 1, 2]
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
     # rows for 64 sequences and a draft each, however many wait
     with Engine(model, SyntheticTokenizer(vocab), EngineConfig(speculate_tokens=128)) as engine:
