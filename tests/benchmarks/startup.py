@@ -31,7 +31,6 @@ from pathlib import Path
 from tests.support.serve_support import LLAMATERM, served
 
 PROMPT = "What is the capital of France?"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def timed(command: list[str], env: dict | None = None) -> tuple[float, float, str]:
@@ -69,7 +68,9 @@ def imports_by_package(stderr: str, top: int) -> list[tuple[str, float, int]]:
 
 
 def bytecode_cached() -> str:
-    cached = (REPO / "app" / "__pycache__").is_dir()
+    import llamaterm.app
+
+    cached = (Path(llamaterm.app.__file__).parent / "__pycache__").is_dir()
     if os.environ.get("PYTHONDONTWRITEBYTECODE") and not cached:
         return "no (PYTHONDONTWRITEBYTECODE set, no __pycache__): llamaterm's modules compile at each start"
     return "yes" if cached else "written at the first start"
