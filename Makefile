@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 
 .PHONY: setup chat test test-fast fuzz bench-cpu lint
 
+# The package's bytecode, compiled as installing a wheel compiles it: an editable install leaves that to the first
+# import, which cannot keep it where PYTHONDONTWRITEBYTECODE is set, and then every command compiled its modules again
+# (40-60 ms of each `llamaterm run`). Python still checks each file against its source.
 setup: $(VENV)/.installed
+	@$(BIN)/python -m compileall -q app engine kernels assets
 	@$(BIN)/python -m llamaterm.engine.store.default_model
 
 # A test oracle: llama.cpp's own HF -> GGUF converter, from the llama.cpp sources that llama-cpp-python's sdist

@@ -7,7 +7,6 @@ object with --json); the progress bar to stderr. The workloads live in engine/be
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -365,6 +364,8 @@ def run_bench(
             prompts = wl.Prompts(vocab)
             same = [prompts(min(prompt_len, ctx - tokens - 1)) for _ in range(3)]
             ours, theirs = wl.our_greedy_runs(inline, same, tokens), wl.hf_greedy_runs(inline, same, tokens)
+            import statistics
+
             median = lambda xs: statistics.median(xs)
             side = lambda r: {
                 "tok_s": median(r.tok_s),

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from llamaterm.app import bench, models_cli
-from llamaterm.app.console import fail, interrupts_held, say, startup_split
+from llamaterm.app.console import fail, imports_frozen, interrupts_held, say, startup_split
 from llamaterm.app.inputs import read_file, read_prompt, reply_grammar
 from llamaterm.app.terminal import TerminalStream, shown
 
@@ -126,7 +126,7 @@ def load_engine(
             return found
         note(f"no server on this machine holds {model or 'the default model'}: loading it here")
     t = time.perf_counter()
-    with interrupts_held():
+    with interrupts_held(), imports_frozen():
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.engine import Engine
     imports = time.perf_counter() - t

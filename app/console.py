@@ -2,6 +2,7 @@
 as one line and an exit code. The commands' modules (app/cli.py, app/models_cli.py, app/bench.py) share it, so none
 imports another for its helpers. Lines quote what models, files and servers hold: on a terminal, only as text."""
 
+import gc
 import signal
 import sys
 from contextlib import contextmanager
@@ -50,3 +51,18 @@ def interrupts_held():
         signal.signal(signal.SIGINT, previous)
     if pending:
         raise KeyboardInterrupt
+
+
+@contextmanager
+def imports_frozen():
+    """The garbage collector paused while the engine's libraries import, and what they made frozen (left out of
+    every later collection): torch's import makes a few hundred thousand objects that live to the end, and
+    collecting them as they came took about 0.1 s of it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()

@@ -86,7 +86,10 @@ def build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"no C compiler found ({cc})"
     source = SOURCE.read_bytes()
     command = [cc, *FLAGS, str(SOURCE), *LIBS]
-    key = hashlib.sha256(b"\0".join([source, " ".join(command).encode(), platform_key()]))
+    # not the source's path: checkouts of the same source share a build (else each removed the other's and built
+    # its own again, a second or so of every command that took turns between them)
+    how = " ".join([cc, *FLAGS, *LIBS])
+    key = hashlib.sha256(b"\0".join([source, how.encode(), platform_key()]))
     target = cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:

@@ -493,7 +493,8 @@ def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # Tensor conversion, in numpy: its uint8 arithmetic is several times faster than torch's on the CPU.
 # Each unpacker takes blocks uint8 [rows, n_blocks, type_size] and returns q uint8 [rows, n_blocks,
-# block_size], scales and offsets (or None) [rows, n_blocks, groups per block], bits and group size.
+# block_size] (4-bit types: already packed in QuantWeight's layout, block_size / 2 bytes), scales and offsets (or
+# None) [rows, n_blocks, groups per block], bits and group size.
 
 _DENSE = {
     GGMLQuantizationType.F32: torch.float32,
@@ -511,6 +512,16 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """Legacy 32-value blocks: the low nibbles of the 16 bytes are values 0..15, the high nibbles 16..31."""
     return np.concatenate((qs & 0xF, qs >> 4), axis=-1)
+
+
+def _packed_halves(qs: np.ndarray) -> np.ndarray:
+    """4-bit values whose bytes hold value j in the low nibble and value j + n in the high one, n bytes a run (the
+    last axis: the legacy blocks' 16 bytes, Q4_K's 32-byte chunks) -> QuantWeight's packing, value 2i in byte i's
+    low nibble and 2i + 1 in its high one. Each little-endian uint16 of bytes 2i, 2i + 1 gives packed byte i (their
+    low nibbles) and byte n / 2 + i (their high ones)."""
+    w = np.ascontiguousarray(qs).view(np.uint16)
+    low, high = (w & 0xF) | ((w >> 4) & 0xF0), ((w >> 4) & 0xF) | ((w >> 8) & 0xF0)
+    return np.concatenate((low, high), axis=-1).astype(np.uint8)
 
 
 def _bits(qh: np.ndarray) -> np.ndarray:
@@ -552,9 +563,9 @@ def _q6_k(b):
 
 _UNPACK = {
     # w = d*(q - 8)
-    GGMLQuantizationType.Q4_0: lambda b: (_nibbles(b[..., 2:18]), _f16(b, 0), None, 4, 32),
+    GGMLQuantizationType.Q4_0: lambda b: (_packed_halves(b[..., 2:18]), _f16(b, 0), None, 4, 32),
     # w = d*q + m
-    GGMLQuantizationType.Q4_1: lambda b: (_nibbles(b[..., 4:20]), _f16(b, 0), _f16(b, 2), 4, 32),
+    GGMLQuantizationType.Q4_1: lambda b: (_packed_halves(b[..., 4:20]), _f16(b, 0), _f16(b, 2), 4, 32),
     # w = d*(q5 - 16), q5 stored as q5 + 112 in 8 bits
     GGMLQuantizationType.Q5_0: lambda b: (
         (_nibbles(b[..., 6:22]) | _bits(b[..., 2:6]) << 4) + 112,
@@ -573,14 +584,20 @@ _UNPACK = {
     ),
     # w = d*q8, the int8 q8 stored as q8 + 128
     GGMLQuantizationType.Q8_0: lambda b: (b[..., 2:34] ^ 0x80, _f16(b, 0), None, 8, 32),
-    GGMLQuantizationType.Q4_K: lambda b: (_k_nibbles(b[..., 16:144]), *_k_affine(b), 4, 32),
+    GGMLQuantizationType.Q4_K: lambda b: (
+        _packed_halves(b[..., 16:144].reshape(*b.shape[:-1], 4, 32)),
+        *_k_affine(b),
+        4,
+        32,
+    ),
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
 }
 
 
 def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
-    """A float tensor in its own dtype, or a quantized matrix as QuantWeight."""
+    """A float tensor in its own dtype, or a quantized matrix as QuantWeight, made in numpy on one thread (torch's
+    ops over its threads took as long on two cores, and many times longer where another process kept one busy)."""
     if t.type in _DENSE:
         # copied: the mapping is read-only (a private writable one would be charged as committed memory)
         return torch.from_numpy(np.array(t.data)).view(_DENSE[t.type]).view(t.shape)
@@ -588,8 +605,8 @@ def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
     block_size, type_size = GGML_QUANT_SIZES[t.type]
     q, scales, offsets, bits, group = _UNPACK[t.type](t.data.reshape(rows, cols // block_size, type_size))
     as_rows = lambda x: torch.from_numpy(np.ascontiguousarray(x).reshape(rows, -1))
-    return QuantWeight.from_values(
-        as_rows(q), as_rows(scales), None if offsets is None else as_rows(offsets), bits, group
+    return QuantWeight(
+        as_rows(q), as_rows(scales), None if offsets is None else as_rows(offsets), bits, group, (rows, cols)
     )
 
 

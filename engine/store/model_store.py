@@ -16,13 +16,15 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from filelock import FileLock
 from platformdirs import user_data_dir
 
 from llamaterm.engine.checkpoints.gguf_files import is_first_gguf
 from llamaterm.engine.errors import LlamatermError, ModelFormatError, ModelNotFound
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,7 +98,9 @@ def place(folder: Path, name: str) -> Path:
     return folder.joinpath(*parts)
 
 
-def model_lock(name: str) -> FileLock:
+def model_lock(name: str) -> "FileLock":
+    from filelock import FileLock  # pull and rm take it; loading a model (and `run`'s look for a server) does not
+
     locks = models_dir() / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     return FileLock(locks / f"{name}.lock")
