@@ -1,10 +1,10 @@
 """What a step's grammar masks cost the host, by llguidance's pool size, on replies a model writes.
 
 The model (the default one unless -m) writes --replies replies (a row each) under a JSON schema, sampled as
-`llamaterm bench` samples; then the masks of --rows sequences (the replies in turn) are filled a step at a time along
-those replies' tokens, as the engine fills them (grammar.fill_bitmasks), with llguidance's pool of 1, 2, 4, 8 and 12
-threads, and one row after another on this thread. A random walk through the same schema (each token drawn
-uniformly among those the mask allows, what random weights write) is the second row of the table.
+`llamaterm bench` samples (engine/workload.py's FILTERS); then the masks of --rows sequences (the replies in turn)
+are filled a step at a time along those replies' tokens, as the engine fills them (grammar.fill_bitmasks), with
+llguidance's pool of 1, 2, 4, 8 and 12 threads, and one row after another on this thread. A random walk through the
+same schema (each token drawn uniformly among those the mask allows, what random weights write) is the second row.
 
     python -m tests.benchmarks.grammar_masks --device cuda
 """
@@ -21,6 +21,7 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import grammar
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.workload import FILTERS
 
 SCHEMA = "tests/benchmarks/people.schema.json"
 PROMPTS = [
@@ -35,16 +36,7 @@ def model_replies(engine: Engine, schema: Grammar, n: int, tokens: int) -> list[
     handles = []
     for i in range(n):
         prompt = engine.encode_prompt([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
-        params = SamplingParams(
-            max_tokens=tokens,
-            temperature=0.8,
-            top_k=40,
-            top_p=0.95,
-            min_p=0.05,
-            repetition_penalty=1.1,
-            seed=i,
-            grammar=schema,
-        )
+        params = SamplingParams(max_tokens=tokens, seed=i, grammar=schema, **FILTERS)
         handles.append(engine.submit(None, params, prompt_ids=prompt))
     return [[t for event in h.events() for t in event.token_ids] for h in handles]
 
