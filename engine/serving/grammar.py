@@ -3,7 +3,7 @@
 A request's Grammar (engine/sampling_params.py) compiles once to llguidance's form (check, cached by kind and
 text). Each sequence then follows it with a GrammarMatcher, built from the grammar's compiled matcher on the
 model's vocabulary (Vocabulary.matcher, a copy of one cached per grammar). Every step, the host fills the
-next-token bitmasks of all constrained rows at once (fill_bitmasks: llguidance's thread pool, the GIL released)
+next-token bitmasks of all constrained rows at once (fill_bitmasks: one call to llguidance's pool, the GIL released)
 while the GPU runs the step, and the sampler masks the logits with them.
 
 llguidance reads the vocabulary as raw bytes (the tokenizer's pieces): special tokens match no text, ids past the
@@ -35,7 +35,6 @@ JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_s
 # Grammars up to this long are cached, compiled (clients repeat their schemas): a cache of larger ones would let
 # clients fill the memory with grammars (a request may carry megabytes)
 CACHED_CHARS = 1 << 16
-MASK_THREADS = 8  # llguidance's threads at most (mask_threads)
 # What each kind is called in a refusal
 WHAT = {
     "json": "the JSON object grammar",
@@ -235,16 +234,19 @@ def _executor() -> llguidance.LLExecutor:
 
 
 def mask_threads() -> int:
-    """llguidance's threads for the masks: a few. A step's 64 masks are a millisecond of work at most, and more
-    threads (llguidance's default is 80% of the CPUs) spin beside the engine's own threads and slow them."""
-    return int(os.environ.get("LLAMATERM_MASK_THREADS", 0)) or max(1, min(MASK_THREADS, (os.cpu_count() or 1) // 2))
+    """llguidance's threads for the masks: one. Its threads share a grammar's caches and wait for one another: on the
+    default model's own replies under a schema, a step of 64 masks took 1.0 ms on one thread, 2.2 on two and 2.9 on
+    twelve (the 2-core machine; the H200's host: 1.5, 1.6 and 3.8 ms, and 6.3 ms on eight beside the engine's
+    threads), while random weights' replies (long strings, llguidance's fast path) take a tenth of that on any
+    number (tests/benchmarks/grammar_masks.py)."""
+    return int(os.environ.get("LLAMATERM_MASK_THREADS", 0)) or 1
 
 
 def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any) -> None:
     """Row i of `bitmask` := the tokens matchers[i] allows next: bit t % 32 of word t // 32 set for token t
     (llguidance.torch's layout; ids past the tokenizer's vocabulary never set). bitmask: a contiguous int32 CPU
-    tensor [rows >= len(matchers), ceil(vocabulary size / 32)]. Every row at once, on llguidance's threads with the
-    GIL released, so the engine's thread computes them while the GPU runs the step."""
+    tensor [rows >= len(matchers), ceil(vocabulary size / 32)]. Every row in one call to llguidance's pool, the GIL
+    released throughout (a call a row would wait for the GIL after each), while the GPU runs the step."""
     import torch
 
     rows, words = bitmask.shape

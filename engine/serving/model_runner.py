@@ -11,9 +11,9 @@ token_ids; a step whose input is a pending token takes it from the last launched
 A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
 sampled. Such a step's forward pass is queued as usual; then the host completes the step in flight (its tokens are
 ready as soon as the device reaches the new forward pass), advances the grammars, and starts filling their token
-masks on llguidance's threads. The step's sampler, which reads the masks, is queued by the next launch, just
-before its forward pass (or by `complete`): meanwhile the engine's thread hands out the last step's tokens and
-schedules the next, and the GPU runs the forward pass, so the masks' time hides under both.
+masks on a thread of their own (llguidance's pool). The step's sampler, which reads the masks, is queued by the
+next launch, just before its forward pass (or by `complete`): meanwhile the engine's thread hands out the last
+step's tokens and schedules the next, and the GPU runs the forward pass, so the masks' time hides under both.
 
 A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
 samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
@@ -217,7 +217,7 @@ class ModelRunner:
             row += 1 + seq.num_drafts
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
-        """Start filling the next token's masks of the sequences under a grammar, on llguidance's threads (the GIL
+        """Start filling the next token's masks of the sequences under a grammar, on the masks' thread (the GIL
         released), while the engine's thread goes on; the future gives their sampler slots and the buffer filled.
         A sequence whose last token is the step in flight's needs it on the host first: that step completes here
         (its tokens are ready once the device reaches this step's forward pass, which is queued already)."""
@@ -293,8 +293,8 @@ class ModelRunner:
 
     @staticmethod
     def _advance_grammars(sampling: list[Sequence], tokens: list[int]) -> set[int]:
-        """Each grammar past its sequence's new token (never drafted), all at once on llguidance's threads; the
-        sequences refused, by index."""
+        """Each grammar past its sequence's new token (never drafted), one after another (grammar.accept_tokens);
+        the sequences refused, by index."""
         rows = [
             i
             for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True))
