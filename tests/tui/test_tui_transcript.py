@@ -58,3 +58,22 @@ def test_a_finished_reply_looks_like_a_full_render(name):
     full, _ = render(text, streamed=False)
     assert matched == (name != "reference link defined after use")  # the check catches what streaming got wrong
     assert streamed == full
+
+
+def test_a_reply_not_yet_mounted_waits_for_the_next_draw():
+    """The screen's tick may come between a reply's view being made and its mounting (which makes its Markdown):
+    the text waits, and the next draw, mounted, shows it."""
+
+    async def main():
+        app = Host("")
+        async with app.run_test(size=(60, 30)) as pilot:
+            early = ReplyMessage(ChatMessage("assistant", ""))
+            early.message.content = "streamed **text**"
+            await early.draw()  # not mounted: nothing to draw into yet
+            assert early.lagging
+            await app.mount(early)
+            await early.draw()
+            await pilot.pause()
+            assert not early.lagging and early.query_one(Markdown).source == "streamed **text**"
+
+    asyncio.run(main())

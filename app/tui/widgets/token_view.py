@@ -118,6 +118,8 @@ class ShadedReply(ReplyMessage):
         return self.drawn < len(self.tokens) or (self.message.finish_reason is not None and not self.finished)
 
     async def draw(self) -> None:
+        if not self.is_mounted:  # as ReplyMessage.draw: its paragraphs are made as it mounts
+            return
         await self.draw_tokens()
         if self.message.finish_reason is not None and not self.finished:
             self.finished = True

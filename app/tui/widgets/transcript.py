@@ -104,7 +104,11 @@ class ReplyMessage(Vertical):
         await self._stream.write(text)
 
     async def draw(self) -> None:
-        """Catch up with the message: its new text in one batch, then its final form if it ended."""
+        """Catch up with the message: its new text in one batch, then its final form if it ended. Not before the
+        view is mounted (its Markdown is made then, and a busy machine may tick the screen first): the text waits
+        for the next tick."""
+        if not self.is_mounted:
+            return
         if self.shown < len(self.message.content):
             await self.draw_new_text()
         if self.message.finish_reason is not None and not self.finished:
