@@ -57,15 +57,16 @@ MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least t
 
 @dataclass
 class NgramIndex:
-    """The latest end position of every n-gram (n = 1 .. MAX_NGRAM) among a sequence's known tokens, but for those
-    that end at the last one (they are the suffix looked up, and have no follower yet)."""
+    """The latest end position of every n-gram (n = MIN_NGRAM - 1 .. MAX_NGRAM: the lengths propose and may_match
+    look up) among a sequence's known tokens, but for those that end at the last one (they are the suffix looked up,
+    and have no follower yet)."""
 
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending before this position are in `latest`
 
     def _index(self, tokens: list[int], known: int) -> None:
         for end in range(self.indexed, known - 1):  # n-grams ending at `end`, which tokens[end + 1] follows
-            for n in range(1, min(MAX_NGRAM, end + 1) + 1):
+            for n in range(MIN_NGRAM - 1, min(MAX_NGRAM, end + 1) + 1):
                 self.latest[tuple(tokens[end - n + 1 : end + 1])] = end
         self.indexed = max(self.indexed, known - 1)
 
