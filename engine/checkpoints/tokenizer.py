@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
 from llamaterm.engine.checkpoints.fields import read, reader
@@ -143,6 +143,7 @@ class Tokenizer:
         if add_eos and eos_id is None:
             raise ModelFormatError("the tokenizer says to add an EOS token but names none")
         self._backend = backend
+        self._byte_level = byte_level
         self._tokens = tokens
         self._pieces = [_piece_bytes(t, ty, byte_level) for t, ty in zip(tokens, token_types, strict=True)]
         self._special = frozenset(i for i, ty in enumerate(token_types) if ty in (CONTROL, UNKNOWN))
@@ -315,6 +316,18 @@ class Tokenizer:
         if add_special:
             ids = self._bos + ids + self._eos
         return ids
+
+    def spec(self) -> str:
+        """The encoder as a `tokenizers` JSON document, with a decoder that says how its tokens spell bytes
+        (byte-level, or SentencePiece's with byte fallback): for libraries that rebuild the tokenizer in their own
+        code (llguidance, engine/serving/grammar.py)."""
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        backend.decoder = (
+            decoders.ByteLevel()
+            if self._byte_level
+            else decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        )
+        return backend.to_str()
 
     # ---- chat ----
 

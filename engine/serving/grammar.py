@@ -35,6 +35,7 @@ JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_s
 # Grammars up to this long are cached, compiled (clients repeat their schemas): a cache of larger ones would let
 # clients fill the memory with grammars (a request may carry megabytes)
 CACHED_CHARS = 1 << 16
+SPECIAL_MARK = b"\xff"  # llguidance's first byte of a special token's name (a byte UTF-8 never has)
 # What each kind is called in a refusal
 WHAT = {
     "json": "the JSON object grammar",
@@ -153,6 +154,29 @@ class _Pieces:
         return self._encode(text.decode(errors="replace") if isinstance(text, bytes) else text, add_special=False)
 
 
+def native_tokenizer(tokenizer: Tokenizer, size: int, stops: list[int]) -> llguidance.LLTokenizer | None:
+    """llguidance's own build of the tokenizer (in Rust, from Tokenizer.spec), where it reads every token's bytes
+    as ours and every special token of ours as special; else None. It may take more tokens as special (added tokens
+    spelled <...>, as its Hugging Face reader does): grammar text never matches those.
+
+    Why: a mask tokenizes the text the grammar forces next (`", "age": ` in a JSON object, some 35 times a step for
+    64 rows). Through a Python tokenizer each of those calls waits for the GIL, which the engine's thread holds: 64
+    rows' masks took 8 ms a step beside a busy thread instead of 0.9 alone (0.5 and 0.36 with this one;
+    BENCHMARKS.md, "Replies under a JSON schema")."""
+    try:
+        native = llguidance.LLTokenizer(tokenizer.spec(), n_vocab=size, eos_token=stops)
+    except ValueError:  # a decoder or vocabulary llguidance cannot read
+        return None
+
+    def agrees(i: int) -> bool:
+        piece = tokenizer.token_bytes(i)
+        marked = piece[:1] == SPECIAL_MARK  # so llguidance reads a piece beginning with that byte, either way
+        special = marked or tokenizer.is_special(i)
+        return native.decode_bytes([i]) == piece[marked:] and (native.is_special_token(i) or not special)
+
+    return native if native.vocab_size == size and all(map(agrees, range(min(size, tokenizer.vocab_size)))) else None
+
+
 @functools.lru_cache(maxsize=8)
 def vocabulary(tokenizer: Tokenizer, size: int) -> Vocabulary:
     """The Vocabulary of a model's tokenizer and its logits' width `size`, built once (0.2 s for 49,152 tokens)."""
@@ -172,8 +196,9 @@ class Vocabulary:
             stops.remove(tokenizer.eos_id)
             stops.insert(0, tokenizer.eos_id)
         self.size, self.words = size, (size + 31) // 32
-        wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer, size))
-        self._tokenizer = llguidance.LLTokenizer(wrapper, eos_token=stops)
+        self._tokenizer = native_tokenizer(tokenizer, size, stops) or llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Pieces(tokenizer, size)), eos_token=stops
+        )
         self._cached = functools.lru_cache(maxsize=32)(self._build)
 
     def check(self, grammar: Grammar) -> None:
@@ -234,11 +259,9 @@ def _executor() -> llguidance.LLExecutor:
 
 
 def mask_threads() -> int:
-    """llguidance's threads for the masks: one. Its threads share a grammar's caches and wait for one another: on the
-    default model's own replies under a schema, a step of 64 masks took 1.0 ms on one thread, 2.2 on two and 2.9 on
-    twelve (the 2-core machine; the H200's host: 1.5, 1.6 and 3.8 ms, and 6.3 ms on eight beside the engine's
-    threads), while random weights' replies (long strings, llguidance's fast path) take a tenth of that on any
-    number (tests/benchmarks/grammar_masks.py)."""
+    """llguidance's threads for the masks: one. 64 rows' masks of the default model's own replies under a schema take
+    0.35 ms a step on one thread and 0.26-0.29 on 2-12 (the 2-core machine, tests/benchmarks/grammar_masks.py): more
+    threads would take cores from the engine's for little."""
     return int(os.environ.get("LLAMATERM_MASK_THREADS", 0)) or 1
 
 

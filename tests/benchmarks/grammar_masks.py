@@ -5,13 +5,19 @@ The model (the default one unless -m) writes --replies replies (a row each) unde
 are filled a step at a time along those replies' tokens, as the engine fills them (grammar.fill_bitmasks), with
 llguidance's pool of 1, 2, 4, 8 and 12 threads, and one row after another on this thread. A random walk through the
 same schema (each token drawn uniformly among those the mask allows, what random weights write) is the second row.
+Last, the engine's own fill (one thread) alone and beside a thread that runs Python all the while, as the engine's
+thread does: with llguidance's own copy of the tokenizer (grammar.native_tokenizer), and with the Python reader,
+whose every call from a mask waits for the GIL.
 
     python -m tests.benchmarks.grammar_masks --device cuda
 """
 
 import argparse
 import statistics
+import sys
+import threading
 import time
+from unittest import mock
 
 import llguidance
 import numpy as np
@@ -21,6 +27,7 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import grammar
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model_runner import MASK_SWITCH_S
 from llamaterm.engine.workload import FILTERS
 
 SCHEMA = "tests/benchmarks/people.schema.json"
@@ -76,6 +83,18 @@ def one_by_one(matchers: list[grammar.GrammarMatcher], bitmask: torch.Tensor) ->
         m._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
 
 
+def beside_busy_thread(work):
+    """work() while another thread runs Python the whole time (the engine's thread, host-bound)."""
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    busy.start()
+    try:
+        return work()
+    finally:
+        stop.set()
+        busy.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("-m", "--model", default=None)
@@ -87,6 +106,8 @@ def main() -> None:
     schema = Grammar("json_schema", open(SCHEMA).read())
     with Engine.from_model(EngineConfig(model=args.model, device=args.device, speculate="off")) as engine:
         vocabulary = engine._vocabulary()
+        with mock.patch.object(grammar, "native_tokenizer", lambda *_: None):
+            python_reader = grammar.Vocabulary(engine.tokenizer, vocabulary.size)
         kinds = {
             "the model's replies": model_replies(engine, schema, args.replies, args.tokens),
             "random walks": random_walks(vocabulary, schema, args.replies, args.tokens),
@@ -104,6 +125,13 @@ def main() -> None:
             cells.append(step_ms(vocabulary, schema, replies, args.rows, fill))
         serial = step_ms(vocabulary, schema, replies, args.rows, one_by_one)
         print(f"{kind:20} " + " ".join(f"{c:6.2f}" for c in cells) + f"  {serial:10.2f}")
+    sys.setswitchinterval(MASK_SWITCH_S)  # as the engine sets it
+    replies = kinds["the model's replies"]
+    print(f"\nthe model's replies, the engine's fill (one thread){'alone':>12} {'beside a busy thread':>21}")
+    for name, vocab in (("llguidance's tokenizer", vocabulary), ("the Python reader", python_reader)):
+        alone = step_ms(vocab, schema, replies, args.rows, grammar.fill_bitmasks)
+        beside = beside_busy_thread(lambda v=vocab: step_ms(v, schema, replies, args.rows, grammar.fill_bitmasks))
+        print(f"{name:51}{alone:6.2f} {beside:21.2f}")
 
 
 if __name__ == "__main__":

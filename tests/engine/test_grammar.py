@@ -22,6 +22,7 @@ from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import Grammar
 from llamaterm.engine.serving import grammar
 from llamaterm.engine.store.model_store import resolve_model
+from tests.support.family_oracle import CONVERTER
 from tests.support.tokenizer_files import (
     BYTE_LEVEL_TOKENS,
     MERGED,
@@ -31,6 +32,7 @@ from tests.support.tokenizer_files import (
     write_byte_level_gguf,
 )
 
+VOCABS = CONVERTER / "models"  # llama.cpp's test vocabularies (make test fetches them)
 # json.dumps' layout, as the server asks llguidance for it
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PERSON = {
@@ -92,10 +94,16 @@ def walk(tokenizer: Tokenizer, oracle: llguidance.LLTokenizer, case) -> None:
     reference = llguidance.LLMatcher(oracle, oracle_grammar(source) if ours.kind.startswith("json") else source)
     assert not reference.is_error(), reference.get_error()
     mask, expected = (torch.zeros(1, vocab.words, dtype=torch.int32) for _ in range(2))
-    for token in tokenizer.encode(answer, add_special=False):
+    # control tokens never match text; the oracle's tokenizer (transformers' reading of a GGUF) keeps some as text
+    # (Phi-3's [PAD] ids)
+    control = torch.zeros(1, vocab.words, dtype=torch.int32)
+    for i in range(tokenizer.vocab_size):
+        if tokenizer.is_special(i) and i not in tokenizer.stop_ids:
+            control[0, i // 32] |= torch.tensor(1 << (i % 32)).to(torch.int32)
+    for token in oracle.tokenize_str(answer):  # as a reply writes it: mid-text, with no SentencePiece prefix space
         grammar.fill_bitmasks([matcher], mask)
         llguidance.torch.fill_next_token_bitmask(reference, expected)
-        assert torch.equal(mask, expected)
+        assert torch.equal(mask, expected & ~control)
         assert token in allowed(mask)
         assert not matcher.is_done()
         assert matcher.accept(token) and reference.consume_token(token)
@@ -158,6 +166,62 @@ def default_oracle(default) -> llguidance.LLTokenizer:
     path = resolve_model(None)
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return llguidance.hf.from_tokenizer(hf, eos_token=sorted(default.stop_ids))
+
+
+@pytest.fixture(scope="module")
+def phi3() -> Tokenizer:  # a SentencePiece vocabulary: llama.cpp's own for Phi-3's tokenizer tests
+    return Tokenizer.from_gguf_metadata(gguf_metadata(VOCABS / "ggml-vocab-phi-3.gguf"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0].kind)
+def test_masks_agree_with_llguidance_on_a_sentencepiece_vocabulary(phi3, case):
+    hf = AutoTokenizer.from_pretrained(str(VOCABS), gguf_file="ggml-vocab-phi-3.gguf")
+    walk(phi3, llguidance.hf.from_tokenizer(hf, eos_token=sorted(phi3.stop_ids)), case)
+
+
+# ---- llguidance's own copy of the tokenizer ----
+
+
+def count_python_tokenizer_calls(monkeypatch) -> list[bytes]:
+    """Every text llguidance gives the Python tokenizer reader (grammar._Pieces) from now on."""
+    calls: list[bytes] = []
+    call = grammar._Pieces.__call__
+
+    def counted(self, text):
+        calls.append(text)
+        return call(self, text)
+
+    monkeypatch.setattr(grammar._Pieces, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("which", ["tiny", "sentencepiece"])
+def test_masks_tokenize_the_forced_text_without_calling_into_python(tiny, which, monkeypatch):
+    """Masks under a JSON schema tokenize the text the grammar forces (`", "age": `); llguidance does it in its
+    own copy of the tokenizer, so no mask waits for the GIL (grammar.native_tokenizer)."""
+    tokenizer = tiny if which == "tiny" else Tokenizer.from_gguf_metadata(sentencepiece_meta())
+    calls = count_python_tokenizer_calls(monkeypatch)
+    vocab = grammar.Vocabulary(tokenizer, tokenizer.vocab_size)
+    matcher, mask = vocab.matcher(CASES[0][0]), torch.zeros(1, vocab.words, dtype=torch.int32)
+    for token in vocab._tokenizer.tokenize_str(ANSWER):
+        grammar.fill_bitmasks([matcher], mask)
+        assert token in allowed(mask) and matcher.accept(token)
+    assert matcher.is_done() and calls == []
+
+
+def test_a_tokenizer_llguidance_cannot_read_itself_is_read_through_python(tiny, tiny_oracle, monkeypatch):
+    """Where llguidance cannot build the tokenizer from its spec, masks still agree with the oracle's, through the
+    Python reader."""
+    monkeypatch.setattr(Tokenizer, "spec", lambda self: "{}")
+    calls = count_python_tokenizer_calls(monkeypatch)
+    assert grammar.native_tokenizer(tiny, tiny.vocab_size, sorted(tiny.stop_ids)) is None
+    grammar.vocabulary.cache_clear()
+    try:
+        walk(tiny, tiny_oracle, CASES[0])
+    finally:
+        grammar.vocabulary.cache_clear()
+    assert calls
 
 
 # ---- refusals ----
