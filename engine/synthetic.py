@@ -72,6 +72,9 @@ class SyntheticTokenizer:
     def is_special(self, token_id: int) -> bool:
         return self._text.is_special(token_id)
 
+    def spec(self) -> str:
+        return self._text.spec()
+
     def push(self, token: int) -> str:
         return f" #{token}"
 
