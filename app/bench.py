@@ -27,15 +27,19 @@ GRID = [(i, o, b) for i in (128, 512, 1024) for o in (128, 256) for b in (16, 32
 
 
 class Progress:
-    """One line on stderr, when it is a terminal: [#####.....] 3/12 what is running now."""
+    """Where a benchmark is, on stderr: one line redrawn on a terminal ([#####.....] 3/12 what is running now);
+    elsewhere (a log, CI, a remote run cut off by its time limit) a line a part with the seconds since the start,
+    so a run that never ends still shows where it stopped."""
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
-        self.shown = sys.stderr.isatty()
+        self.redrawn = sys.stderr.isatty()
+        self.start = time.perf_counter()
 
     def step(self, what: str) -> None:
         self.done += 1
-        if not self.shown:
+        if not self.redrawn:
+            print(f"[{time.perf_counter() - self.start:6.1f} s] {self.done}/{self.total} {what}", file=sys.stderr)
             return
         width = 24
         fill = width * (self.done - 1) // max(1, self.total)
@@ -43,7 +47,7 @@ class Progress:
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.shown:
+        if self.redrawn:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
 

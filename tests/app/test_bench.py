@@ -83,8 +83,11 @@ def test_bench_table_and_bad_input():
     assert out.returncode == 0, out.stderr
     assert "static tok/s" in out.stdout and "TTFT, 512-token prompt" in out.stdout and "gap p50 ms" in out.stdout
     assert "workload: chat messages, temperature 0.8" in out.stdout
+    # off a terminal, each part's start is a line on stderr, so a run cut off still shows where it stopped
+    parts = [line.split("] ", 1)[1] for line in out.stderr.splitlines() if line.startswith("[")]
+    assert parts[0].endswith("loading the model") and parts[-1].endswith("closed loop, 1 sessions (1 s)")
     bad = llamaterm("bench", "--model", "synthetic:nope", "--device", "cpu")
-    assert bad.returncode == 1 and bad.stderr.startswith("llamaterm: unknown model 'synthetic:nope'")
+    assert bad.returncode == 1 and bad.stderr.splitlines()[-1].startswith("llamaterm: unknown model 'synthetic:nope'")
     bad = llamaterm("bench", "--sessions", "one")
     assert bad.returncode == 2 and "--sessions takes counts" in bad.stderr
     bad = llamaterm("bench", "--workload", "poems")
