@@ -142,8 +142,13 @@ class Tokenizer:
             raise ModelFormatError("the tokenizer says to add a BOS token but names none")
         if add_eos and eos_id is None:
             raise ModelFormatError("the tokenizer says to add an EOS token but names none")
+        # decoding is ours (below); the backend's decoder only tells readers of spec() how tokens spell bytes
+        backend.decoder = (
+            decoders.ByteLevel()
+            if byte_level
+            else decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        )
         self._backend = backend
-        self._byte_level = byte_level
         self._tokens = tokens
         self._pieces = [_piece_bytes(t, ty, byte_level) for t, ty in zip(tokens, token_types, strict=True)]
         self._special = frozenset(i for i, ty in enumerate(token_types) if ty in (CONTROL, UNKNOWN))
@@ -318,16 +323,10 @@ class Tokenizer:
         return ids
 
     def spec(self) -> str:
-        """The encoder as a `tokenizers` JSON document, with a decoder that says how its tokens spell bytes
-        (byte-level, or SentencePiece's with byte fallback): for libraries that rebuild the tokenizer in their own
-        code (llguidance, engine/serving/grammar.py)."""
-        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
-        backend.decoder = (
-            decoders.ByteLevel()
-            if self._byte_level
-            else decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-        )
-        return backend.to_str()
+        """The encoder as a `tokenizers` JSON document, its decoder saying how tokens spell bytes (byte-level, or
+        SentencePiece's with byte fallback): for libraries that rebuild the tokenizer in their own code
+        (llguidance, engine/serving/grammar.py)."""
+        return self._backend.to_str()
 
     # ---- chat ----
 
