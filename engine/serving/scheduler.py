@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from llamaterm.engine.serving.block_manager import BlockManager
 from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.speculation import OVERLAP_COST
 
 
 @dataclass
@@ -152,15 +153,25 @@ class Scheduler:
         return len(proposed)
 
     def may_draft(self) -> bool:
-        """Some running sequence may draft in the next step once its tokens are all on the host (the engine then
-        reads the step in flight's tokens before it schedules: engine.py): it is not pausing, and with prompt lookup
-        a proposal can follow its known tokens."""
-        return self.speculate_tokens > min(self.max_running, len(self.running) + len(self.waiting)) and any(
-            (spec := seq.speculation) is not None
-            and spec.length.k(seq.num_generated) > 0
-            and (self.draft_model or spec.index.may_match(seq.token_ids, seq.num_known))
-            for seq in self.running
+        """Drafting pays in the next step, so the engine completes the step in flight before it schedules (engine.py:
+        drafts are proposed from tokens on the host), giving up the overlap of the two: the drafts the step has rows
+        for (speculate_tokens, less a row per sequence) are expected to bring more tokens than that costs, OVERLAP_COST
+        of a step of every running sequence. A draft is expected to bring the chance it is kept (DraftLength.chances);
+        a sequence drafts when it is not pausing and, with prompt lookup, a proposal can follow its known tokens."""
+        rows = self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
+        if rows <= 0:
+            return False
+        chances = sorted(
+            (
+                chance
+                for seq in self.running
+                if (spec := seq.speculation) is not None
+                and (self.draft_model or spec.index.may_match(seq.token_ids, seq.num_known))
+                for chance in spec.length.chances(seq.num_generated)
+            ),
+            reverse=True,
         )
+        return sum(chances[:rows]) > OVERLAP_COST * len(self.running)
 
     def drop_rejected(self, seq: Sequence) -> None:
         """After a step verified a sequence's drafts (its token_ids hold the kept ones and the target's next

@@ -53,6 +53,11 @@ MIN_ACCEPTANCE = 0.25  # below it, drafting pauses: the step's rows cost more th
 PAUSE_TOKENS = 32  # tokens decoded one at a time before drafting is tried again; doubled by each pause in a row
 MAX_PAUSE_DOUBLINGS = 4
 MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
+# What a step costs more when it is launched after the one before completed on the host (drafts are proposed from
+# tokens there) than beside it, in steps: the host's work no longer hides under the device's (the default model at
+# one session on the H200: 1.27 ms against 1.08, BENCHMARKS.md). A step of n sequences that gives up its overlap
+# pays OVERLAP_COST * n tokens: drafting pays where its drafts are expected to bring more (Scheduler.may_draft).
+OVERLAP_COST = 0.17
 
 
 @dataclass
@@ -125,6 +130,11 @@ class DraftLength:
         while k < MAX_DRAFT and chance >= MIN_GAIN:
             k, chance = k + 1, chance * self.acceptance
         return k
+
+    def chances(self, generated: int) -> list[float]:
+        """Each of the next k drafts' chance to be kept (acceptance ** j for the j-th): the tokens it is expected
+        to bring."""
+        return [self.acceptance**j for j in range(1, self.k(generated) + 1)]
 
     def observe(self, drafted: int, kept: int, generated: int) -> None:
         if drafted == 0:

@@ -170,6 +170,29 @@ def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
     assert not s.may_draft()
 
 
+def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_it():
+    """Completing the step in flight costs a step 17% more for every running sequence (0.17 tokens each); the
+    drafts the next step has rows for bring their chances of being kept. 7 sequences at acceptance 0.6 have one row:
+    0.6 < 7 * 0.17; 4 have four: 4 * 0.6 > 4 * 0.17. At acceptance 0.25 a sequence drafts one token, kept a
+    quarter of the time: 4 sequences 4 * 0.25 > 0.68; 6 have two rows, 0.5 < 1.02."""
+    s = Scheduler(BlockManager(200, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
+    running = [sequence(i, 20) for i in range(7)]
+    for q in running:
+        q.token_ids = q.token_ids[:10] * 2  # prompts that repeat: a proposal may follow
+        q.speculation = Speculation()
+        s.add(q)
+    s.advance(s.schedule())
+    assert running[0].speculation.length.acceptance == 0.6
+    assert not s.may_draft()
+    s.running = s.running[:4]
+    assert s.may_draft()
+    for q in running:
+        q.speculation.length.acceptance = 0.25
+    assert s.may_draft()
+    s.running = running[:6]
+    assert not s.may_draft()
+
+
 def test_overlap_is_given_up_only_where_a_proposal_can_follow():
     """may_draft, with a token in flight: a sequence whose last known tokens never occurred before has no match to
     propose from once that token arrives, whatever it is, so the engine keeps overlapping its steps; one whose

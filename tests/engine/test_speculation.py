@@ -14,7 +14,7 @@ from llamaterm.engine.bench import EditText, SyntheticTokenizer
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
-from llamaterm.engine.serving import speculation
+from llamaterm.engine.serving import scheduler, speculation
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
@@ -87,12 +87,14 @@ def test_prompt_lookup_drafts_a_quoted_prompt():
 
 @pytest.fixture
 def fixed_k(monkeypatch):
-    """Draft exactly k tokens wherever the lookup finds them (the adaptive length's choice set aside), after a
-    match of `shortest` tokens or more."""
+    """Draft exactly k tokens wherever the lookup finds them and the step has rows for them (the adaptive length's
+    choice and the batch's weighing of drafts against overlap set aside), after a match of `shortest` tokens or
+    more."""
 
     def use(k: int, shortest: int = MIN_NGRAM) -> None:
         monkeypatch.setattr(speculation.DraftLength, "k", lambda self, generated: k)
         monkeypatch.setattr(speculation, "MIN_NGRAM", shortest)
+        monkeypatch.setattr(scheduler, "OVERLAP_COST", 0.0)
 
     return use
 
