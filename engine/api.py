@@ -92,10 +92,11 @@ class EngineStats:
     drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
     kept: int = 0
     # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
-    # after the engine was ready) of each graph captured, the graphs still to capture, and the longest step that a
-    # piece of that work held up
+    # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
+    # in use, which serving captures first), and the longest step that a piece of that work held up
     graphs_ready_s: tuple[tuple[int, float], ...] = ()
     graphs_pending: int = 0
+    graphs_in_use_pending: int = 0
     max_step_background_s: float = 0.0
 
 

@@ -376,18 +376,21 @@ def graphs_timeline(sessions: Sessions, n: int, prompt_len: int, seconds: float)
     its CUDA graphs between their steps (a closed loop: a session that ends after `tokens` is replaced). When each
     step size's graph was ready (seconds after the engine was ready), the longest step that a piece of that work
     held up beside a normal step (the median gap between two tokens of a session over the last second, every graph
-    in use ready by then), and when the step sizes the sessions used were all captured (full graph speed). The
-    graphs no step used are captured once the engine idles (wait_for_graphs)."""
+    in use ready by then), and when the step sizes the sessions used were all captured (full graph speed: the
+    latest graph ready as the sessions end, None if a step size in use was still to capture then). The graphs no
+    step used are captured once the engine idles (wait_for_graphs); those ready by the time this returns are in
+    graphs_ready_s too."""
     tokens = min(1024, sessions.client.max_context - prompt_len - 32)
-    log = drive(sessions, n, lambda: sessions.start(prompt_len, tokens), True, seconds)
+    log = drive(sessions, n, lambda: sessions.start(prompt_len, tokens), True, seconds, (seconds - 0.1,))
     stats = sessions.stats()
-    ready = dict(stats.graphs_ready_s)
+    serving = log.window_stats[0] if log.window_stats else stats  # as the sessions end
+    ready, captured = dict(stats.graphs_ready_s), dict(serving.graphs_ready_s)
     end = max(log.token_times, default=0.0)
     normal = statistics.median([g for t, g in log.gaps if t > end - 1.0] or [0.0])
     return {
         "sessions": n,
         "graphs_ready_s": ready,
-        "full_graph_speed_s": max(ready.values(), default=None),
+        "full_graph_speed_s": None if serving.graphs_in_use_pending else max(captured.values(), default=None),
         "max_step_background_ms": 1e3 * stats.max_step_background_s,
         "normal_step_ms": 1e3 * normal,
         "pending_after": stats.graphs_pending,

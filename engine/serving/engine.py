@@ -340,6 +340,7 @@ class Engine:
         return {
             "graphs_ready_s": tuple((bucket, t - self.ready_at) for bucket, t in ready),
             "graphs_pending": len(graphs.wanted(idle=True)),
+            "graphs_in_use_pending": len(graphs.wanted(idle=False)),
             "max_step_background_s": self.max_step_background_s,
         }
 

@@ -112,7 +112,9 @@ def test_the_bench_times_the_captures_while_sessions_run(engines):
     timeline = wl.graphs_timeline(sessions, 3, 8, seconds=1.5)
     ready = timeline["graphs_ready_s"]
     assert 4 in ready and ready == {b: t - served.ready_at for b, t in graphs.ready_at.items()}
-    assert timeline["full_graph_speed_s"] == max(ready.values()) > 0
+    # full speed: the sessions' own step size captured, and no step size in use left to capture as they ended;
+    # others may be captured after, as the engine idles
+    assert ready[4] <= timeline["full_graph_speed_s"] <= max(ready.values())
     assert timeline["max_step_background_ms"] > 0 and timeline["normal_step_ms"] > 0
     assert timeline["pending_after"] == len(graphs.wanted(idle=True))
     assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
