@@ -161,8 +161,8 @@ def native_tokenizer(tokenizer: Tokenizer, size: int, stops: list[int]) -> llgui
 
     Why: a mask tokenizes the text the grammar forces next (`", "age": ` in a JSON object, some 35 times a step for
     64 rows). Through a Python tokenizer each of those calls waits for the GIL, which the engine's thread holds: 64
-    rows' masks took 8 ms a step beside a busy thread instead of 0.9 alone (0.5 and 0.36 with this one;
-    BENCHMARKS.md, "Replies under a JSON schema")."""
+    rows' masks took 10-14 ms a step beside a busy thread against 0.8-1.2 alone; with this one 0.7-1.1 (the 2-core
+    machine and the H200's host; BENCHMARKS.md, "Replies under a JSON schema: the masks without Python")."""
     try:
         native = llguidance.LLTokenizer(tokenizer.spec(), n_vocab=size, eos_token=stops)
     except ValueError:  # a decoder or vocabulary llguidance cannot read
@@ -170,7 +170,9 @@ def native_tokenizer(tokenizer: Tokenizer, size: int, stops: list[int]) -> llgui
 
     def agrees(i: int) -> bool:
         piece = tokenizer.token_bytes(i)
-        marked = piece[:1] == SPECIAL_MARK  # so llguidance reads a piece beginning with that byte, either way
+        # llguidance reads a piece that begins with that byte (a byte-level vocabulary's token for byte 0xFF) as a
+        # special token's name, through either reader
+        marked = piece[:1] == SPECIAL_MARK
         special = marked or tokenizer.is_special(i)
         return native.decode_bytes([i]) == piece[marked:] and (native.is_special_token(i) or not special)
 
