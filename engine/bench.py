@@ -264,7 +264,7 @@ class SessionLog:
     first_token: list[float]  # per finished or open session, when its first token arrived
     finished: list[float]  # when each finished session's last token arrived
     gaps: list[tuple[float, float]]  # (when, seconds since the session's last token) per token after its first
-    window_stats: list[EngineStats]  # the engine's stats at the start and the end of the measured window
+    window_stats: list[EngineStats]  # the engine's stats at drive's `window` times (a measured window's two ends)
 
     def arrived(self, now: float, last: float | None, k: int) -> None:
         """k tokens of one session, seen together at `now`; its tokens before them at `last` (None: none)."""
@@ -281,7 +281,7 @@ def drive(
     start: Callable[[], RequestStream],
     replace: bool,
     seconds: float | None = None,
-    window: tuple[float, float] | None = None,
+    window: tuple[float, ...] = (),
 ) -> SessionLog:
     """Keep n sessions open; each finished one is replaced at once when `replace` (a closed loop), else the run
     ends when all have finished. After `seconds`, open sessions are cancelled. Polls every 2 ms from this thread:
@@ -291,7 +291,7 @@ def drive(
     handles: list[RequestStream | None] = [start() for _ in range(n)]
     last: list[float | None] = [None] * n
     t0 = time.perf_counter()
-    marks = [t0 + w for w in window] if window else []
+    marks = [t0 + w for w in window]
     while any(handles):
         time.sleep(0.002)
         now = time.perf_counter()

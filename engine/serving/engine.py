@@ -36,7 +36,7 @@ from llamaterm.engine.api import (
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, model_sampling_defaults
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError, RequestError
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
@@ -290,6 +290,15 @@ class Engine:
         one prompt, which then fork from its one prefill (engine/serving/scheduler.py)."""
         with self._cv:  # (a reentrant lock: submit takes it again)
             yield
+
+    def ready_grammars(self, grammars: list[Grammar]) -> None:
+        """Build what requests with these grammars need (the vocabulary, each grammar's compiled matcher), so that
+        their submit only copies it; one refused is left to its submit to refuse."""
+        for grammar in grammars:
+            try:
+                self._vocabulary().check(grammar)
+            except RequestError:
+                continue
 
     def _vocabulary(self) -> Vocabulary:
         """The vocabulary grammars are matched over, built by the first request with a grammar, on its thread (0.4 s
