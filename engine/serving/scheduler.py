@@ -111,8 +111,8 @@ class Scheduler:
         budget = self.max_batch_tokens
         prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
-        # every running and admitted sequence samples a row: drafts get what is left of speculate_tokens
-        drafts = self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
+        # drafts only where they pay for the overlap they give up (may_draft), in the rows the step has left
+        drafts = self._draft_rows() if self.may_draft() else 0
         for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
@@ -158,7 +158,7 @@ class Scheduler:
         for (speculate_tokens, less a row per sequence) are expected to bring more tokens than that costs, OVERLAP_COST
         of a step of every running sequence. A draft is expected to bring the chance it is kept (DraftLength.chances);
         a sequence drafts when it is not pausing and, with prompt lookup, a proposal can follow its known tokens."""
-        rows = self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
+        rows = self._draft_rows()
         if rows <= 0:
             return False
         chances = sorted(
@@ -172,6 +172,10 @@ class Scheduler:
             reverse=True,
         )
         return sum(chances[:rows]) > OVERLAP_COST * len(self.running)
+
+    def _draft_rows(self) -> int:
+        """The rows of speculate_tokens a step leaves for drafts: every running and admitted sequence samples one."""
+        return self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
 
     def drop_rejected(self, seq: Sequence) -> None:
         """After a step verified a sequence's drafts (its token_ids hold the kept ones and the target's next

@@ -184,8 +184,16 @@ def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_
     s.advance(s.schedule())
     assert running[0].speculation.length.acceptance == 0.6
     assert not s.may_draft()
+    for q in running:  # each sampled a token that continues its repeat: a proposal follows
+        q.token_ids.append(q.token_ids[10])
+    step = s.schedule()
+    assert [c.length for c in step] == [1] * 7  # nor does the step draft into its one row
+    s.advance(step)
+    for q in running:
+        q.token_ids.append(q.token_ids[11])
     s.running = s.running[:4]
     assert s.may_draft()
+    assert sum(c.length - 1 for c in s.schedule()) == 4  # drafts in the four rows
     for q in running:
         q.speculation.length.acceptance = 0.25
     assert s.may_draft()
