@@ -154,16 +154,23 @@ def test_a_prompt_equal_to_a_sequence_with_its_drafts_does_not_fork_from_them():
         assert not written & others, (c.seq.id, written & others)
 
 
-def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
-    """The engine completes the step in flight first when the next may carry drafts (may_draft); drafts ride only
-    while the running and waiting sequences leave rows of speculate_tokens: 2 running with 6 waiting leave none."""
-    s = Scheduler(BlockManager(100, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
-    running = [sequence(i, 20) for i in range(2)]
+def drafting_batch(n: int) -> tuple[Scheduler, list[Sequence]]:
+    """A scheduler of 8 rows for drafts and sequences, n of them running past their prompts, which repeat: a
+    proposal may follow."""
+    s = Scheduler(BlockManager(200, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
+    running = [sequence(i, 20) for i in range(n)]
     for q in running:
-        q.token_ids = q.token_ids[:10] * 2  # prompts that repeat: a proposal may follow
+        q.token_ids = q.token_ids[:10] * 2
         q.speculation = Speculation()
         s.add(q)
     s.advance(s.schedule())
+    return s, running
+
+
+def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
+    """The engine completes the step in flight first when the next may carry drafts (may_draft); drafts ride only
+    while the running and waiting sequences leave rows of speculate_tokens: 2 running with 6 waiting leave none."""
+    s, _ = drafting_batch(2)
     assert s.may_draft()  # two decoding sequences that may draft
     for i in range(2, 8):
         s.waiting.append(sequence(i, 20))
@@ -175,13 +182,7 @@ def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_
     drafts the next step has rows for bring their chances of being kept. 7 sequences at acceptance 0.6 have one row:
     0.6 < 7 * 0.17; 4 have four: 4 * 0.6 > 4 * 0.17. At acceptance 0.25 a sequence drafts one token, kept a
     quarter of the time: 4 sequences 4 * 0.25 > 0.68; 6 have two rows, 0.5 < 1.02."""
-    s = Scheduler(BlockManager(200, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
-    running = [sequence(i, 20) for i in range(7)]
-    for q in running:
-        q.token_ids = q.token_ids[:10] * 2  # prompts that repeat: a proposal may follow
-        q.speculation = Speculation()
-        s.add(q)
-    s.advance(s.schedule())
+    s, running = drafting_batch(7)
     assert running[0].speculation.length.acceptance == 0.6
     assert not s.may_draft()
     for q in running:  # each sampled a token that continues its repeat: a proposal follows
