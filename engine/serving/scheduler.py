@@ -111,8 +111,10 @@ class Scheduler:
         budget = self.max_batch_tokens
         prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
-        # drafts only where they pay for the overlap they give up (may_draft), in the rows the step has left
-        drafts = self._draft_rows() if self.may_draft() else 0
+        # drafts only where they pay for the overlap they give up (may_draft), in the rows the step has left; weighed
+        # only where some sequence has all its tokens on the host (not after an overlapped step: the common one)
+        may = any(seq.speculation is not None and not seq.num_pending for seq in self.running) and self.may_draft()
+        drafts = self._draft_rows() if may else 0
         for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
