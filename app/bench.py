@@ -463,6 +463,12 @@ def format_tables(r: dict) -> str:
             f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {vs_one}x {row['static_pct_of_limit']:7.0f}% "
             f"{row['dynamic_tok_s']:14,.1f} {ratio}% {gap['p50']:11.1f} {gap['p99']:6.1f} {gap['max']:6.1f}" + per_step
         )
+    for row in r["decode"]:
+        if m := row.get("masks_ms_per_step"):
+            lines.append(
+                f"{row['sessions']:8d} sessions, a step's grammar masks: filled in {m['fill']:.2f} ms on their thread; "
+                f"the engine waited {m['tokens']:.2f} ms for the tokens they start from and {m['wait']:.2f} ms for them"
+            )
     mix = r["workload"]["prompt_mix"]
     spans = ", ".join(f"{lo}-{hi} ({100 * w:.0f}%)" if lo != hi else f"{lo}" for w, lo, hi in mix["prompts"])
     lines.append(

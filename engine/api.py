@@ -91,6 +91,12 @@ class EngineStats:
     host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
     drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
     kept: int = 0
+    # steps under a grammar so far, and their host time summed: masks filling (on their own thread), the engine
+    # waiting for the tokens the masks start from, and waiting for the masks (engine/serving/model_runner.py)
+    mask_steps: int = 0
+    mask_fill_s: float = 0.0
+    mask_tokens_s: float = 0.0
+    mask_wait_s: float = 0.0
     # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
     # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
     # in use, which serving captures first), and the longest step that a piece of that work held up

@@ -368,6 +368,9 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
         a, b = log.window_stats
         steps = b.steps - a.steps
         out |= {"steps_per_s": steps / window_s, "host_ms_per_step": 1e3 * (b.host_s - a.host_s) / max(1, steps)}
+        if masked := b.mask_steps - a.mask_steps:
+            per_step = lambda field: 1e3 * (getattr(b, field) - getattr(a, field)) / masked
+            out["masks_ms_per_step"] = {k: per_step(f"mask_{k}_s") for k in ("fill", "tokens", "wait")}
     return out
 
 

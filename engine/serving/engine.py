@@ -338,6 +338,10 @@ class Engine:
             host_s=self.host_s,
             drafted=self.drafted,
             kept=self.kept,
+            mask_steps=(masks := self.runner.mask_times).steps,
+            mask_fill_s=masks.fill_s,
+            mask_tokens_s=masks.tokens_s,
+            mask_wait_s=masks.wait_s,
             **self._graph_stats(),
         )
 

@@ -240,12 +240,11 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token. False: the grammar refuses it, and from then on every token; error()
         says why."""
-        return self._settle(self._matcher.consume_token(token_id))
-
-    def _settle(self, accepted: bool) -> bool:
-        self.done = self._matcher.is_stopped() and not self._matcher.is_error()
-        self.refusal = self._matcher.get_error() or None
-        return accepted
+        if self._matcher.consume_token(token_id):  # (two calls a token: the engine makes 64 of these a step)
+            self.done = self._matcher.is_stopped()
+            return True
+        self.done, self.refusal = False, self._matcher.get_error() or None
+        return False
 
     def is_done(self) -> bool:
         """The grammar is complete and takes nothing more but an end-of-text token: the reply ends ("stop")."""
@@ -262,26 +261,29 @@ def _executor() -> llguidance.LLExecutor:
 
 
 def mask_threads() -> int:
-    """llguidance's threads for the masks: one. 64 rows' masks of the default model's own replies under a schema take
-    0.35 ms a step on one thread and 0.26-0.29 on 2-12 (the 2-core machine, tests/benchmarks/grammar_masks.py): more
-    threads would take cores from the engine's for little."""
-    return int(os.environ.get("LLAMATERM_MASK_THREADS", 0)) or 1
+    """llguidance's threads for the masks: two where the machine has 8 cores or more, else one. A step waits for
+    its masks, and 64 rows' masks of the default model's own replies under a schema fill in 0.78-0.89 ms on two
+    threads against 1.03-1.29 on one in the engine on the H200's host (16 cores; more threads gain nothing there,
+    tests/benchmarks/grammar_masks.py); on two cores 0.26-0.29 against 0.35, where a second thread would take the
+    engine's core."""
+    return int(os.environ.get("LLAMATERM_MASK_THREADS", 0)) or (2 if (os.cpu_count() or 1) >= 8 else 1)
 
 
-def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any) -> None:
-    """Row i of `bitmask` := the tokens matchers[i] allows next: bit t % 32 of word t // 32 set for token t
-    (llguidance.torch's layout; ids past the tokenizer's vocabulary never set). bitmask: a contiguous int32 CPU
-    tensor [rows >= len(matchers), ceil(vocabulary size / 32)]. Every row in one call to llguidance's pool, the GIL
+def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[int] | None = None) -> None:
+    """Row rows[i] (by default i) of `bitmask` := the tokens matchers[i] allows next: bit t % 32 of word t // 32 set
+    for token t (llguidance.torch's layout; ids past the tokenizer's vocabulary never set). bitmask: a contiguous
+    int32 CPU tensor [rows, ceil(vocabulary size / 32)]. Every row in one call to llguidance's pool, the GIL
     released throughout (a call a row would wait for the GIL after each), while the GPU runs the step."""
     import torch
 
-    rows, words = bitmask.shape
+    height, words = bitmask.shape
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
         raise ValueError("fill_bitmasks takes a contiguous int32 CPU tensor")
-    if len(matchers) > rows:
-        raise ValueError(f"{len(matchers)} matchers for a bitmask of {rows} rows")
-    pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
-    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+    rows = range(len(matchers)) if rows is None else rows
+    if len(rows) != len(matchers) or not all(0 <= row < height for row in rows):  # llguidance writes where told
+        raise ValueError(f"rows {list(rows)} of {len(matchers)} matchers for a bitmask of {height} rows")
+    pairs = [(m._matcher, row) for m, row in zip(matchers, rows, strict=True)]
+    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, height)
 
 
 def accept_tokens(matchers: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> list[bool]:

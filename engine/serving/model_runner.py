@@ -9,11 +9,12 @@ whole protocol lives here. From its launch until `complete`, a sampling sequence
 token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
 
 A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
-sampled. Such a step's forward pass is queued as usual; then the host completes the step in flight (its tokens are
-ready as soon as the device reaches the new forward pass), advances the grammars, and starts filling their token
-masks on a thread of their own (llguidance's pool). The step's sampler, which reads the masks, is queued by the
-next launch, just before its forward pass (or by `complete`): meanwhile the engine's thread hands out the last
-step's tokens and schedules the next, and the GPU runs the forward pass, so the masks' time hides under both.
+sampled. Before such a step's forward pass is queued, the host completes the step in flight (whose sampler it has
+just queued), advances the grammars, and starts filling their token masks on a thread of their own (llguidance's
+pool). The step's sampler, which reads the masks, is queued by the next launch, just before its forward pass (or by
+`complete`): meanwhile the engine's thread queues this step's forward pass, hands out the last step's tokens and
+schedules the next, and the GPU runs the forward pass, so the masks' time hides under all of it (a step with 64
+rows' masks has 1.6-2.6 ms of that host work on the H200's host, the masks 0.8-1.3 ms).
 
 A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
 samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
@@ -62,10 +63,24 @@ PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
-MASK_SWITCH_S = 1e-4  # the engine process's GIL switch interval once grammars are in use (_start_masks)
-Masks = tuple[list[int], torch.Tensor]  # grammar masks: the sequences' sampler slots, and their rows on the host
+# The GIL switch interval while the masks' thread starts (_start_masks), and Python's own, kept the rest of the time
+MASK_SWITCH_S = 1e-4
+SWITCH_S = sys.getswitchinterval()
+Masks = tuple[int, int, torch.Tensor]  # grammar masks: the sampler slots lo..hi - 1 they span, the host rows by slot
 # A step's outcome for one sequence still under way: its token, and the token's log-probability if it asked
 Sampled = tuple[Sequence, int, TokenLogprob | None]
+
+
+@dataclass
+class MaskTimes:
+    """Where the steps under a grammar spent their time on the host, summed (`llamaterm bench` shows it per step):
+    filling the masks on their thread, the engine's thread waiting for the tokens they start from (and advancing
+    the grammars), and waiting for the masks to fill."""
+
+    steps: int = 0
+    fill_s: float = 0.0
+    tokens_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -122,6 +137,7 @@ class ModelRunner:
         # still wait in the stream while the next step's masks fill the other; the step before it has completed
         self._host_bitmasks = [torch.zeros(0, 0, dtype=torch.int32)] * 2
         self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="llamaterm-masks")
+        self.mask_times = MaskTimes()
         self._host_turn = 0
         self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
@@ -162,13 +178,15 @@ class ModelRunner:
         next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
         tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
-        for seq in sampling:
-            self.sampler.join(seq)
         last = self._last
         rows = last.last_rows() if last else {}
         step = step_lists(chunks, self.block_size, rows)
         if last is not None:
             self._queue_sampler(last)  # where it waited for masks, the host's work since hid their time
+        for seq in sampling:  # after the step in flight's sampler: it may read a slot's last owner
+            self.sampler.join(seq)
+        constrained = [seq for seq in sampling if seq.grammar is not None]
+        masks = self._start_masks(constrained, last) if constrained else None  # first: their time is the longest
         self._penalised_drafts(sampling, step)
         if self.graphs and self.graphs.fits(step):
             graphs, (bucket, device_step) = self.graphs, self.graphs.prepare(step)
@@ -192,10 +210,8 @@ class ModelRunner:
         asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
             launched.logprobs = StepLogprobs(logits, *map(list, zip(*asked, strict=True)))
-        constrained = [seq for seq in sampling if seq.grammar is not None]
-        if constrained:
-            launched.masks = self._start_masks(constrained, last)
-        else:
+        launched.masks = masks
+        if masks is None:
             self._queue_sampler(launched)
         return launched
 
@@ -220,11 +236,13 @@ class ModelRunner:
         """Start filling the next token's masks of the sequences under a grammar, on the masks' thread (the GIL
         released), while the engine's thread goes on; the future gives their sampler slots and the buffer filled.
         A sequence whose last token is the step in flight's needs it on the host first: that step completes here
-        (its tokens are ready once the device reaches this step's forward pass, which is queued already)."""
-        if last is not None and any(seq.num_pending > 1 for seq in constrained):
+        (its sampler, just queued, is the device's next work)."""
+        times, t = self.mask_times, time.perf_counter()
+        if last is not None and any(seq.num_pending for seq in constrained):
             self.complete(last)
+        times.steps, times.tokens_s = times.steps + 1, times.tokens_s + time.perf_counter() - t
         self._host_bitmasks.reverse()
-        if self._host_bitmasks[0].shape[0] < len(constrained):
+        if self._host_bitmasks[0].numel() == 0:  # a row per sampler slot
             words = bitmask_words(self.model.config.vocab_size)
             pinned = self.model.device.type == "cuda"
             rows = len(self.sampler.tables.ints)
@@ -233,12 +251,17 @@ class ModelRunner:
         slots = [cast(int, seq.sampler_slot) for seq in constrained]
         bitmask = self._host_bitmasks[0]
         # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
-        # default switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it
-        sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_S))
+        # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. Once
+        # started it sets the interval back: at 0.1 ms the engine's thread would hand the GIL to every thread that
+        # waits for it (the engine process's forwarder) in the midst of its own work, which then runs 1.5-2x slower
+        sys.setswitchinterval(MASK_SWITCH_S)
 
-        def fill() -> tuple[list[int], torch.Tensor]:
-            fill_bitmasks(matchers, bitmask)
-            return slots, bitmask
+        def fill() -> Masks:
+            sys.setswitchinterval(SWITCH_S)
+            t = time.perf_counter()
+            fill_bitmasks(matchers, bitmask, slots)
+            times.fill_s += time.perf_counter() - t
+            return min(slots), max(slots) + 1, bitmask
 
         return self._mask_filler.submit(fill)
 
@@ -248,7 +271,10 @@ class ModelRunner:
         if step.sample is None:
             return
         if step.masks is not None:
-            self.sampler.write_bitmasks(*step.masks.result())
+            t = time.perf_counter()
+            masks = step.masks.result()
+            self.mask_times.wait_s += time.perf_counter() - t
+            self.sampler.write_bitmasks(*masks)
         tokens = step.sample()
         step.sample = None
         if step.logprobs is not None:

@@ -59,12 +59,11 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype)
         return host.pin_memory() if self.device.type == "cuda" else host
 
-    def write_bitmasks(self, slots: list[int], bitmask: torch.Tensor) -> None:
-        """The next token's bitmasks of constrained slots, rows of `bitmask` (on the host) in the order of `slots`.
-        The host rows may be refilled once the step that reads them has sampled (its tokens reached the host)."""
-        rows = self._staged(slots, torch.int64).to(self.device, non_blocking=True)
-        source = bitmask[: len(slots)]
-        self.tables.bitmask.index_copy_(0, rows, source.to(self.device, non_blocking=True))
+    def write_bitmasks(self, lo: int, hi: int, bitmask: torch.Tensor) -> None:
+        """The next token's bitmasks of the constrained slots among lo..hi - 1: rows lo..hi - 1 of `bitmask` (on the
+        host, a row per slot), in one copy (the other slots' rows are not read: their flags say unconstrained). The
+        host rows may be refilled once the step that reads them has sampled (its tokens reached the host)."""
+        self.tables.bitmask[lo:hi].copy_(bitmask[lo:hi], non_blocking=True)
 
     def draft_rows(self, seq: Sequence, drafts: list[int], first: int) -> list[int]:
         """Slots first, first + 1, ... (of the draft slots) for a penalised sequence's rows at its drafts: row i

@@ -323,6 +323,11 @@ def test_the_batched_fill_equals_row_by_row_fills(tiny):
         assert torch.equal(batch[row], alone[0])
     assert (batch[len(matchers) :] == 7).all()  # rows without a matcher are left as they were
     assert not torch.equal(batch[0], batch[1])
+    at_rows = torch.full_like(batch, 7)  # each at a row of its own (the engine's: its sequence's sampler slot)
+    rows = [len(matchers) + 1 - i for i in range(len(matchers))]
+    grammar.fill_bitmasks(matchers, at_rows, rows)
+    assert all(torch.equal(at_rows[row], batch[i]) for i, row in enumerate(rows))
+    assert (at_rows[:2] == 7).all()
 
     tokens = [tiny.encode('"', add_special=False)[0]] * 2
     # '"' ends the name of the first; the last, at the start, wants "{"
@@ -358,8 +363,11 @@ def test_fill_bitmasks_refuses_a_mask_of_the_wrong_kind(tiny):
     for bad in (torch.zeros(1, vocab.words, dtype=torch.int64), torch.zeros(vocab.words, 2, dtype=torch.int32).T):
         with pytest.raises(ValueError):
             grammar.fill_bitmasks([matcher], bad)
-    with pytest.raises(ValueError, match="2 matchers for a bitmask of 1 rows"):
-        grammar.fill_bitmasks([matcher, matcher], torch.zeros(1, vocab.words, dtype=torch.int32))
+    one_row = torch.zeros(1, vocab.words, dtype=torch.int32)
+    with pytest.raises(ValueError, match="of 2 matchers for a bitmask of 1 rows"):
+        grammar.fill_bitmasks([matcher, matcher], one_row)
+    with pytest.raises(ValueError, match=r"rows \[1\] of 1 matchers for a bitmask of 1 rows"):
+        grammar.fill_bitmasks([matcher], one_row, [1])  # past the end: llguidance would write out of bounds
 
 
 def test_a_grammar_too_long_to_cache_is_compiled_each_time(tiny):
