@@ -1,6 +1,8 @@
 """`llamaterm bench` end to end on the CPU, on random weights in a tiny model's shapes."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +96,26 @@ def test_bench_table_and_bad_input():
     assert bad.returncode == 2 and "unknown workload 'poems'" in bad.stderr
     bad = llamaterm("bench", "--peer", "hf")  # the default workload runs the engine process
     assert bad.returncode == 2 and "--engine inline" in bad.stderr
+
+
+def test_bench_under_a_json_schema_says_where_masked_steps_wait():
+    """The default model's replies under a schema, through the engine process: each session count's masks' fill
+    time and the engine's waits, from the child's own timings."""
+    schema = Path(__file__).parents[1] / "benchmarks" / "people.schema.json"
+    out = llamaterm(
+        "bench", "--device", "cpu", "--json-schema", str(schema), "--sessions", "2", "--tokens", "16",
+        "--window", "0.5", "--warmup", "0.1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "through the engine process, replies under a JSON schema" in out.stdout
+    masks = re.search(
+        r"\n +2 sessions, a step's grammar masks: filled in ([\d.]+) ms on their thread; the engine waited ([\d.]+) "
+        r"ms for the tokens they start from and ([\d.]+) ms for them\n",
+        out.stdout,
+    )
+    assert masks is not None, out.stdout
+    fill, tokens, wait = map(float, masks.groups())
+    assert fill > 0 and tokens >= 0 and wait >= 0
 
 
 def test_bench_beside_transformers_on_cpu():
