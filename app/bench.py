@@ -466,7 +466,7 @@ def format_tables(r: dict) -> str:
     for row in r["decode"]:
         if m := row.get("masks_ms_per_step"):
             lines.append(
-                f"{row['sessions']:8d} sessions, a step's grammar masks: filled in {m['fill']:.2f} ms on their thread; "
+                f"{row['sessions']:8d} sessions, a step's grammar masks: ready in {m['fill']:.2f} ms on their thread; "
                 f"the engine waited {m['tokens']:.2f} ms for the tokens they start from and {m['wait']:.2f} ms for them"
             )
     mix = r["workload"]["prompt_mix"]

@@ -63,9 +63,7 @@ PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
-# The GIL switch interval while the masks' thread starts (_start_masks), and Python's own, kept the rest of the time
-MASK_SWITCH_S = 1e-4
-SWITCH_S = sys.getswitchinterval()
+MASK_SWITCH_S = 1e-4  # the GIL switch interval while the masks' thread starts (_start_masks)
 Masks = tuple[int, int, torch.Tensor]  # grammar masks: the sampler slots lo..hi - 1 they span, the host rows by slot
 # A step's outcome for one sequence still under way: its token, and the token's log-probability if it asked
 Sampled = tuple[Sequence, int, TokenLogprob | None]
@@ -74,8 +72,9 @@ Sampled = tuple[Sequence, int, TokenLogprob | None]
 @dataclass
 class MaskTimes:
     """Where the steps under a grammar spent their time on the host, summed (`llamaterm bench` shows it per step):
-    filling the masks on their thread, the engine's thread waiting for the tokens they start from (and advancing
-    the grammars), and waiting for the masks to fill."""
+    the masks on their thread, from the start of their fill until that thread has the GIL back (at most until the
+    engine's thread waits for them), the engine's thread waiting for the tokens they start from (and advancing the
+    grammars), and waiting for the masks."""
 
     steps: int = 0
     fill_s: float = 0.0
@@ -254,10 +253,11 @@ class ModelRunner:
         # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. Once
         # started it sets the interval back: at 0.1 ms the engine's thread would hand the GIL to every thread that
         # waits for it (the engine process's forwarder) in the midst of its own work, which then runs 1.5-2x slower
+        interval = sys.getswitchinterval()
         sys.setswitchinterval(MASK_SWITCH_S)
 
         def fill() -> Masks:
-            sys.setswitchinterval(SWITCH_S)
+            sys.setswitchinterval(interval)
             t = time.perf_counter()
             fill_bitmasks(matchers, bitmask, slots)
             times.fill_s += time.perf_counter() - t
@@ -272,8 +272,13 @@ class ModelRunner:
             return
         if step.masks is not None:
             t = time.perf_counter()
-            masks = step.masks.result()
-            self.mask_times.wait_s += time.perf_counter() - t
+            try:
+                masks = step.masks.result()
+            except Exception:
+                step.sample = None  # it never samples: complete() raises the failure to the step's requests
+                raise
+            finally:
+                self.mask_times.wait_s += time.perf_counter() - t
             self.sampler.write_bitmasks(*masks)
         tokens = step.sample()
         step.sample = None
@@ -289,6 +294,9 @@ class ModelRunner:
         if step.outcome is not None:
             return step.outcome
         self._queue_sampler(step)
+        if step.tokens is None:  # its masks failed
+            assert step.masks is not None
+            step.masks.result()
         assert step.tokens is not None
         tokens = step.tokens.wait()
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}

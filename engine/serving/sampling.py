@@ -61,8 +61,11 @@ class Sampler:
 
     def write_bitmasks(self, lo: int, hi: int, bitmask: torch.Tensor) -> None:
         """The next token's bitmasks of the constrained slots among lo..hi - 1: rows lo..hi - 1 of `bitmask` (on the
-        host, a row per slot), in one copy (the other slots' rows are not read: their flags say unconstrained). The
-        host rows may be refilled once the step that reads them has sampled (its tokens reached the host)."""
+        host, a row per slot), in one copy. The span's other rows are stale; their slots' are not read before they
+        are written again: a slot's row is read only where its flags say constrained, and every constrained slot
+        that samples in a step has its row filled for that step (sequences under a grammar never draft, so no draft
+        slot copies a constrained slot's flags). The host rows may be refilled once the step that reads them has
+        sampled (its tokens reached the host)."""
         self.tables.bitmask[lo:hi].copy_(bitmask[lo:hi], non_blocking=True)
 
     def draft_rows(self, seq: Sequence, drafts: list[int], first: int) -> list[int]:

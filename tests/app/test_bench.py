@@ -109,7 +109,7 @@ def test_bench_under_a_json_schema_says_where_masked_steps_wait():
     assert out.returncode == 0, out.stderr
     assert "through the engine process, replies under a JSON schema" in out.stdout
     masks = re.search(
-        r"\n +2 sessions, a step's grammar masks: filled in ([\d.]+) ms on their thread; the engine waited ([\d.]+) "
+        r"\n +2 sessions, a step's grammar masks: ready in ([\d.]+) ms on their thread; the engine waited ([\d.]+) "
         r"ms for the tokens they start from and ([\d.]+) ms for them\n",
         out.stdout,
     )

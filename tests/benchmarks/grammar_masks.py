@@ -125,7 +125,7 @@ def main() -> None:
             cells.append(step_ms(vocabulary, schema, replies, args.rows, fill))
         serial = step_ms(vocabulary, schema, replies, args.rows, one_by_one)
         print(f"{kind:20} " + " ".join(f"{c:6.2f}" for c in cells) + f"  {serial:10.2f}")
-    sys.setswitchinterval(MASK_SWITCH_S)  # as the engine sets it
+    sys.setswitchinterval(MASK_SWITCH_S)  # as the engine sets it while its masks' thread starts
     replies = kinds["the model's replies"]
     print(f"\nthe model's replies, the engine's fill (one thread){'alone':>12} {'beside a busy thread':>21}")
     for name, vocab in (("llguidance's tokenizer", vocabulary), ("the Python reader", python_reader)):

@@ -1,7 +1,7 @@
 """Replies under a grammar (SamplingParams.grammar): a random model's sampled replies match the JSON schema, the
 regular expression or the Lark grammar they were given (pydantic, re and a hand-written parse are the oracles),
 alone and in batches beside free rows, with steps overlapped or not; seeded replies repeat; a grammar that never
-ends stops at max_tokens."""
+ends stops at max_tokens; a fill of the masks that fails ends its step's requests, and the engine goes on."""
 
 import json
 import re
@@ -12,6 +12,7 @@ import pytest
 
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving import model_runner
 from llamaterm.engine.serving.engine import Engine
 from tests.support.tiny_models import write_tiny_llama
 
@@ -86,3 +87,20 @@ def test_a_grammar_the_model_never_ends_stops_at_max_tokens(engine):
     never = tuple((t, -100.0) for t in engine.tokenizer.stop_ids)  # the grammar may end after any "ab": never here
     text, reason = reply(engine, Grammar("regex", "(ab)+"), seed=1, max_tokens=9, logit_bias=never)
     assert reason == "length" and re.fullmatch("(ab)+a?", text), text
+
+
+def test_masks_that_fail_end_their_steps_requests_and_the_next_ones_are_served(engine, monkeypatch):
+    fill, calls = model_runner.fill_bitmasks, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 3:  # a reply under way
+            raise RuntimeError("the masks broke")
+        fill(*args)
+
+    monkeypatch.setattr(model_runner, "fill_bitmasks", fails_once)
+    events = list(engine.submit("Hi", SamplingParams(grammar=PERSON, seed=3, **SAMPLED)).events())
+    assert events[-1].finish_reason == "error" and "the masks broke" in events[-1].error
+    text, reason = reply(engine, PERSON, seed=3)  # the engine still serves, masks and all
+    assert reason == "stop" and Person.model_validate_json(text)
+    assert reply(engine, None, seed=3)[1] == "length"
