@@ -233,9 +233,9 @@ class ModelRunner:
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
         """Start filling the next token's masks of the sequences under a grammar, on the masks' thread (the GIL
-        released), while the engine's thread goes on; the future gives their sampler slots and the buffer filled.
-        A sequence whose last token is the step in flight's needs it on the host first: that step completes here
-        (its sampler, just queued, is the device's next work)."""
+        released), while the engine's thread goes on; the future gives the sampler slots they span and the buffer
+        filled (a row per slot). A sequence whose last token is the step in flight's needs it on the host first:
+        that step completes here (its sampler, just queued, is the device's next work)."""
         times, t = self.mask_times, time.perf_counter()
         if last is not None and any(seq.num_pending for seq in constrained):
             self.complete(last)
