@@ -10,8 +10,9 @@ whole GPU, and nothing sorts the vocabulary. Three launches:
    others find their thresholds by bisection over the candidates, held in registers. Every token above a
    threshold t > max(tau) is a candidate, so when the cut lands there (the usual case: top-k <= L, or a nucleus
    of at most L tokens in each chunk) and top-p's normaliser, the top-k set's mass, is among them, the candidates
-   decide it exactly and the race runs among them. Otherwise (a flat row whose nucleus is larger, a top-k above L)
-   the row bisects over its whole length instead: slower, the same tokens.
+   decide it exactly and the race runs among them; so they do where they hold every finite token of the row (a
+   grammar's mask leaves few). Otherwise (a flat row whose nucleus is larger, a top-k above L) the row bisects over
+   its whole length instead: slower, the same tokens.
 """
 
 import torch
@@ -322,9 +323,11 @@ def _row_token_kernel(
                 lowest = tl.maximum(tl.maximum(key_k, key_p), _okey(tl.log(tl.load(f + _MIN_P))))
                 key = _row_key(ints_ptr, positions_ptr, slot, row)
                 # every token the row keeps is a candidate, and top-p's normaliser (the top-k set's mass) was among
-                # them if it was needed
+                # them if it was needed; or every finite token is one (a grammar's mask leaves fewer than L + 1 in
+                # each chunk, often fewer than top-k: the candidates are then the whole row)
                 has_k = (top_k > 0) & (top_k < vocab)
-                if (lowest > tau) & ((key_k > tau) | ~has_k | (top_p >= 1.0)):
+                whole = tau <= _okey(tl.full((), _NEG_INF, tl.float32))
+                if whole | ((lowest > tau) & ((key_k > tau) | ~has_k | (top_p >= 1.0))):
                     y = _from_okey(keys)
                     score = tl.where(keys >= lowest, y + _gumbel(key, ids), _NEG_INF)
                     token = tl.sum(tl.where(tl.arange(0, PB * L) == tl.argmax(score, 0), ids, 0), 0)

@@ -120,11 +120,14 @@ def test_kernel_matches_the_reference(kind, cap):
 @pytest.mark.parametrize("kind", ["peaked", "plain", "flat"])
 def test_kernel_matches_the_reference_at_real_shapes(vocab, kind):
     """64 rows at the block, candidate and bin sizes the engine runs (the GPU's exp and log round differently
-    from the CPU's, so a token may only differ where two scores nearly tie: none do in these draws)."""
+    from the CPU's, so a token may only differ where two scores nearly tie: none do in these draws). The last 8
+    rows are under a grammar that allows 1-300 tokens, as a JSON schema's masks do: fewer than top-k in most."""
     rng = random.Random(vocab)
-    params = [random_params(rng) for _ in range(60)]
-    params += [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=9)] * 4
+    params = [random_params(rng) for _ in range(56)]
+    params += [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=9)] * 8
     batch = Batch(params, seed=5, slots=256, vocab=vocab)
+    for i, n in enumerate([1, 2, 3, 5, 12, 40, 41, 300], start=56):
+        batch.allow_only(i, set(rng.sample(range(vocab), n)))
     logits = logits_like(kind, len(params), seed=6, vocab=vocab)
     expected = sample_ref(logits.clone(), batch.slots, batch.positions, batch.tables_on("cpu"))
     from llamaterm.kernels.sampling_triton import sample_triton
