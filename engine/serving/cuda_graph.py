@@ -54,6 +54,17 @@ Sample = Callable[[DeviceStep, torch.Tensor], torch.Tensor]  # the step and its 
 
 
 @dataclass
+class Staged:
+    """A step's metadata in a pinned host buffer (StepGraphs.stage), not yet copied to the device."""
+
+    bucket: int
+    turn: int  # which of the two pinned buffers
+    seqs: int  # the block tables' rows and width to copy
+    width: int
+    pending: int  # rows whose token is the step in flight's sample
+
+
+@dataclass
 class BucketGraphs:
     forward: torch.cuda.CUDAGraph
     logits: torch.Tensor  # the forward graph's output, the sampler graph's input
@@ -217,6 +228,12 @@ class StepGraphs:
     def prepare(self, step: StepLists) -> tuple[int, DeviceStep]:
         """Copy the step's metadata into the buffers of the smallest bucket that holds it (the copies are queued,
         not waited for); returns the bucket and the buffers' views."""
+        return self.load(self.stage(step))
+
+    def stage(self, step: StepLists) -> Staged:
+        """The host's half of prepare: the step's metadata, padded to the smallest bucket that holds it, written
+        into the next pinned buffer. Nothing reaches the device, so a step may be staged before the step in
+        flight's sampler is queued (whose inputs the buffers on the device still hold)."""
         n, s = len(step.input_ids), max(len(step.context_lens), len(step.logits_indices))
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
         self.uses[bucket] += 1
@@ -242,9 +259,14 @@ class StepGraphs:
         for i, row in enumerate(step.block_tables):
             h_tables[i, : len(row)] = row
             width = max(width, len(row))
+        return Staged(bucket, self._turn, s, width, len(step.pending_rows))
+
+    def load(self, staged: Staged) -> tuple[int, DeviceStep]:
+        """The device's half: queue the staged buffer's copies to the buffers the graphs read."""
+        host, host_tables = self.host[staged.turn], self.host_tables[staged.turn]
         self.flat.copy_(host, non_blocking=True)
-        self.tables[:s, :width].copy_(host_tables[:s, :width], non_blocking=True)
-        return bucket, self._step(bucket, len(step.pending_rows))
+        self.tables[: staged.seqs, : staged.width].copy_(host_tables[: staged.seqs, : staged.width], non_blocking=True)
+        return staged.bucket, self._step(staged.bucket, staged.pending)
 
     def run_forward(self, bucket: int, step: DeviceStep) -> torch.Tensor:
         """The bucket's logits [its rows]: replayed from its graph, or run eagerly over the same buffers until it

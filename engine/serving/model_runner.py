@@ -9,12 +9,13 @@ whole protocol lives here. From its launch until `complete`, a sampling sequence
 token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
 
 A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
-sampled. Before such a step's forward pass is queued, the host completes the step in flight (whose sampler it has
-just queued), advances the grammars, and starts filling their token masks on a thread of their own (llguidance's
-pool). The step's sampler, which reads the masks, is queued by the next launch, just before its forward pass (or by
-`complete`): meanwhile the engine's thread queues this step's forward pass, hands out the last step's tokens and
-schedules the next, and the GPU runs the forward pass, so the masks' time hides under all of it (a step with 64
-rows' masks has 1.6-2.6 ms of that host work on the H200's host, the masks 0.8-1.3 ms).
+sampled. A launch writes the step's inputs on the host first (StepGraphs.stage), then waits for the step in flight's
+masks and queues its sampler, and then this step's forward pass, which reads that sampler's tokens on the device.
+Only then does it receive the step in flight's tokens (they arrive as the device moves on to the forward pass,
+which keeps it busy), advance the grammars and start filling their next masks on a thread of their own
+(llguidance's pool); `complete` hands the tokens out after that. The masks fill while the GPU runs the forward pass
+and the engine's thread hands out the tokens, schedules the next step and writes its inputs; the next launch
+queues the sampler that reads them (or `complete`).
 
 A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
 samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
@@ -96,7 +97,8 @@ class LaunchedStep:
     masks: Future[Masks] | None = None  # grammar masks being filled
     logprobs: StepLogprobs | None = None
     tokens: HostTokens | None = None  # once its sampler is queued
-    outcome: list[Sampled] | None = None  # complete()'s answer, kept: a grammar's step may complete it early
+    received: tuple[list[int], set[int]] | None = None  # its tokens on the host, and the rows refused (receive)
+    outcome: list[Sampled] | None = None  # complete()'s answer, kept
     verified: int = 0  # drafts verified by complete(), and of them those kept
     kept: int = 0
 
@@ -175,28 +177,35 @@ class ModelRunner:
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the
         next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
-        tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
+        masks and tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
         last = self._last
         rows = last.last_rows() if last else {}
         step = step_lists(chunks, self.block_size, rows)
+        draft_slots = self._draft_slots(sampling, step)
+        graphs = self.graphs if self.graphs and self.graphs.fits(step) else None
+        staged = graphs.stage(step) if graphs else None  # the inputs' host half, while the last step's masks fill
         if last is not None:
             self._queue_sampler(last)  # where it waited for masks, the host's work since hid their time
         for seq in sampling:  # after the step in flight's sampler: it may read a slot's last owner
             self.sampler.join(seq)
-        constrained = [seq for seq in sampling if seq.grammar is not None]
-        masks = self._start_masks(constrained, last) if constrained else None  # first: their time is the longest
-        self._penalised_drafts(sampling, step)
-        if self.graphs and self.graphs.fits(step):
-            graphs, (bucket, device_step) = self.graphs, self.graphs.prepare(step)
+        for seq, tokens, slots in draft_slots:
+            self.sampler.write_draft_rows(seq, tokens, slots)
+        if graphs and staged:
+            bucket, device_step = graphs.load(staged)
             take_pending(device_step, step, last)
             logits = graphs.run_forward(bucket, device_step)
-            sample = lambda: graphs.run_sample(bucket, device_step, logits)[: len(step.logits_indices)]
+            sample = lambda: cast(StepGraphs, graphs).run_sample(bucket, device_step, logits)[
+                : len(step.logits_indices)
+            ]
         else:
             device_step = device_tensors(step, self.model.device)
             take_pending(device_step, step, last)
             logits = self._forward(device_step)
             sample = lambda: self._sample(device_step, logits)
+        constrained = [seq for seq in sampling if seq.grammar is not None]
+        # with the forward pass queued (the device goes on to it from the step in flight's sampler)
+        masks = self._start_masks(constrained, last) if constrained else None
         self._copy_blocks([c.block_copy for c in chunks if c.block_copy])  # after the forward pass wrote them
         for seq in sampling:
             seq.token_ids.append(PENDING)
@@ -220,25 +229,31 @@ class ModelRunner:
             source, destination = (torch.tensor(x, device=self.model.device) for x in zip(*copies, strict=True))
             self.kv_cache.index_copy_(2, destination, self.kv_cache.index_select(2, source))
 
-    def _penalised_drafts(self, sampling: list[Sequence], step: StepLists) -> None:
-        """The rows at a penalised sequence's drafts sample from slots of their own, whose counts hold the drafts
-        before them (Sampler.draft_rows)."""
-        row, used = 0, 0
+    def _draft_slots(self, sampling: list[Sequence], step: StepLists) -> list[tuple[Sequence, list[int], list[int]]]:
+        """The rows at a penalised sequence's drafts sample from slots of their own (Sampler.write_draft_rows),
+        whose counts hold the drafts before them: set in the step's sampler slots here, on the host; returns
+        (sequence, drafts, their slots) to write once the step in flight's sampler is queued."""
+        row, used, out = 0, 0, []
         for seq in sampling:
             if seq.num_drafts and penalised(seq.params):
                 drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
-                step.sampler_slots[row + 1 : row + 1 + len(drafts)] = self.sampler.draft_rows(seq, drafts, used)
+                first = self.sampler.first_draft_slot + used
+                slots = list(range(first, first + len(drafts)))
+                step.sampler_slots[row + 1 : row + 1 + len(drafts)] = slots
+                out.append((seq, drafts, slots))
                 used += len(drafts)
             row += 1 + seq.num_drafts
+        return out
 
     def _start_masks(self, constrained: list[Sequence], last: LaunchedStep | None) -> Future[Masks]:
         """Start filling the next token's masks of the sequences under a grammar, on the masks' thread (the GIL
         released), while the engine's thread goes on; the future gives the sampler slots they span and the buffer
         filled (a row per slot). A sequence whose last token is the step in flight's needs it on the host first:
-        that step completes here (its sampler, just queued, is the device's next work)."""
+        that step's tokens are received here (its sampler and then this step's forward pass are queued), and
+        handed out by complete() once the masks have started."""
         times, t = self.mask_times, time.perf_counter()
         if last is not None and any(seq.num_pending for seq in constrained):
-            self.complete(last)
+            self._receive(last)
         times.steps, times.tokens_s = times.steps + 1, times.tokens_s + time.perf_counter() - t
         self._host_bitmasks.reverse()
         if self._host_bitmasks[0].numel() == 0:  # a row per sampler slot
@@ -293,15 +308,9 @@ class ModelRunner:
         logits were not finite; REFUSED: the grammar refused it). Asked again, the same answer."""
         if step.outcome is not None:
             return step.outcome
-        self._queue_sampler(step)
-        if step.tokens is None:  # its masks failed
-            assert step.masks is not None
-            step.masks.result()
-        assert step.tokens is not None
-        tokens = step.tokens.wait()
+        tokens, refused = self._receive(step)
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
         first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))
-        refused = self._advance_grammars(step.sampling, [tokens[row] for row in first_rows[:-1]])
         step.outcome = []
         for i, (seq, drafts) in enumerate(zip(step.sampling, step.drafts, strict=True)):
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
@@ -324,6 +333,20 @@ class ModelRunner:
             seq.num_pending -= 1
             step.outcome += [(seq, token, logprobs.get(first + j)) for j, token in enumerate(new)]
         return step.outcome
+
+    def _receive(self, step: LaunchedStep) -> tuple[list[int], set[int]]:
+        """Wait for a step's tokens on the host and advance its sequences' grammars past them (once): all the next
+        masks need, which start before complete() hands the tokens out. Returns the tokens and the rows refused."""
+        if step.received is None:
+            self._queue_sampler(step)
+            if step.tokens is None:  # its masks failed
+                assert step.masks is not None
+                step.masks.result()
+            assert step.tokens is not None
+            tokens = step.tokens.wait()
+            first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))[:-1]
+            step.received = tokens, self._advance_grammars(step.sampling, [tokens[row] for row in first_rows])
+        return step.received
 
     @staticmethod
     def _advance_grammars(sampling: list[Sequence], tokens: list[int]) -> set[int]:

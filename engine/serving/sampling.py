@@ -21,7 +21,7 @@ def as_int64(seed: int) -> int:
 
 class Sampler:
     def __init__(self, slots: int, vocab: int, device: torch.device, draft_slots: int = 0):
-        """draft_slots: slots past the sequences' own for the rows of penalised sequences' drafts (draft_rows)."""
+        """draft_slots: slots past the sequences' own for the rows of penalised sequences' drafts (write_draft_rows)."""
         self.tables = SamplingTables.allocate(slots + draft_slots, vocab, device)
         self.device = device
         self._owner: list[int | None] = [None] * slots  # the sequence each slot's rows were written for
@@ -68,14 +68,13 @@ class Sampler:
         sampled (its tokens reached the host)."""
         self.tables.bitmask[lo:hi].copy_(bitmask[lo:hi], non_blocking=True)
 
-    def draft_rows(self, seq: Sequence, drafts: list[int], first: int) -> list[int]:
-        """Slots first, first + 1, ... (of the draft slots) for a penalised sequence's rows at its drafts: row i
-        samples after drafts[:i + 1], so its penalties count them too, as decoding would have. Each is a copy of
-        the sequence's slot with those drafts counted; the sampler's count-up in them is dropped (count_kept counts
-        the drafts kept in the sequence's own slot)."""
+    def write_draft_rows(self, seq: Sequence, drafts: list[int], slots: list[int]) -> None:
+        """Draft slots (past the sequences' own) for a penalised sequence's rows at its drafts: row i samples after
+        drafts[:i + 1], so its penalties count them too, as decoding would have. Each is a copy of the sequence's
+        slot with those drafts counted; the sampler's count-up in them is dropped (count_kept counts the drafts
+        kept in the sequence's own slot)."""
         t, own = self.tables, seq.sampler_slot
-        assert own is not None
-        slots = list(range(self.first_draft_slot + first, self.first_draft_slot + first + len(drafts)))
+        assert own is not None and len(slots) == len(drafts) and min(slots) >= self.first_draft_slot
         at = self._staged(slots, torch.int64).to(self.device, non_blocking=True)
         for table in (t.floats, t.ints, t.in_prompt, t.bias, t.counts):
             table.index_copy_(0, at, table[own].repeat(len(slots), 1))  # (a copy: the rows share no memory)
@@ -86,7 +85,6 @@ class Sampler:
             self._staged(tokens, torch.int64).to(self.device, non_blocking=True),
         )
         t.counts.index_put_(index, torch.ones(len(tokens), dtype=t.counts.dtype, device=self.device), accumulate=True)
-        return slots
 
     def count_kept(self, seq: Sequence, tokens: list[int]) -> None:
         """A penalised sequence's kept drafts and the token after them, but the first (its own row counted it)."""
