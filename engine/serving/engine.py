@@ -183,7 +183,10 @@ class Engine:
         self._cancels: list[int] = []
         self._cv = threading.Condition()
         self._stopped = False
+        # (time, tokens) of the steps of the last RATE_WINDOW_S, and their tokens' sum: stats() is read after every
+        # step (the engine process's forwarder, beside the engine's thread), so it adds no loop over them
         self._step_tokens: deque[tuple[float, int]] = deque()
+        self._window_tokens = 0
         self._last_batch = 0
         self._thread = threading.Thread(target=self._loop, name="llamaterm-engine", daemon=True)
         self.ready_at = time.perf_counter()  # serving from here on
@@ -323,8 +326,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         now = time.perf_counter()
-        window = [(t, n) for t, n in list(self._step_tokens) if now - t <= RATE_WINDOW_S]
-        span = (now - window[0][0]) if window else 0.0
+        try:  # (the engine's thread may empty the window meanwhile)
+            first, last = self._step_tokens[0][0], self._step_tokens[-1][0]
+        except IndexError:
+            first = last = now
+        span = now - first if now - last <= RATE_WINDOW_S else 0.0  # no step for a whole window: no rate
         return EngineStats(
             model=self.model_name,
             device=self.device,
@@ -333,7 +339,7 @@ class Engine:
             batch_size=self._last_batch,
             kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free,
             kv_blocks_total=self.block_manager.num_blocks,
-            tokens_per_s=sum(n for _, n in window) / span if span > 0.05 else 0.0,
+            tokens_per_s=self._window_tokens / span if span > 0.05 else 0.0,
             steps=self.num_steps,
             host_s=self.host_s,
             drafted=self.drafted,
@@ -485,8 +491,9 @@ class Engine:
             except Exception as e:  # one request's failure stays its own
                 self._finish(handle, "error", f"{type(e).__name__}: {e}")
         self._step_tokens.append((now, len(tokens)))
-        while self._step_tokens and now - self._step_tokens[0][0] > RATE_WINDOW_S:
-            self._step_tokens.popleft()
+        self._window_tokens += len(tokens)
+        while now - self._step_tokens[0][0] > RATE_WINDOW_S:
+            self._window_tokens -= self._step_tokens.popleft()[1]
 
     def _on_token(self, handle: RequestHandle, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq = handle.seq
