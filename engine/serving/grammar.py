@@ -149,9 +149,32 @@ class _Pieces:
         self.special_token_ids = [i for i in range(known) if tokenizer.is_special(i)]
         self.eos_token_id, self.bos_token_id = tokenizer.eos_id, tokenizer.bos_id
         self._encode = tokenizer.encode
+        specials = set(self.special_token_ids)
+        self._ids: dict[bytes, int] = {}  # each text piece's first id
+        for i in reversed(range(known)):
+            if i not in specials and self.tokens[i]:
+                self._ids[self.tokens[i]] = i
+        self._longest = max(map(len, self._ids), default=1)
 
     def __call__(self, text: str | bytes) -> list[int]:
-        return self._encode(text.decode(errors="replace") if isinstance(text, bytes) else text, add_special=False)
+        """Ids that spell `text` exactly: the tokenizer's, where they do within the vocabulary; else the longest
+        pieces first. (A benchmark's vocabulary cut from a larger tokenizer gets ids past it, folded in; a
+        tokenizer may add a leading space. llguidance reads the ids as the forced text's bytes.)"""
+        data = text if isinstance(text, bytes) else text.encode()
+        ids = self._encode(data.decode(errors="replace"), add_special=False)
+        if all(0 <= i < len(self.tokens) for i in ids) and b"".join(self.tokens[i] for i in ids) == data:
+            return ids
+        return self._longest_first(data)
+
+    def _longest_first(self, data: bytes) -> list[int]:
+        ids, at = [], 0
+        while at < len(data):
+            n = next((n for n in range(min(self._longest, len(data) - at), 0, -1) if data[at : at + n] in self._ids), 0)
+            if n == 0:
+                raise GrammarError(f"the model's vocabulary has no token for the byte {data[at : at + 1]!r}")
+            ids.append(self._ids[data[at : at + n]])
+            at += n
+        return ids
 
 
 def native_tokenizer(tokenizer: Tokenizer, size: int, stops: list[int]) -> llguidance.LLTokenizer | None:

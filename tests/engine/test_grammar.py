@@ -224,6 +224,28 @@ def test_a_tokenizer_llguidance_cannot_read_itself_is_read_through_python(tiny, 
     assert calls
 
 
+def test_a_vocabulary_cut_from_a_larger_tokenizer_spells_the_forced_text_with_its_own_pieces():
+    """`bench -m synthetic:tiny`: 512 ids of the default model's tokenizer, whose encodings of the text a schema
+    forces (`{"name": "`) fold ids past 512 into the vocabulary. The reader spells that text with the vocabulary's
+    own pieces: the answer, written a token at a time from the masks, is accepted to the end and parses."""
+    from llamaterm.engine.synthetic import SyntheticTokenizer
+
+    tokenizer = SyntheticTokenizer(512)
+    vocab = grammar.Vocabulary(tokenizer, 512)
+    matcher, mask = vocab.matcher(CASES[0][0]), torch.zeros(1, vocab.words, dtype=torch.int32)
+    text, answer = b"", ANSWER.encode()
+    while not matcher.is_done():
+        grammar.fill_bitmasks([matcher], mask)
+        # the allowed token that spells the answer's longest next part (the masks decide what is allowed)
+        token = max(
+            (t for t in allowed(mask) if t < 512 and answer[len(text) :].startswith(tokenizer.token_bytes(t))),
+            key=lambda t: len(tokenizer.token_bytes(t)),
+        )
+        assert matcher.accept(token), matcher.error()
+        text += tokenizer.token_bytes(token)
+    assert json.loads(text) == json.loads(ANSWER)
+
+
 # ---- refusals ----
 
 
