@@ -110,6 +110,9 @@ class StepGraphs:
         self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self.host_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
+        # each buffer's last copy to the device, which its next stage waits for: done long before on the steps'
+        # path (the step after it received its tokens), but not after a launch that failed between stage and load
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pinned else None
         self.flat, self.tables = self._buffers(size, b, max_blocks, device)  # the live steps'
         # a step of padding alone, for eager runs between live steps that load a bucket's kernels (warm): it
         # writes no KV and samples nothing. Views at the same offsets, so its pointers' alignment (which Triton
@@ -238,6 +241,8 @@ class StepGraphs:
         bucket = next(x for x in self.buckets if x >= n and self._seqs(x) >= s)
         self.uses[bucket] += 1
         self._turn ^= 1
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()
         host, host_tables = self.host[self._turn], self.host_tables[self._turn]
         t, b, h, h_tables = bucket, self._seqs(bucket), host.numpy(), host_tables.numpy()  # numpy views: same memory
         for name, values, size, fill in (
@@ -266,6 +271,8 @@ class StepGraphs:
         host, host_tables = self.host[staged.turn], self.host_tables[staged.turn]
         self.flat.copy_(host, non_blocking=True)
         self.tables[: staged.seqs, : staged.width].copy_(host_tables[: staged.seqs, : staged.width], non_blocking=True)
+        if self._copied is not None:
+            self._copied[staged.turn].record()
         return staged.bucket, self._step(staged.bucket, staged.pending)
 
     def run_forward(self, bucket: int, step: DeviceStep) -> torch.Tensor:
