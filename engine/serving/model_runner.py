@@ -194,10 +194,8 @@ class ModelRunner:
         if graphs and staged:
             bucket, device_step = graphs.load(staged)
             take_pending(device_step, step, last)
-            logits = graphs.run_forward(bucket, device_step)
-            sample = lambda: cast(StepGraphs, graphs).run_sample(bucket, device_step, logits)[
-                : len(step.logits_indices)
-            ]
+            logits, run_sample = graphs.run_forward(bucket, device_step), graphs.run_sample
+            sample = lambda: run_sample(bucket, device_step, logits)[: len(step.logits_indices)]
         else:
             device_step = device_tensors(step, self.model.device)
             take_pending(device_step, step, last)
