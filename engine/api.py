@@ -99,11 +99,14 @@ class EngineStats:
     mask_wait_s: float = 0.0
     # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
     # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
-    # in use, which serving captures first), and the longest step that a piece of that work held up
+    # in use, which serving captures first), the longest graph step that the work ran beside, its longest turn
+    # beside a step, and its slowest piece (seconds, what)
     graphs_ready_s: tuple[tuple[int, float], ...] = ()
     graphs_pending: int = 0
     graphs_in_use_pending: int = 0
     max_step_background_s: float = 0.0
+    max_background_turn_s: float = 0.0
+    slowest_background_piece: tuple[float, str] = (0.0, "")
 
 
 def decode_rate(token_times: Sequence[float]) -> float:

@@ -377,12 +377,12 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
 def graphs_timeline(sessions: Sessions, n: int, prompt_len: int, seconds: float) -> dict:
     """Serve first, capture later, right after start-up: n sessions decode for `seconds` while the engine captures
     its CUDA graphs between their steps (a closed loop: a session that ends after `tokens` is replaced). When each
-    step size's graph was ready (seconds after the engine was ready), the longest step that a piece of that work
-    held up beside a normal step (the median gap between two tokens of a session over the last second, every graph
-    in use ready by then), and when the step sizes the sessions used were all captured (full graph speed: the
-    latest graph ready as the sessions end, None if a step size in use was still to capture then). The graphs no
-    step used are captured once the engine idles (wait_for_graphs); those ready by the time this returns are in
-    graphs_ready_s too."""
+    step size's graph was ready (seconds after the engine was ready), the longest step replayed from graphs that
+    the work ran beside and the work's longest turn, beside a normal step (the median gap between two tokens of a
+    session over the last second, every graph in use ready by then), and when the step sizes the sessions used were
+    all captured (full graph speed: the latest graph ready as the sessions end, None if a step size in use was still
+    to capture then). The graphs no step used are captured once the engine idles (wait_for_graphs); those ready by
+    the time this returns are in graphs_ready_s too."""
     tokens = min(1024, sessions.client.max_context - prompt_len - 32)
     log = drive(sessions, n, lambda: sessions.start(prompt_len, tokens), True, seconds, (seconds - 0.1,))
     stats = sessions.stats()
@@ -395,6 +395,8 @@ def graphs_timeline(sessions: Sessions, n: int, prompt_len: int, seconds: float)
         "graphs_ready_s": ready,
         "full_graph_speed_s": None if serving.graphs_in_use_pending else max(captured.values(), default=None),
         "max_step_background_ms": 1e3 * stats.max_step_background_s,
+        "max_background_turn_ms": 1e3 * stats.max_background_turn_s,
+        "slowest_piece": [1e3 * stats.slowest_background_piece[0], stats.slowest_background_piece[1]],
         "normal_step_ms": 1e3 * normal,
         "pending_after": stats.graphs_pending,
     }

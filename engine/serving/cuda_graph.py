@@ -17,23 +17,26 @@ attention kernel sizes its KV splits from each sequence's own length, kernels/at
 Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
 (token_buckets). Serve first, capture later: nothing is captured before the first request. A bucket's steps run
 eagerly over the same padded buffers until its graph exists; the engine's loop does the rest in the background,
-one piece at a time between steps (`background`): a bucket's first eager run over padding alone (`warm`: its kernel
-variants load), then its capture, most used buckets first. Every decode bucket is captured (every session's steady
-state); a larger bucket once a second step has needed it, so a one-shot command never captures a prefill. Padded to
-its bucket, an eager step launches the kernel variants its graph would: on a first start (compile_all) a pass over
-every bucket compiles them all before the first request, and later starts find them in Triton's cache.
+a few pieces between two steps (`background`), each a layer's kernels at most (model.py's forward pass comes in
+pieces): a bucket's first eager run over padding alone (`warm`: its kernel variants load), then its capture, most
+used buckets first. A capture records on a side stream and stays open between its pieces while live steps run on
+the engine's stream, so no step waits for a whole capture (a step's Python, some 20 ms for a small model). Every
+decode bucket is captured (every session's steady state); a larger bucket once a second step has needed it, so a
+one-shot command never captures a prefill. Padded to its bucket, an eager step launches the kernel variants its
+graph would: on a first start (compile_all) a pass over every bucket compiles them all before the first request,
+and later starts find them in Triton's cache.
 """
 
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from llamaterm.engine.serving.model import DeviceStep, StepInput, StepLists
+from llamaterm.engine.serving.model import DeviceStep, Pieces, StepInput, StepLists, run_through
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,15 @@ def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
     return sorted({*out, min(max_running, max_batch_tokens), max_batch_tokens})
 
 
-Forward = Callable[[DeviceStep], torch.Tensor]  # the step's inputs -> its logits rows
+Forward = Callable[[DeviceStep], Pieces]  # the step's inputs -> its logits rows, a piece a layer
 Sample = Callable[[DeviceStep, torch.Tensor], torch.Tensor]  # the step and its logits -> its tokens
+Job = Generator[None, None, None]  # a bucket's warm-up or capture, a piece a `next`
+
+
+def one_piece(work: Callable[[], torch.Tensor]) -> Pieces:
+    """Work that runs as a single piece."""
+    return work()
+    yield  # (a generator: its first `next` runs the work)
 
 
 @dataclass
@@ -125,6 +135,9 @@ class StepGraphs:
         self.ready_at: dict[int, float] = {}  # when each bucket's graph was captured (perf_counter), for benchmarks
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
         self._stream = torch.cuda.Stream(device) if pinned else None  # captures record on a side stream
+        self._job: Job | None = None  # the bucket's warm-up or capture under way (background), a piece at a time
+        self._job_bucket, self._job_name, self._job_pieces = 0, "", 0
+        self.slowest_piece = (0.0, "")  # (seconds, which) of the background work, for benchmarks
         self._eager_now = False  # this step's forward pass ran eagerly: so does its sampler
 
     def _buffers(self, size: int, b: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,16 +150,24 @@ class StepGraphs:
     def warm(self, bucket: int) -> None:
         """Run the bucket's step eagerly over padding alone: its kernel variants load (or compile, on a first start)
         and its scratch is allocated, so a capture records launches only. Safe between live steps."""
-        step = self._step(bucket, 0, self._padding)
-        self.sample(step, self.forward(step))
-        self.warmed.add(bucket)
+        run_through(self._warm(bucket))
 
     def capture(self, bucket: int) -> None:
-        """Record the bucket's halves (after warm). Not through torch.cuda.graph, which first waits for the device
-        and empties the allocator's cache: in the middle of serving that would stall every session."""
+        """Record the bucket's halves (after warm)."""
+        run_through(self._capture(bucket))
+
+    def _warm(self, bucket: int) -> Job:
+        step = self._step(bucket, 0, self._padding)
+        logits = yield from self.forward(step)
+        yield
+        self.sample(step, logits)
+        self.warmed.add(bucket)
+
+    def _capture(self, bucket: int) -> Job:
         step = self._step(bucket)
-        forward, logits = self._record(lambda: self.forward(step))
-        sample, tokens = self._record(lambda: self.sample(step, logits))
+        forward, logits = yield from self._record(lambda: self.forward(step))
+        yield
+        sample, tokens = yield from self._record(lambda: one_piece(lambda: self.sample(step, logits)))
         self.graphs[bucket] = BucketGraphs(forward, logits, sample, tokens)
         self.ready_at[bucket] = time.perf_counter()
 
@@ -163,33 +184,63 @@ class StepGraphs:
         ]
         return sorted(todo, key=lambda b: (-self.uses[b], b))
 
-    def background(self) -> None:
-        """One piece of the work left, short enough to sit between two steps: warm the most wanted bucket, or
-        capture it if it is warm. A bucket that fails stays eager (a warning says why)."""
-        todo = self.wanted()
-        if not todo:
-            return
-        bucket = todo[0]
-        try:
-            if bucket in self.warmed:
-                self.capture(bucket)
-            else:
-                self.warm(bucket)
-        except Exception as e:  # (torch raises RuntimeError; anything else would be as fatal to the bucket)
-            log.warning("the steps of %d tokens stay without a CUDA graph: %s: %s", bucket, type(e).__name__, e)
-            self.eager_only.add(bucket)
-            self._pool = None  # a failed capture can leave its memory pool taking allocations: the next starts anew
+    def pending(self, idle: bool) -> bool:
+        """Whether background work is left: a bucket's warm-up or capture under way, or a bucket wanted."""
+        return self._job is not None or bool(self.wanted(idle))
 
-    def _record(self, work: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def background(self, budget_s: float = 0.0, idle: bool = True) -> None:
+        """Pieces of the work left until budget_s has passed (one at least), each short enough to sit between two
+        steps (a layer's kernels, recorded or run): warm the most wanted bucket (`wanted(idle)`), then capture it.
+        A bucket that fails stays eager (a warning says why)."""
+        start = time.perf_counter()
+        while True:
+            if self._job is None:
+                todo = self.wanted(idle)
+                if not todo:
+                    return
+                bucket, warm = todo[0], todo[0] not in self.warmed
+                self._job = self._warm(bucket) if warm else self._capture(bucket)
+                self._job_bucket, self._job_name, self._job_pieces = bucket, "warm-up" if warm else "capture", 0
+            t = time.perf_counter()
+            try:
+                next(self._job)
+            except StopIteration:
+                self._job = None
+            except Exception as e:  # (torch raises RuntimeError; anything else would be as fatal to the bucket)
+                log.warning(
+                    "the steps of %d tokens stay without a CUDA graph: %s: %s", self._job_bucket, type(e).__name__, e
+                )
+                self.eager_only.add(self._job_bucket)
+                self._job = None
+                self._pool = None  # a failed capture can leave its memory pool taking allocations: the next starts anew
+            now, self._job_pieces = time.perf_counter(), self._job_pieces + 1
+            if now - t > self.slowest_piece[0]:
+                self.slowest_piece = (now - t, f"{self._job_name} of {self._job_bucket}, piece {self._job_pieces}")
+            if now - start >= budget_s:
+                return
+
+    def _record(self, work: Callable[[], Pieces]) -> Generator[None, None, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+        """Record the work's kernels into a graph, a piece at a time: the capture stays open on the side stream
+        between pieces while live steps run on the engine's stream (so the capture mode is relaxed: the same thread
+        synchronizes with the device for their tokens). Not through torch.cuda.graph, which first waits for the
+        device and empties the allocator's cache: in the middle of serving that would stall every session."""
         stream = self._stream
         assert stream is not None, "CUDA graphs are captured on CUDA only"
-        graph = torch.cuda.CUDAGraph()
+        graph, pieces = torch.cuda.CUDAGraph(), work()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                out = work()
-            finally:
+            graph.capture_begin(pool=self._pool, capture_error_mode="relaxed")
+        try:
+            while True:
+                with torch.cuda.stream(stream):
+                    try:
+                        next(pieces)
+                    except StopIteration as done:
+                        out = done.value
+                        break
+                yield
+        finally:
+            with torch.cuda.stream(stream):
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         self._pool = graph.pool()
@@ -282,7 +333,7 @@ class StepGraphs:
         self._eager_now = graphs is None
         if graphs is None:
             self.warmed.add(bucket)  # its kernels load in this step, if they had not
-            return self.forward(step)
+            return run_through(self.forward(step))
         graphs.forward.replay()
         return graphs.logits
 

@@ -26,7 +26,7 @@ import torch
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.serving.cuda_graph import StepGraphs
-from llamaterm.engine.serving.model import DeviceStep, Model, StepLists
+from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepLists, run_through
 from llamaterm.engine.serving.model_runner import device_tensors
 from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.sequence import Sequence
@@ -122,16 +122,16 @@ class DraftModel:
         graphs = self.graphs
         if graphs is None or not graphs.fits(step):
             device_step = device_tensors(step, self.model.device)
-            return self._sample(device_step, self._forward(device_step)).tolist()
+            return self._sample(device_step, run_through(self._forward(device_step))).tolist()
         bucket, device_step = graphs.prepare(step)
         tokens = graphs.run_sample(bucket, device_step, graphs.run_forward(bucket, device_step))
         out = tokens[: len(rows)].tolist()
-        if graphs.wanted(idle=False):  # the step is done (its tokens read): a piece of the captures' work
-            graphs.background()
+        if graphs.pending(idle=False):  # the step is done (its tokens read): a piece of the captures' work
+            graphs.background(idle=False)
         return out
 
-    def _forward(self, step: DeviceStep) -> torch.Tensor:
-        return self.model.forward(step.inputs, self.kv_cache)
+    def _forward(self, step: DeviceStep) -> Pieces:
+        return self.model.forward_pieces(step.inputs, self.kv_cache)
 
     def _sample(self, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
         return self.sampler.sample(logits, step.sampler_slots, step.sample_positions)

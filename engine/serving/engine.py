@@ -62,9 +62,13 @@ NOT_FINITE = (
     "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
     "fp16 overflowed): try another file of the model, or --device cpu"
 )
-# how long the loop stays idle before a piece of the CUDA graphs' background work, so that a request that comes at
-# once (`run` after start-up) goes first
+# how long the loop stays idle before the CUDA graphs' background work, so that a request that comes at once (`run`
+# after start-up) goes first; then its pieces follow one another for IDLE_PIECE_S a turn until a request comes
 IDLE_S = 0.05
+IDLE_PIECE_S = 0.002
+# beside a step, the background work takes this share of the step's own time: of a graph step's usual time, or of
+# an eager step's launch (its Python is most of the step); so no step's tokens wait for it more than a step's time
+PIECE_SHARE = 0.5
 NOT_ALLOWED = "the reply's grammar allows no next token here: the schema or grammar may be unsatisfiable"
 
 
@@ -172,10 +176,13 @@ class Engine:
         # tokens on the host; benchmarks reset it
         self.max_step_s = 0.0
         self._last_done = 0.0  # when the last step's tokens were read
-        # the longest step that a piece of the graphs' background work (ModelRunner.background) ran beside, and
-        # when the last piece ran (start, end)
+        # the longest step replayed from graphs that the graphs' background work (ModelRunner.background) ran
+        # beside, and its longest turn beside a step; when it last ran (start, end); the time of the last graph step
+        # without it, which sets its turns' budget
         self.max_step_background_s = 0.0
+        self.max_background_turn_s = 0.0
         self._background = (0.0, 0.0)
+        self._graphed_step_s = 0.0
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -361,6 +368,8 @@ class Engine:
             "graphs_pending": len(graphs.wanted(idle=True)),
             "graphs_in_use_pending": len(graphs.wanted(idle=False)),
             "max_step_background_s": self.max_step_background_s,
+            "max_background_turn_s": self.max_background_turn_s,
+            "slowest_background_piece": graphs.slowest_piece,
         }
 
     def shutdown(self) -> None:
@@ -380,13 +389,14 @@ class Engine:
 
     def _loop(self) -> None:
         inflight: LaunchedStep | None = None  # the step launched last, its tokens not yet read
+        idle_wait = IDLE_S
         while True:
             idle_piece = False
             with self._cv:
                 while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
                     if not self.runner.background_pending(idle=True):
                         self._cv.wait()
-                    elif not self._cv.wait(IDLE_S):  # idle a while: the graphs' work goes on, a piece a turn
+                    elif not self._cv.wait(idle_wait):  # idle a while: the graphs' work goes on
                         idle_piece = True
                         break
                 if self._stopped:
@@ -394,8 +404,10 @@ class Engine:
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
             if idle_piece:
-                self._background_piece()
+                self._background_turn(IDLE_PIECE_S, idle=True)
+                idle_wait = 0.0
                 continue
+            idle_wait = IDLE_S
             start = time.perf_counter()
             self._wait_s = 0.0
             for handle in incoming:
@@ -417,9 +429,14 @@ class Engine:
             launched = self._launch()
             piece_s = 0.0
             if launched is not None and self.runner.background_pending(idle=False):
-                piece_s = self._background_piece()  # while the device runs the steps queued
+                # while the device runs the steps queued; the tokens read next wait for it
+                beside = inflight or launched
+                piece_s = self._background_turn(
+                    PIECE_SHARE * (self._graphed_step_s if beside.graphed else beside.launch_s)
+                )
+                self.max_background_turn_s = max(self.max_background_turn_s, piece_s)
             if inflight is not None:
-                self._complete(inflight)
+                self._complete(inflight, launched)
             inflight = launched
             self._flush()
             self.host_s += time.perf_counter() - start - self._wait_s - piece_s
@@ -427,10 +444,10 @@ class Engine:
             self._finish(handle, "cancelled")
         self._flush()
 
-    def _background_piece(self) -> float:
-        """One piece of the CUDA graphs' background work (model_runner.py); returns its time."""
+    def _background_turn(self, budget_s: float, idle: bool = False) -> float:
+        """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time."""
         t = time.perf_counter()
-        self.runner.background()
+        self.runner.background(budget_s, idle)
         self._background = (t, time.perf_counter())
         return self._background[1] - t
 
@@ -459,8 +476,9 @@ class Engine:
         self.scheduler.advance(chunks)
         return step
 
-    def _complete(self, step: LaunchedStep) -> None:
-        """Read a launched step's tokens (waiting for the device) and hand them to their requests."""
+    def _complete(self, step: LaunchedStep, after: LaunchedStep | None = None) -> None:
+        """Read a launched step's tokens (waiting for the device) and hand them to their requests; `after`: the step
+        launched while it ran."""
         t = time.perf_counter()
         try:
             tokens = self.runner.complete(step)
@@ -473,10 +491,15 @@ class Engine:
         self._wait_s += now - t
         step_s = now - max(step.start, self._last_done)  # with overlap, about the step's time on the device
         self.max_step_s = max(self.max_step_s, step_s)
-        if self._background[1] > now - step_s:  # a piece of the graphs' background work held this step up
-            self.max_step_background_s = max(self.max_step_background_s, step_s)
+        # a graph step's time, unless an eager launch after it held its tokens up (a whole step's Python)
+        graphed = step.graphed and (after is None or after.graphed)
+        if self._background[1] > now - step_s:  # the graphs' background work may have held this step up
+            if graphed:
+                self.max_step_background_s = max(self.max_step_background_s, step_s)
         else:  # the pace of prefill learns from steps as they run without it
             self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
+            if graphed:
+                self._graphed_step_s = step_s
         self._last_done = now
         for seq, drafts in zip(step.sampling, step.drafts, strict=True):
             if drafts and seq.status is not Status.FINISHED:

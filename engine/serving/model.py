@@ -6,7 +6,9 @@ described by `StepInput` (names as in vLLM: slot mapping, block tables, context 
 kernels/, which runs Triton on CUDA and the torch references elsewhere.
 """
 
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +22,19 @@ from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.rope import rope_write_kv
 
 Weight = torch.Tensor | QuantWeight
+# Work done a piece at a time: each `next` runs one piece, and the last returns the result. The forward pass comes
+# this way too (a piece a layer), so that CUDA graphs can be recorded between live steps (cuda_graph.py).
+Pieces = Generator[None, None, torch.Tensor]
+T = TypeVar("T")
+
+
+def run_through(pieces: Generator[None, None, T]) -> T:
+    """All the pieces at once; their result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass
@@ -191,9 +206,13 @@ class Model:
         shape = (c.n_layers, 2, num_blocks, block_size, c.n_kv_heads, c.head_dim)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    @torch.inference_mode()
     def forward(self, step: StepInput, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs one step; returns fp32 logits [S, vocab] for step.logits_indices."""
+        return run_through(self.forward_pieces(step, kv_cache))
+
+    @torch.inference_mode()
+    def forward_pieces(self, step: StepInput, kv_cache: torch.Tensor) -> Pieces:
+        """The forward pass, a piece a layer (the output's norm and the logits in the last)."""
         c = self.config
         n_tokens = step.input_ids.shape[0]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -235,6 +254,7 @@ class Model:
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual, layer.post_attn_norm)
             h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
             post_norm = layer.post_ffn_norm
+            yield
         last = step.logits_indices
         assert residual is not None  # a model has layers
         x, _ = rms_norm(h[last], self.output_norm, c.rms_norm_eps, residual[last], post_norm)

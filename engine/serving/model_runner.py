@@ -46,7 +46,7 @@ from llamaterm.engine.api import TokenLogprob
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks
 from llamaterm.engine.serving.logprobs import StepLogprobs
-from llamaterm.engine.serving.model import DeviceStep, Model, StepInput, StepLists
+from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepInput, StepLists, run_through
 from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk
 from llamaterm.engine.serving.sequence import Sequence, Status
@@ -94,6 +94,8 @@ class LaunchedStep:
     decode_rows: int  # its chunks of one token, and
     prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
     sample: Callable[[], torch.Tensor] | None  # its sampler, until queued (after its masks, if it has a grammar)
+    graphed: bool  # replayed from its bucket's CUDA graphs (else run eagerly)
+    launch_s: float = 0.0  # its launch's time on the host: an eager step's Python, most of its time
     masks: Future[Masks] | None = None  # grammar masks being filled
     logprobs: StepLogprobs | None = None
     tokens: HostTokens | None = None  # once its sampler is queued
@@ -165,14 +167,14 @@ class ModelRunner:
 
     def background_pending(self, idle: bool) -> bool:
         """Whether CUDA graphs are still to be captured: while serving, of the step sizes in use; idle, of any
-        (the engine's loop calls `background`, a piece at a time, until not)."""
-        return self.graphs is not None and bool(self.graphs.wanted(idle))
+        (the engine's loop calls `background`, a few pieces at a time, until not)."""
+        return self.graphs is not None and self.graphs.pending(idle)
 
-    def background(self) -> None:
-        """One piece of the graphs' background work (cuda_graph.py), the most wanted: between steps, with the
-        device busy, or idle."""
+    def background(self, budget_s: float, idle: bool) -> None:
+        """Pieces of the graphs' background work (cuda_graph.py) for about budget_s: between steps, with the device
+        busy, or idle."""
         if self.graphs is not None:
-            self.graphs.background()
+            self.graphs.background(budget_s, idle)
 
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the
@@ -193,13 +195,14 @@ class ModelRunner:
             self.sampler.write_draft_rows(seq, tokens, slots)
         if graphs and staged:
             bucket, device_step = graphs.load(staged)
+            graphed = bucket in graphs.graphs
             take_pending(device_step, step, last)
             logits, run_sample = graphs.run_forward(bucket, device_step), graphs.run_sample
             sample = lambda: run_sample(bucket, device_step, logits)[: len(step.logits_indices)]
         else:
-            device_step = device_tensors(step, self.model.device)
+            device_step, graphed = device_tensors(step, self.model.device), False
             take_pending(device_step, step, last)
-            logits = self._forward(device_step)
+            logits = run_through(self._forward(device_step))
             sample = lambda: self._sample(device_step, logits)
         constrained = [seq for seq in sampling if seq.grammar is not None]
         # with the forward pass queued (the device goes on to it from the step in flight's sampler)
@@ -211,7 +214,7 @@ class ModelRunner:
         drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
         prefill = sum(c.length for c in chunks if c.length > 1 + c.seq.num_drafts)  # a decode with drafts: a row
         decode_rows = sum(c.length == 1 + c.seq.num_drafts for c in chunks)
-        launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample)
+        launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample, graphed)
         row_seqs = [seq for seq, d in zip(sampling, drafts, strict=True) for _ in range(1 + len(d))]
         asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
@@ -219,6 +222,7 @@ class ModelRunner:
         launched.masks = masks
         if masks is None:
             self._queue_sampler(launched)
+        launched.launch_s = time.perf_counter() - start
         return launched
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -361,10 +365,10 @@ class ModelRunner:
         accepted = accept_tokens(matchers, [tokens[i] for i in rows])
         return {i for i, ok in zip(rows, accepted, strict=True) if not ok}
 
-    @torch.inference_mode()
-    def _forward(self, step: DeviceStep) -> torch.Tensor:
-        """The first half of a step (one CUDA graph): the forward pass, to the logits of the rows that sample."""
-        return self.model.forward(step.inputs, self.kv_cache)
+    def _forward(self, step: DeviceStep) -> Pieces:
+        """The first half of a step (one CUDA graph): the forward pass, to the logits of the rows that sample, a
+        piece a layer (model.py)."""
+        return self.model.forward_pieces(step.inputs, self.kv_cache)
 
     @torch.inference_mode()
     def _sample(self, step: DeviceStep, logits: torch.Tensor) -> torch.Tensor:
@@ -386,7 +390,7 @@ class ModelRunner:
         one = lambda *v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=self.model.device)
         inputs = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
         step = DeviceStep(inputs, one(-1), one(0), one(), one())
-        self._sample(step, self._forward(step))
+        self._sample(step, run_through(self._forward(step)))
 
 
 def drop_pending(seq: Sequence) -> None:

@@ -115,7 +115,13 @@ def test_the_bench_times_the_captures_while_sessions_run(engines):
     # full speed: the sessions' own step size captured, and no step size in use left to capture as they ended;
     # others may be captured after, as the engine idles
     assert ready[4] <= timeline["full_graph_speed_s"] <= max(ready.values())
-    assert timeline["max_step_background_ms"] > 0 and timeline["normal_step_ms"] > 0
+    # the work's turns beside steps (a graph step may or may not have been among them: the 4 bucket's last piece
+    # can come beside eager steps, and nothing else in use is left to capture after it)
+    assert timeline["max_background_turn_ms"] > 0 and timeline["normal_step_ms"] > 0
+    assert timeline["max_step_background_ms"] >= 0 and timeline["slowest_piece"][0] > 0
+    assert timeline["slowest_piece"][1].split(",")[0] in {
+        f"{kind} of {b}" for kind in ("warm-up", "capture") for b in ready
+    }
     assert timeline["pending_after"] == len(graphs.wanted(idle=True))
     assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
     lines = format_serve_first({"first_answer_s": 0.5, **timeline, "idle_captures_s": 0.1})
@@ -147,3 +153,22 @@ def test_a_step_of_more_rows_than_the_largest_bucket_holds_runs_eagerly(engines)
         )
 
     assert graphs.fits(step(2)) and not graphs.fits(step(3))
+
+
+def test_a_bucket_is_warmed_and_captured_a_layer_at_a_time(engines):
+    """The background work comes in pieces of a layer's kernels at most, so that a turn of it between two steps can
+    be short: with no time to spend, each turn is one piece; with time, a turn goes on to the next bucket."""
+    _, served, _ = engines
+    runner = served.runner
+    layers = len(runner.model.layers)
+    graphs = StepGraphs(runner._forward, runner._sample, runner.model.device, 4, 64, 4)
+    turns = 0
+    while 1 not in graphs.graphs:
+        assert graphs.pending(idle=True)
+        graphs.background(0.0)
+        turns += 1
+    # warm-up, then capture: each a piece a layer, one for the logits and one for the sampler
+    assert 1 in graphs.warmed and turns == 2 * (layers + 2)
+    assert graphs.wanted() == [2, 4]
+    graphs.background(60.0)
+    assert sorted(graphs.graphs) == [1, 2, 4] and not graphs.pending(idle=True)

@@ -79,6 +79,23 @@ def test_gpu_batch_matches_solo(engines):
     assert sum(h.seq.generated == alone for h, alone in zip(handles, solo, strict=True)) >= 4
 
 
+def paged_step(vocab: int, bs: int, lens: list[int], queries: list[int], gen: torch.Generator) -> StepLists:
+    """Sequence i owns blocks 8i .. 8i + 7, has lens[i] tokens in cache after the step, queries[i] of them new
+    (random ids); every row samples nothing."""
+    s = StepLists([], [], [], [], [], [0], [], [], [], [], [])
+    for i, (n, q) in enumerate(zip(lens, queries, strict=True)):
+        s.input_ids += torch.randint(0, vocab, (q,), generator=gen).tolist()
+        s.positions += range(n - q, n)
+        s.slot_mapping += [8 * i * bs + p for p in range(n - q, n)]
+        s.block_tables.append(list(range(8 * i, 8 * i + -(-n // bs))))
+        s.context_lens.append(n)
+        s.query_start_loc.append(s.query_start_loc[-1] + q)
+        s.logits_indices.append(s.query_start_loc[-1] - 1)
+        s.sampler_slots.append(-1)
+        s.sample_positions.append(n)
+    return s
+
+
 def test_step_graphs_match_eager():
     """Steps replayed from CUDA graphs give the eager forward pass's logits and write the same K/V: decodes, a
     prefill chunk beside decodes, each padded to its bucket after a larger step left its rows in the buffers. Each
@@ -91,27 +108,12 @@ def test_step_graphs_match_eager():
     caches[1].copy_(caches[0])
     # the forward pass over cache 0 and a sampler that takes the logits' argmax, so the graphs' steps compare with
     # the eager forward pass over cache 1
-    forward = lambda step: model.forward(step.inputs, caches[0])
+    forward = lambda step: model.forward_pieces(step.inputs, caches[0])
     sample = lambda step, logits: logits.argmax(-1)
     graphs = StepGraphs(forward, sample, model.device, max_running=8, max_batch_tokens=64, max_blocks=8)
     assert not graphs.graphs and not graphs.warmed  # nothing before the first step
     gen = torch.Generator().manual_seed(0)
-
-    def step(lens: list[int], queries: list[int]) -> StepLists:
-        """Sequence i owns blocks 8i .. 8i + 7, has lens[i] tokens in cache after the step, queries[i] of them new."""
-        s = StepLists([], [], [], [], [], [0], [], [], [], [], [])
-        for i, (n, q) in enumerate(zip(lens, queries, strict=True)):
-            s.input_ids += torch.randint(0, model.config.vocab_size, (q,), generator=gen).tolist()
-            s.positions += range(n - q, n)
-            s.slot_mapping += [8 * i * bs + p for p in range(n - q, n)]
-            s.block_tables.append(list(range(8 * i, 8 * i + -(-n // bs))))
-            s.context_lens.append(n)
-            s.query_start_loc.append(s.query_start_loc[-1] + q)
-            s.logits_indices.append(s.query_start_loc[-1] - 1)
-            s.sampler_slots.append(-1)
-            s.sample_positions.append(n)
-        return s
-
+    step = lambda lens, queries: paged_step(model.config.vocab_size, bs, lens, queries, gen)
     steps = [
         step([37, 5, 100, 64, 17], [1, 1, 30, 1, 1]),  # 34 tokens: the 64 bucket
         step([38, 6, 101], [1, 1, 1]),  # decodes: the 4 bucket, over the 64 bucket's leftovers
@@ -143,6 +145,43 @@ def test_step_graphs_match_eager():
                 graphs.capture(bucket)
     assert sorted(graphs.graphs) == [4, 32, 64]
     assert graphs.wanted(idle=False) == [] and graphs.wanted(idle=True) == [1, 2, 8]  # the decode buckets left
+
+
+def test_a_capture_open_between_live_steps_records_the_step_alone():
+    """The background work records a bucket's graph a piece at a time, its capture open on a side stream while the
+    engine's live steps run on their own between the pieces: eager steps and replays of another bucket. Those take
+    effect at once (against the eager reference), and the graph, once replayed, is the bucket's step alone."""
+    model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
+    caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
+    caches[1].copy_(caches[0])
+    forward = lambda step: model.forward_pieces(step.inputs, caches[0])
+    sample = lambda step, logits: logits.argmax(-1)
+    graphs = StepGraphs(forward, sample, model.device, max_running=8, max_batch_tokens=64, max_blocks=8)
+    gen = torch.Generator().manual_seed(1)
+    decode = paged_step(model.config.vocab_size, bs, [40, 7, 90], [1, 1, 1], gen)  # the 4 bucket, replayed
+    prefill = paged_step(model.config.vocab_size, bs, [20, 33], [20, 1], gen)  # the 32 bucket, eager
+    mixed = paged_step(model.config.vocab_size, bs, [60, 8, 91, 17], [30, 1, 1, 17], gen)  # the 64 bucket
+    graphs.warm(4)
+    graphs.capture(4)
+
+    def live(s: StepLists) -> None:
+        ref = model.forward(device_tensors(s, model.device).inputs, caches[1]).float()
+        bucket, device_step = graphs.prepare(s)
+        out = graphs.run_forward(bucket, device_step)
+        graphs.run_sample(bucket, device_step, out)
+        out = out[: len(s.context_lens)].float()
+        assert (out - ref).abs().max().item() <= 1e-3 * (ref.max() - ref.min()).item()
+
+    pieces = 0
+    for job in (graphs._warm(64), graphs._capture(64)):
+        for _ in job:  # a piece, then live steps as the engine runs them between pieces
+            pieces += 1
+            live(decode)
+            live(prefill)
+            assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
+    assert pieces >= 2 * len(model.layers) and sorted(graphs.graphs) == [4, 64]
+    live(mixed)  # replayed from the graph recorded between the live steps
+    assert (caches[0] - caches[1]).abs().max().item() <= 1e-2
 
 
 def test_engine_replays_every_step_kind(engines):

@@ -4,6 +4,7 @@ that each replay runs again over the live buffers); the padded buffers and the e
 import torch
 
 from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.model import run_through
 
 
 class Recorded:
@@ -19,12 +20,21 @@ class Recorded:
 
 
 def record_without_running(self: StepGraphs, work):
-    """As a capture, nothing takes effect: the work runs once over padding alone (no KV written, nothing sampled),
-    for its output's shape."""
-    live = self.flat.clone(), self.tables.clone()
-    self.flat.copy_(self._padding[0])
-    self.tables.copy_(self._padding[1])
-    out = work()
-    self.flat.copy_(live[0])
-    self.tables.copy_(live[1])
-    return Recorded(work, out), out
+    """As a capture, nothing takes effect: the work runs once, a piece at a time as a capture records it, over
+    padding alone (no KV written, nothing sampled), for its output's shape; between pieces, where live steps run,
+    the live buffers are back."""
+    pieces = work()
+    while True:
+        live = self.flat.clone(), self.tables.clone()
+        self.flat.copy_(self._padding[0])
+        self.tables.copy_(self._padding[1])
+        try:
+            next(pieces)
+        except StopIteration as done:
+            out = done.value
+            break
+        finally:
+            self.flat.copy_(live[0])
+            self.tables.copy_(live[1])
+        yield
+    return Recorded(lambda: run_through(work()), out), out
