@@ -302,3 +302,21 @@ def test_run_json_logprobs_through_a_server():
         [(" is", 0.6), (" maybe", 0.2)],
         [(" maybe", 0.35), (" nice.", 0.3)],
     ]
+
+
+@pytest.mark.parametrize(
+    "body, code, stdout, stderr",
+    [
+        ("print('done', end='')\nexit_now(3)", 3, "done", ""),  # the output flushed, the code kept
+        ("print('done')\nexit_now(None)", 0, "done\n", ""),
+        # a thread still running: the interpreter's own exit, which waits for it
+        ("threading.Thread(target=lambda: (time.sleep(0.3), print('late'))).start()\nexit_now(0)", 0, "late\n", ""),
+        ("exit_now('llamaterm: no model')", 1, "", "llamaterm: no model\n"),  # a message: as sys.exit
+    ],
+)
+def test_a_command_ends_at_once_unless_something_is_left_to_wind_down(body, code, stdout, stderr):
+    """A finished command exits without the interpreter's teardown (app/__main__.py exit_now), its output and exit
+    code as sys.exit gives them."""
+    script = f"import threading, time\nfrom llamaterm.app.__main__ import exit_now\n{body}\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (code, stdout, stderr)
