@@ -28,6 +28,7 @@ and later starts find them in Triton's cache.
 """
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Generator
@@ -54,7 +55,29 @@ def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
 
 Forward = Callable[[DeviceStep], Pieces]  # the step's inputs -> its logits rows, a piece a layer
 Sample = Callable[[DeviceStep, torch.Tensor], torch.Tensor]  # the step and its logits -> its tokens
-Job = Generator[None, None, None]  # a bucket's warm-up or capture, a piece a `next`
+# A bucket's warm-up or capture, a piece a `next`; a piece that yields WAITING has handed work to a thread of its
+# own, and the turn ends there (nothing to do but look again next turn)
+Job = Generator[bool | None, None, None]
+WAITING = True
+
+
+def on_a_thread(work: Callable[[], None]) -> Generator[bool | None, None, None]:
+    """Work on a thread of its own (a daemon: a command's exit never waits for it), WAITING until it is done; its
+    error is raised here."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # (raised in the job, which makes the bucket eager)
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="llamaterm-graph", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        yield WAITING
+    if failed:
+        raise failed[0]
 
 
 def one_piece(work: Callable[[], torch.Tensor]) -> Pieces:
@@ -159,14 +182,14 @@ class StepGraphs:
     def _warm(self, bucket: int) -> Job:
         step = self._step(bucket, 0, self._padding)
         logits = yield from self.forward(step)
-        yield
+        yield None
         self.sample(step, logits)
         self.warmed.add(bucket)
 
     def _capture(self, bucket: int) -> Job:
         step = self._step(bucket)
         forward, logits = yield from self._record(lambda: self.forward(step))
-        yield
+        yield None
         sample, tokens = yield from self._record(lambda: one_piece(lambda: self.sample(step, logits)))
         self.graphs[bucket] = BucketGraphs(forward, logits, sample, tokens)
         self.ready_at[bucket] = time.perf_counter()
@@ -188,22 +211,22 @@ class StepGraphs:
         """Whether background work is left: a bucket's warm-up or capture under way, or a bucket wanted."""
         return self._job is not None or bool(self.wanted(idle))
 
-    def background(self, budget_s: float = 0.0, idle: bool = True) -> None:
+    def background(self, budget_s: float = 0.0, idle: bool = True) -> bool:
         """Pieces of the work left until budget_s has passed (one at least), each short enough to sit between two
         steps (a layer's kernels, recorded or run): warm the most wanted bucket (`wanted(idle)`), then capture it.
-        A bucket that fails stays eager (a warning says why)."""
+        A bucket that fails stays eager (a warning says why). Returns whether the turn ended waiting for a thread."""
         start = time.perf_counter()
         while True:
             if self._job is None:
                 todo = self.wanted(idle)
                 if not todo:
-                    return
+                    return False
                 bucket, warm = todo[0], todo[0] not in self.warmed
                 self._job = self._warm(bucket) if warm else self._capture(bucket)
                 self._job_bucket, self._job_name, self._job_pieces = bucket, "warm-up" if warm else "capture", 0
-            t = time.perf_counter()
+            t, waiting = time.perf_counter(), False
             try:
-                next(self._job)
+                waiting = next(self._job) is WAITING
             except StopIteration:
                 self._job = None
             except Exception as e:  # (torch raises RuntimeError; anything else would be as fatal to the bucket)
@@ -216,17 +239,21 @@ class StepGraphs:
             now, self._job_pieces = time.perf_counter(), self._job_pieces + 1
             if now - t > self.slowest_piece[0]:
                 self.slowest_piece = (now - t, f"{self._job_name} of {self._job_bucket}, piece {self._job_pieces}")
-            if now - start >= budget_s:
-                return
+            if waiting or now - start >= budget_s:
+                return waiting
 
-    def _record(self, work: Callable[[], Pieces]) -> Generator[None, None, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    def _record(
+        self, work: Callable[[], Pieces]
+    ) -> Generator[bool | None, None, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
         """Record the work's kernels into a graph, a piece at a time: the capture stays open on the side stream
         between pieces while live steps run on the engine's stream (so the capture mode is relaxed: the same thread
-        synchronizes with the device for their tokens). Not through torch.cuda.graph, which first waits for the
-        device and empties the allocator's cache: in the middle of serving that would stall every session."""
+        synchronizes with the device for their tokens). Then the graph is instantiated (1-2.5 ms for a step's 300
+        kernels, in the driver with the GIL released) on a thread of its own. Not through torch.cuda.graph, which
+        first waits for the device and empties the allocator's cache: in the middle of serving that would stall
+        every session."""
         stream = self._stream
         assert stream is not None, "CUDA graphs are captured on CUDA only"
-        graph, pieces = torch.cuda.CUDAGraph(), work()
+        graph, pieces = torch.cuda.CUDAGraph(keep_graph=True), work()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="relaxed")
@@ -238,12 +265,13 @@ class StepGraphs:
                     except StopIteration as done:
                         out = done.value
                         break
-                yield
+                yield None
         finally:
             with torch.cuda.stream(stream):
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         self._pool = graph.pool()
+        yield from on_a_thread(graph.instantiate)
         return graph, out
 
     def _seqs(self, bucket: int) -> int:

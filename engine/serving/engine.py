@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import secrets
+import statistics
 import threading
 import time
 from collections import deque
@@ -66,6 +67,7 @@ NOT_FINITE = (
 # after start-up) goes first; then its pieces follow one another for IDLE_PIECE_S a turn until a request comes
 IDLE_S = 0.05
 IDLE_PIECE_S = 0.002
+IDLE_WAITING_S = 0.0005  # idle, while the work waits for a thread of its own (a graph's instantiation)
 # beside a step, the background work takes this share of the step's own time: of a graph step's usual time, or of
 # an eager step's launch (its Python is most of the step); so no step's tokens wait for it more than a step's time
 PIECE_SHARE = 0.5
@@ -177,12 +179,12 @@ class Engine:
         self.max_step_s = 0.0
         self._last_done = 0.0  # when the last step's tokens were read
         # the longest step replayed from graphs that the graphs' background work (ModelRunner.background) ran
-        # beside, and its longest turn beside a step; when it last ran (start, end); the time of the last graph step
-        # without it, which sets its turns' budget
+        # beside, and its longest turn beside a step; when it last ran (start, end); the times of the last graph
+        # steps without it, whose median sets its turns' budget
         self.max_step_background_s = 0.0
         self.max_background_turn_s = 0.0
         self._background = (0.0, 0.0)
-        self._graphed_step_s = 0.0
+        self._graph_steps_s: deque[float] = deque(maxlen=16)
         self._ids = itertools.count(1)
         self._handles: dict[int, RequestHandle] = {}
         self._outputs: dict[int, OutputState] = {}
@@ -404,8 +406,8 @@ class Engine:
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
             if idle_piece:
-                self._background_turn(IDLE_PIECE_S, idle=True)
-                idle_wait = 0.0
+                _, waiting = self._background_turn(IDLE_PIECE_S, idle=True)
+                idle_wait = IDLE_WAITING_S if waiting else 0.0
                 continue
             idle_wait = IDLE_S
             start = time.perf_counter()
@@ -431,9 +433,8 @@ class Engine:
             if launched is not None and self.runner.background_pending(idle=False):
                 # while the device runs the steps queued; the tokens read next wait for it
                 beside = inflight or launched
-                piece_s = self._background_turn(
-                    PIECE_SHARE * (self._graphed_step_s if beside.graphed else beside.launch_s)
-                )
+                own_s = statistics.median(self._graph_steps_s or [0.0]) if beside.graphed else beside.launch_s
+                piece_s, _ = self._background_turn(PIECE_SHARE * own_s)
                 self.max_background_turn_s = max(self.max_background_turn_s, piece_s)
             if inflight is not None:
                 self._complete(inflight, launched)
@@ -444,12 +445,13 @@ class Engine:
             self._finish(handle, "cancelled")
         self._flush()
 
-    def _background_turn(self, budget_s: float, idle: bool = False) -> float:
-        """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time."""
+    def _background_turn(self, budget_s: float, idle: bool = False) -> tuple[float, bool]:
+        """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time, and whether it
+        waits for a thread of its own."""
         t = time.perf_counter()
-        self.runner.background(budget_s, idle)
+        waiting = self.runner.background(budget_s, idle)
         self._background = (t, time.perf_counter())
-        return self._background[1] - t
+        return self._background[1] - t, waiting
 
     def _flush(self) -> None:
         if self._records or self._cached:
@@ -499,7 +501,7 @@ class Engine:
         else:  # the pace of prefill learns from steps as they run without it
             self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
             if graphed:
-                self._graphed_step_s = step_s
+                self._graph_steps_s.append(step_s)
         self._last_done = now
         for seq, drafts in zip(step.sampling, step.drafts, strict=True):
             if drafts and seq.status is not Status.FINISHED:

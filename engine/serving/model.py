@@ -28,7 +28,7 @@ Pieces = Generator[None, None, torch.Tensor]
 T = TypeVar("T")
 
 
-def run_through(pieces: Generator[None, None, T]) -> T:
+def run_through(pieces: Generator[object, None, T]) -> T:
     """All the pieces at once; their result."""
     while True:
         try:

@@ -170,11 +170,10 @@ class ModelRunner:
         (the engine's loop calls `background`, a few pieces at a time, until not)."""
         return self.graphs is not None and self.graphs.pending(idle)
 
-    def background(self, budget_s: float, idle: bool) -> None:
+    def background(self, budget_s: float, idle: bool) -> bool:
         """Pieces of the graphs' background work (cuda_graph.py) for about budget_s: between steps, with the device
-        busy, or idle."""
-        if self.graphs is not None:
-            self.graphs.background(budget_s, idle)
+        busy, or idle. Returns whether it waits for a thread of its own."""
+        return self.graphs is not None and self.graphs.background(budget_s, idle)
 
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the

@@ -5,6 +5,7 @@ use first. The CPU has no CUDA graphs: the capture alone is stubbed (the work is
 replay runs again over the live buffers); the padded buffers, the eager steps over them, the warm-ups and the
 engine loop's scheduling of the pieces are the real ones (tests/engine/test_gpu_model.py captures for real)."""
 
+import threading
 import time
 
 import pytest
@@ -15,9 +16,9 @@ from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
-from llamaterm.engine.serving.cuda_graph import StepGraphs, token_buckets
+from llamaterm.engine.serving.cuda_graph import WAITING, StepGraphs, on_a_thread, token_buckets
 from llamaterm.engine.serving.engine import Engine
-from llamaterm.engine.serving.model import StepLists
+from llamaterm.engine.serving.model import StepLists, run_through
 from llamaterm.engine.synthetic import SyntheticTokenizer
 from tests.support.graphs import record_without_running
 
@@ -172,3 +173,15 @@ def test_a_bucket_is_warmed_and_captured_a_layer_at_a_time(engines):
     assert graphs.wanted() == [2, 4]
     graphs.background(60.0)
     assert sorted(graphs.graphs) == [1, 2, 4] and not graphs.pending(idle=True)
+
+
+def test_work_on_a_thread_is_waited_for_a_turn_at_a_time():
+    """A graph's instantiation runs on a thread of its own (cuda_graph.on_a_thread): each piece of the job only
+    looks whether it is done, and says it is waiting, so the turn ends there; its error reaches the job."""
+    gate = threading.Event()
+    job = on_a_thread(gate.wait)
+    assert next(job) is WAITING and next(job) is WAITING
+    gate.set()
+    assert all(piece is WAITING for piece in job)  # (until the thread has ended)
+    with pytest.raises(ZeroDivisionError):
+        run_through(on_a_thread(lambda: 1 / 0))
