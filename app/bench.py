@@ -424,8 +424,8 @@ def format_serve_first(s: dict | None) -> list[str]:
         f"at full graph speed {full} after the engine was ready",
         f"graphs ready (step tokens: s after ready): {ready}; {s['pending_after']} more once idle "
         f"({s['idle_captures_s']:.2f} s)",
-        f"longest graph step beside the captures {s['max_step_background_ms']:.1f} ms, a normal step "
-        f"{s['normal_step_ms']:.1f} ms ({ratio:.1f}x); the captures' longest turn beside a step "
+        f"longest graph decode step beside the captures {s['max_step_background_ms']:.1f} ms, a normal step "
+        f"{s['normal_step_ms']:.1f} ms ({ratio:.1f}x); the captures' longest turn beside a graph step "
         f"{s['max_background_turn_ms']:.1f} ms, their slowest piece {s['slowest_piece'][0]:.1f} ms "
         f"({s['slowest_piece'][1]})",
     ]

@@ -99,8 +99,8 @@ class EngineStats:
     mask_wait_s: float = 0.0
     # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
     # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
-    # in use, which serving captures first), the longest graph step that the work ran beside, its longest turn
-    # beside a step, and its slowest piece (seconds, what)
+    # in use, which serving captures first), the longest graph decode step that the work ran beside, its longest
+    # turn beside a graph step, and its slowest piece beside a step (seconds, what)
     graphs_ready_s: tuple[tuple[int, float], ...] = ()
     graphs_pending: int = 0
     graphs_in_use_pending: int = 0

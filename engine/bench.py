@@ -377,8 +377,9 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
 def graphs_timeline(sessions: Sessions, n: int, prompt_len: int, seconds: float) -> dict:
     """Serve first, capture later, right after start-up: n sessions decode for `seconds` while the engine captures
     its CUDA graphs between their steps (a closed loop: a session that ends after `tokens` is replaced). When each
-    step size's graph was ready (seconds after the engine was ready), the longest step replayed from graphs that
-    the work ran beside and the work's longest turn, beside a normal step (the median gap between two tokens of a
+    step size's graph was ready (seconds after the engine was ready), the longest decode step replayed from graphs
+    that the work ran beside and the work's longest turn beside a graph step and its slowest piece beside a step,
+    beside a normal step (the median gap between two tokens of a
     session over the last second, every graph in use ready by then), and when the step sizes the sessions used were
     all captured (full graph speed: the latest graph ready as the sessions end, None if a step size in use was still
     to capture then). The graphs no step used are captured once the engine idles (wait_for_graphs); those ready by

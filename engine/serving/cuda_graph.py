@@ -160,7 +160,7 @@ class StepGraphs:
         self._stream = torch.cuda.Stream(device) if pinned else None  # captures record on a side stream
         self._job: Job | None = None  # the bucket's warm-up or capture under way (background), a piece at a time
         self._job_bucket, self._job_name, self._job_pieces = 0, "", 0
-        self.slowest_piece = (0.0, "")  # (seconds, which) of the background work, for benchmarks
+        self.slowest_piece = (0.0, "")  # (seconds, which) of the background work beside steps, for benchmarks
         self._eager_now = False  # this step's forward pass ran eagerly: so does its sampler
 
     def _buffers(self, size: int, b: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +212,9 @@ class StepGraphs:
         return self._job is not None or bool(self.wanted(idle))
 
     def background(self, budget_s: float = 0.0, idle: bool = True) -> bool:
-        """Pieces of the work left until budget_s has passed (one at least), each short enough to sit between two
-        steps (a layer's kernels, recorded or run): warm the most wanted bucket (`wanted(idle)`), then capture it.
+        """Pieces of the work left within budget_s (one at least; no other once one more like the last would run
+        over), each short enough to sit between two steps (a layer's kernels, recorded or run): warm the most wanted
+        bucket (`wanted(idle)`), then capture it.
         A bucket that fails stays eager (a warning says why). Returns whether the turn ended waiting for a thread."""
         start = time.perf_counter()
         while True:
@@ -237,9 +238,9 @@ class StepGraphs:
                 self._job = None
                 self._pool = None  # a failed capture can leave its memory pool taking allocations: the next starts anew
             now, self._job_pieces = time.perf_counter(), self._job_pieces + 1
-            if now - t > self.slowest_piece[0]:
+            if not idle and now - t > self.slowest_piece[0]:
                 self.slowest_piece = (now - t, f"{self._job_name} of {self._job_bucket}, piece {self._job_pieces}")
-            if waiting or now - start >= budget_s:
+            if waiting or now - start + (now - t) > budget_s:  # (another piece like this one would overrun)
                 return waiting
 
     def _record(

@@ -178,9 +178,9 @@ class Engine:
         # tokens on the host; benchmarks reset it
         self.max_step_s = 0.0
         self._last_done = 0.0  # when the last step's tokens were read
-        # the longest step replayed from graphs that the graphs' background work (ModelRunner.background) ran
-        # beside, and its longest turn beside a step; when it last ran (start, end); the times of the last graph
-        # steps without it, whose median sets its turns' budget
+        # the longest decode step replayed from graphs that the graphs' background work (ModelRunner.background)
+        # ran beside, and its longest turn beside a graph step; when it last ran (start, end); the times of the last
+        # graph steps without it, whose median sets its turns' budget
         self.max_step_background_s = 0.0
         self.max_background_turn_s = 0.0
         self._background = (0.0, 0.0)
@@ -431,11 +431,7 @@ class Engine:
             launched = self._launch()
             piece_s = 0.0
             if launched is not None and self.runner.background_pending(idle=False):
-                # while the device runs the steps queued; the tokens read next wait for it
-                beside = inflight or launched
-                own_s = statistics.median(self._graph_steps_s or [0.0]) if beside.graphed else beside.launch_s
-                piece_s, _ = self._background_turn(PIECE_SHARE * own_s)
-                self.max_background_turn_s = max(self.max_background_turn_s, piece_s)
+                piece_s = self._turn_beside(inflight or launched)  # the tokens read next wait for it
             if inflight is not None:
                 self._complete(inflight, launched)
             inflight = launched
@@ -444,6 +440,15 @@ class Engine:
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
         self._flush()
+
+    def _turn_beside(self, step: LaunchedStep) -> float:
+        """A turn of the graphs' background work while the device runs the steps queued, a share of the time of
+        `step`, whose tokens wait for it; returns its time."""
+        own_s = statistics.median(self._graph_steps_s or [0.0]) if step.graphed else step.launch_s
+        turn_s, _ = self._background_turn(PIECE_SHARE * own_s)
+        if step.graphed:
+            self.max_background_turn_s = max(self.max_background_turn_s, turn_s)
+        return turn_s
 
     def _background_turn(self, budget_s: float, idle: bool = False) -> tuple[float, bool]:
         """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time, and whether it
@@ -496,7 +501,7 @@ class Engine:
         # a graph step's time, unless an eager launch after it held its tokens up (a whole step's Python)
         graphed = step.graphed and (after is None or after.graphed)
         if self._background[1] > now - step_s:  # the graphs' background work may have held this step up
-            if graphed:
+            if graphed and not step.prefill_tokens:  # (a decode step, whose usual time is a session's token gap)
                 self.max_step_background_s = max(self.max_step_background_s, step_s)
         else:  # the pace of prefill learns from steps as they run without it
             self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)

@@ -81,8 +81,10 @@ def test_a_request_is_answered_before_any_graph_and_as_without_graphs(engines):
     assert tokens == expected
     first_token = handle.seq.first_token_time
     assert first_token is not None and min(graphs.ready_at.values()) > first_token  # served first, captured later
-    # its decode bucket was captured after its first decode step, and the rest of its steps replayed it
-    assert graphs.graphs[1].forward.replays == graphs.graphs[1].sample.replays >= len(tokens) - 3
+    # its decode bucket was captured after its first decode step, a piece between steps, and the steps launched
+    # after that replayed it: every token read after it was ready but the two steps then launched, eager
+    after = sum(t > graphs.ready_at[1] for t in handle.seq.token_times)
+    assert graphs.graphs[1].forward.replays == graphs.graphs[1].sample.replays >= max(1, after - 2)
 
 
 def test_graphs_are_captured_in_use_first_and_the_rest_when_idle(engines):
@@ -116,13 +118,14 @@ def test_the_bench_times_the_captures_while_sessions_run(engines):
     # full speed: the sessions' own step size captured, and no step size in use left to capture as they ended;
     # others may be captured after, as the engine idles
     assert ready[4] <= timeline["full_graph_speed_s"] <= max(ready.values())
-    # the work's turns beside steps (a graph step may or may not have been among them: the 4 bucket's last piece
-    # can come beside eager steps, and nothing else in use is left to capture after it)
-    assert timeline["max_background_turn_ms"] > 0 and timeline["normal_step_ms"] > 0
-    assert timeline["max_step_background_ms"] >= 0 and timeline["slowest_piece"][0] > 0
+    # the work's pieces beside steps (a graph step may or may not have been beside them: the 4 bucket's pieces can
+    # all come beside eager steps, and nothing else in use is left to capture after them)
+    assert timeline["normal_step_ms"] > 0 and timeline["slowest_piece"][0] > 0
+    assert timeline["max_step_background_ms"] >= 0 and timeline["max_background_turn_ms"] >= 0
     assert timeline["slowest_piece"][1].split(",")[0] in {
-        f"{kind} of {b}" for kind in ("warm-up", "capture") for b in ready
+        f"{kind} of {b}" for kind in ("warm-up", "capture") for b in graphs.buckets
     }
+
     assert timeline["pending_after"] == len(graphs.wanted(idle=True))
     assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
     lines = format_serve_first({"first_answer_s": 0.5, **timeline, "idle_captures_s": 0.1})
