@@ -214,8 +214,8 @@ class StepGraphs:
     def background(self, budget_s: float = 0.0, idle: bool = True) -> bool:
         """Pieces of the work left within budget_s (one at least; no other once one more like the last would run
         over), each short enough to sit between two steps (a layer's kernels, recorded or run): warm the most wanted
-        bucket (`wanted(idle)`), then capture it.
-        A bucket that fails stays eager (a warning says why). Returns whether the turn ended waiting for a thread."""
+        bucket (`wanted(idle)`), then capture it. A bucket that fails stays eager (a warning says why). Returns
+        whether the turn ended waiting for a thread."""
         start = time.perf_counter()
         while True:
             if self._job is None:
@@ -248,10 +248,10 @@ class StepGraphs:
     ) -> Generator[bool | None, None, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
         """Record the work's kernels into a graph, a piece at a time: the capture stays open on the side stream
         between pieces while live steps run on the engine's stream (so the capture mode is relaxed: the same thread
-        synchronizes with the device for their tokens). Then the graph is instantiated (1-2.5 ms for a step's 300
-        kernels, in the driver with the GIL released) on a thread of its own. Not through torch.cuda.graph, which
-        first waits for the device and empties the allocator's cache: in the middle of serving that would stall
-        every session."""
+        synchronizes with the device for their tokens). Then the graph is instantiated on a thread of its own (1-2.5
+        ms in the driver for a step's 300 kernels), off the engine's. Not through torch.cuda.graph, which first
+        waits for the device and empties the allocator's cache: in the middle of serving that would stall every
+        session."""
         stream = self._stream
         assert stream is not None, "CUDA graphs are captured on CUDA only"
         graph, pieces = torch.cuda.CUDAGraph(keep_graph=True), work()
