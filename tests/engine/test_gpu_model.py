@@ -96,6 +96,19 @@ def paged_step(vocab: int, bs: int, lens: list[int], queries: list[int], gen: to
     return s
 
 
+def graphs_over_twin_caches():
+    """The tiny shapes' random 4-bit model, two equal random KV caches, and StepGraphs whose forward pass runs over
+    cache 0 with a sampler that takes the logits' argmax: the graphs' steps compare with the eager forward pass over
+    cache 1. Returns (model, block size, caches, graphs)."""
+    model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
+    caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
+    caches[1].copy_(caches[0])
+    forward = lambda step: model.forward_pieces(step.inputs, caches[0])
+    sample = lambda step, logits: logits.argmax(-1)
+    graphs = StepGraphs(forward, sample, model.device, max_running=8, max_batch_tokens=64, max_blocks=8)
+    return model, bs, caches, graphs
+
+
 def test_step_graphs_match_eager():
     """Steps replayed from CUDA graphs give the eager forward pass's logits and write the same K/V: decodes, a
     prefill chunk beside decodes, each padded to its bucket after a larger step left its rows in the buffers. Each
@@ -103,14 +116,7 @@ def test_step_graphs_match_eager():
     engine's background work does), and the same step replayed gives the same again. The engines above run every
     step through graphs (Engine's default), so the tests before this one check graph steps against the fp32
     reference. Random 4-bit weights: no model file needed."""
-    model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
-    caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
-    caches[1].copy_(caches[0])
-    # the forward pass over cache 0 and a sampler that takes the logits' argmax, so the graphs' steps compare with
-    # the eager forward pass over cache 1
-    forward = lambda step: model.forward_pieces(step.inputs, caches[0])
-    sample = lambda step, logits: logits.argmax(-1)
-    graphs = StepGraphs(forward, sample, model.device, max_running=8, max_batch_tokens=64, max_blocks=8)
+    model, bs, caches, graphs = graphs_over_twin_caches()
     assert not graphs.graphs and not graphs.warmed  # nothing before the first step
     gen = torch.Generator().manual_seed(0)
     step = lambda lens, queries: paged_step(model.config.vocab_size, bs, lens, queries, gen)
@@ -151,12 +157,7 @@ def test_a_capture_open_between_live_steps_records_the_step_alone():
     """The background work records a bucket's graph a piece at a time, its capture open on a side stream while the
     engine's live steps run on their own between the pieces: eager steps and replays of another bucket. Those take
     effect at once (against the eager reference), and the graph, once replayed, is the bucket's step alone."""
-    model, bs = synthetic_model("tiny", True, torch.device("cuda")), 16
-    caches = [model.allocate_kv_cache(8 * 5, bs).normal_() for _ in range(2)]
-    caches[1].copy_(caches[0])
-    forward = lambda step: model.forward_pieces(step.inputs, caches[0])
-    sample = lambda step, logits: logits.argmax(-1)
-    graphs = StepGraphs(forward, sample, model.device, max_running=8, max_batch_tokens=64, max_blocks=8)
+    model, bs, caches, graphs = graphs_over_twin_caches()
     gen = torch.Generator().manual_seed(1)
     decode = paged_step(model.config.vocab_size, bs, [40, 7, 90], [1, 1, 1], gen)  # the 4 bucket, replayed
     prefill = paged_step(model.config.vocab_size, bs, [20, 33], [20, 1], gen)  # the 32 bucket, eager
