@@ -17,8 +17,8 @@ attention kernel sizes its KV splits from each sequence's own length, kernels/at
 Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
 (token_buckets). Serve first, capture later: nothing is captured before the first request. A bucket's steps run
 eagerly over the same padded buffers until its graph exists; the engine's loop does the rest in the background,
-a few pieces between two steps (`background`), each a layer's kernels at most (model.py's forward pass comes in
-pieces): a bucket's first eager run over padding alone (`warm`: its kernel variants load), then its capture, most
+a few pieces between two steps (`background`), each half a layer's kernels at most (model.py's forward pass comes
+in pieces): a bucket's first eager run over padding alone (`warm`: its kernel variants load), then its capture, most
 used buckets first. A capture records on a side stream and stays open between its pieces while live steps run on
 the engine's stream, so no step waits for a whole capture (a step's Python, some 20 ms for a small model). Every
 decode bucket is captured (every session's steady state); a larger bucket once a second step has needed it, so a
@@ -53,7 +53,7 @@ def token_buckets(max_running: int, max_batch_tokens: int) -> list[int]:
     return sorted({*out, min(max_running, max_batch_tokens), max_batch_tokens})
 
 
-Forward = Callable[[DeviceStep], Pieces]  # the step's inputs -> its logits rows, a piece a layer
+Forward = Callable[[DeviceStep], Pieces]  # the step's inputs -> its logits rows, a piece a half layer
 Sample = Callable[[DeviceStep, torch.Tensor], torch.Tensor]  # the step and its logits -> its tokens
 # A bucket's warm-up or capture, a piece a `next`; a piece that yields WAITING has handed work to a thread of its
 # own, and the turn ends there (nothing to do but look again next turn)
@@ -213,8 +213,8 @@ class StepGraphs:
 
     def background(self, budget_s: float = 0.0, idle: bool = True) -> bool:
         """Pieces of the work left within budget_s (one at least; no other once one more like the last would run
-        over), each short enough to sit between two steps (a layer's kernels, recorded or run): warm the most wanted
-        bucket (`wanted(idle)`), then capture it. A bucket that fails stays eager (a warning says why). Returns
+        over), each short enough to sit between two steps (half a layer's kernels, recorded or run): warm the most
+        wanted bucket (`wanted(idle)`), then capture it. A bucket that fails stays eager (a warning says why). Returns
         whether the turn ended waiting for a thread."""
         start = time.perf_counter()
         while True:
@@ -259,6 +259,7 @@ class StepGraphs:
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="relaxed")
         try:
+            yield None  # a piece of its own: with the first graph's, its pool is made
             while True:
                 with torch.cuda.stream(stream):
                     try:

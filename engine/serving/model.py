@@ -23,7 +23,7 @@ from llamaterm.kernels.rope import rope_write_kv
 
 Weight = torch.Tensor | QuantWeight
 # Work done a piece at a time: each `next` runs one piece, and the last returns the result. The forward pass comes
-# this way too (a piece a layer), so that CUDA graphs can be recorded between live steps (cuda_graph.py).
+# this way too (a piece a half layer), so that CUDA graphs can be recorded between live steps (cuda_graph.py).
 Pieces = Generator[None, None, torch.Tensor]
 T = TypeVar("T")
 
@@ -212,7 +212,7 @@ class Model:
 
     @torch.inference_mode()
     def forward_pieces(self, step: StepInput, kv_cache: torch.Tensor) -> Pieces:
-        """The forward pass, a piece a layer (the output's norm and the logits in the last)."""
+        """The forward pass, a piece a half layer (the output's norm and the logits in the last)."""
         c = self.config
         n_tokens = step.input_ids.shape[0]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -251,6 +251,7 @@ class Model:
                 layer.window,
             )
             h = linear(o.view(n_tokens, q_size), layer.o)
+            yield  # half a layer a piece: a capture's pieces then sit within half a small model's step
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual, layer.post_attn_norm)
             h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
             post_norm = layer.post_ffn_norm

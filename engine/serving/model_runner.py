@@ -366,7 +366,7 @@ class ModelRunner:
 
     def _forward(self, step: DeviceStep) -> Pieces:
         """The first half of a step (one CUDA graph): the forward pass, to the logits of the rows that sample, a
-        piece a layer (model.py)."""
+        piece a half layer (model.py)."""
         return self.model.forward_pieces(step.inputs, self.kv_cache)
 
     @torch.inference_mode()

@@ -159,8 +159,8 @@ def test_a_step_of_more_rows_than_the_largest_bucket_holds_runs_eagerly(engines)
     assert graphs.fits(step(2)) and not graphs.fits(step(3))
 
 
-def test_a_bucket_is_warmed_and_captured_a_layer_at_a_time(engines):
-    """The background work comes in pieces of a layer's kernels at most, so that a turn of it between two steps can
+def test_a_bucket_is_warmed_and_captured_half_a_layer_at_a_time(engines):
+    """The background work comes in pieces of half a layer's kernels at most, so that a turn of it between two steps can
     be short: with no time to spend, each turn is one piece; with time, a turn goes on to the next bucket."""
     _, served, _ = engines
     runner = served.runner
@@ -171,8 +171,8 @@ def test_a_bucket_is_warmed_and_captured_a_layer_at_a_time(engines):
         assert graphs.pending(idle=True)
         graphs.background(0.0)
         turns += 1
-    # warm-up, then capture: each a piece a layer, one for the logits and one for the sampler
-    assert 1 in graphs.warmed and turns == 2 * (layers + 2)
+    # warm-up, then capture: each a piece a half layer, one for the logits and one for the sampler
+    assert 1 in graphs.warmed and turns == 2 * (2 * layers + 2)
     assert graphs.wanted() == [2, 4]
     graphs.background(60.0)
     assert sorted(graphs.graphs) == [1, 2, 4] and not graphs.pending(idle=True)
