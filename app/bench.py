@@ -6,6 +6,7 @@ object with --json); the progress bar to stderr. The workloads live in engine/be
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -129,8 +130,12 @@ def bench(
     kv_tokens: Annotated[int | None, typer.Option(min=16, help="KV cache pool size in tokens.")] = None,
     json_schema: Annotated[
         Path | None,
-        typer.Option(help="Every reply follows this JSON schema (a file), as `run --json-schema` constrains one."),
+        typer.Option(
+            help="Every reply follows this JSON schema (a file), as `run --json-schema` constrains one; each static "
+            "batch and closed loop runs free too, just before, on the same engine, and the table says how they compare."
+        ),
     ] = None,
+    repeat: Annotated[int, typer.Option(min=1, help="Run each static batch and closed loop this many times.")] = 1,
     speculate: Annotated[
         str,
         typer.Option(
@@ -232,7 +237,9 @@ def bench(
         typer.echo(json.dumps(result, indent=1) if as_json else format_serve_load(result))
         return
     what = Workload(prompts == "chat", FILTERS if sampler == "filters" else GREEDY, kind == "process", mix, grammar)
-    result = run_bench(model, device, counts, what, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens)
+    result = run_bench(
+        model, device, counts, what, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens, repeat
+    )
     typer.echo(json.dumps(result, indent=1) if as_json else format_tables(result))
 
 
@@ -272,7 +279,7 @@ def open_client(model, device, config, process: bool):
 
 
 def run_bench(
-    model, device, counts, what: Workload, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens
+    model, device, counts, what: Workload, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens, repeat=1
 ) -> dict:
     t = time.perf_counter()
     with interrupts_held():
@@ -282,7 +289,7 @@ def run_bench(
         from llamaterm.engine.serving.device import resolve_device
     imports = time.perf_counter() - t
 
-    progress = Progress(4 + 2 * len(counts) + (peer is not None) + len(GRID) * grid)
+    progress = Progress(4 + 2 * len(counts) * repeat * (1 + bool(what.grammar)) + (peer is not None) + len(GRID) * grid)
     progress.step("loading the model")
     max_running = max(64, *counts) if not grid else 64
     kv = kv_tokens or (max(b for _, _, b in GRID) * (1024 + 256) if grid else None)
@@ -340,17 +347,23 @@ def run_bench(
                 f"{prompt_len}-token prefill": wl.launches_per_step(client, prompt_len, 1, prompts),
             }
 
-        base, rows = None, []
+        # under a grammar, each run has a free twin just before it on the same engine: the two compare as one pair
+        free = wl.Sessions(client, what.chat, what.sampling, vocab) if what.grammar else None
+        kinds = [("free", free), ("schema", sessions)] if free else [("", sessions)]
+        bases: dict[str, float] = {}
+        rows = []
         limit = out["limit"]["steps_per_s"]
-        for n in counts:
-            progress.step(f"static batch, {n} sessions")
-            static = wl.static_rate(sessions, n, min(prompt_len, ctx - tokens - 1), tokens)
-            base = base or static / counts[0]
-            progress.step(f"closed loop, {n} sessions ({warmup + window:.0f} s)")
-            loop = wl.closed_loop(sessions, n, what.mix, warmup, window)
+        for n, _, (replies, runs) in itertools.product(counts, range(repeat), kinds):
+            said = f", {replies}" if replies else ""
+            progress.step(f"static batch, {n} sessions{said}")
+            static = wl.static_rate(runs, n, min(prompt_len, ctx - tokens - 1), tokens)
+            base = bases.setdefault(replies, static / counts[0])
+            progress.step(f"closed loop, {n} sessions{said} ({warmup + window:.0f} s)")
+            loop = wl.closed_loop(runs, n, what.mix, warmup, window)
             rows.append(
                 {
                     "sessions": n,
+                    "replies": replies,
                     "static_tok_s": static,
                     "vs_one_session": static / base if base else None,
                     "static_pct_of_limit": 100 * static / n / limit,
@@ -452,17 +465,20 @@ def format_tables(r: dict) -> str:
                 f"kernels ({la['steps']} steps profiled)"
             )
     lines.append("")
+    paired = any(row.get("replies") for row in r["decode"])
     lines.append(
-        f"{'sessions':>8} {'static tok/s':>13} {'vs 1':>6} {'% limit':>8} {'dynamic tok/s':>14} {'dyn/static':>11} "
-        f"{'gap p50 ms':>11} {'p99':>6} {'max':>6} {'steps/s':>8} {'host ms':>8}"
+        f"{'sessions':>8} {'replies ' if paired else ''}{'static tok/s':>13} {'vs 1':>6} {'% limit':>8} "
+        f"{'dynamic tok/s':>14} {'dyn/static':>11} {'gap p50 ms':>11} {'p99':>6} {'max':>6} {'steps/s':>8} "
+        f"{'host ms':>8}"
     )
     for row in r["decode"]:
         vs_one = "    -" if row["vs_one_session"] is None else f"{row['vs_one_session']:5.2f}"  # no tokens seen
         ratio = "         -" if row["dynamic_vs_static"] is None else f"{100 * row['dynamic_vs_static']:10.0f}"
         gap = row["gap_ms"]
         per_step = f" {row['steps_per_s']:8,.0f} {row['host_ms_per_step']:8.2f}" if "steps_per_s" in row else ""
+        replies = f"{row.get('replies', ''):7} " if paired else ""
         lines.append(
-            f"{row['sessions']:8d} {row['static_tok_s']:13,.1f} {vs_one}x {row['static_pct_of_limit']:7.0f}% "
+            f"{row['sessions']:8d} {replies}{row['static_tok_s']:13,.1f} {vs_one}x {row['static_pct_of_limit']:7.0f}% "
             f"{row['dynamic_tok_s']:14,.1f} {ratio}% {gap['p50']:11.1f} {gap['p99']:6.1f} {gap['max']:6.1f}" + per_step
         )
     for row in r["decode"]:
@@ -471,6 +487,13 @@ def format_tables(r: dict) -> str:
                 f"{row['sessions']:8d} sessions, a step's grammar masks: ready in {m['fill']:.2f} ms on their thread; "
                 f"the engine waited {m['tokens']:.2f} ms for the tokens they start from and {m['wait']:.2f} ms for them"
             )
+    if paired:
+        pairs = list(zip(r["decode"][::2], r["decode"][1::2], strict=True))
+        share = lambda key: ", ".join(f"{100 * b[key] / a[key]:.0f}%" if a[key] else "-" for a, b in pairs)
+        lines.append(
+            f"under the schema, pair by pair, % of free: static {share('static_tok_s')}; closed loop "
+            f"{share('dynamic_tok_s')}"
+        )
     mix = r["workload"]["prompt_mix"]
     spans = ", ".join(f"{lo}-{hi} ({100 * w:.0f}%)" if lo != hi else f"{lo}" for w, lo, hi in mix["prompts"])
     lines.append(
@@ -565,7 +588,7 @@ def format_speculation(r: dict) -> str:
         "0.8, top-k 40, top-p 0.95, min-p 0.05, seed i for session i",
         "",
         f"{'workload':10} {'sampling':8} {'sessions':>8} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>8} "
-        f"{'accepted':>8} {'tok/step':>8} {'same':>5}",
+        f"{'accepted':>8} {'tok/step':>8} {'steps off/on':>13} {'drafting':>8} {'serial':>6} {'same':>5}",
     ]
     for row in r["rows"]:
         accepted = "-" if row["acceptance"] is None else f"{100 * row['acceptance']:.0f}%"
@@ -573,11 +596,14 @@ def format_speculation(r: dict) -> str:
         lines.append(
             f"{row['workload']:10} {row['sampling']:8} {row['sessions']:8d} {row['off_tok_s']:10,.1f} "
             f"{row['on_tok_s']:10,.1f} {speedup:>8} {accepted:>8} {row['tokens_per_step']:8.2f} "
+            f"{'/'.join(map(str, row['steps'])):>13} {row['draft_steps']:8d} {row['serial_steps']:6d} "
             f"{'yes' if row['same_tokens'] else 'NO':>5}"
         )
     lines.append(
         "tok/s: all sessions' tokens after their first, over the time from the first token to the last; accepted: "
-        "drafts kept; tok/step: tokens per engine step (the sessions' together); same: the replies with "
-        "speculation are the tokens of those without"
+        "drafts kept; tok/step: tokens per engine step (the sessions' together); steps: the engine's steps without and "
+        "with speculation; drafting: of those with, the steps that verified drafts; serial: the steps completed "
+        "before the next was scheduled (the overlap given up for drafts); same: the replies with speculation are the "
+        "tokens of those without"
     )
     return "\n".join(lines)

@@ -637,6 +637,8 @@ def speculation_run(
         "steps": after.steps - before.steps,
         "tokens_per_step": tokens / max(1, after.steps - before.steps),
         "drafted": drafted,
+        "draft_steps": after.draft_steps - before.draft_steps,
+        "serial_steps": after.serial_steps - before.serial_steps,
         "acceptance": kept / drafted if drafted else None,
         "replies": [h.seq.generated for h in handles],
     }
@@ -680,6 +682,9 @@ def speculation_table(
                 "acceptance": on["acceptance"],
                 "tokens_per_step": on["tokens_per_step"],
                 "off_tokens_per_step": off["tokens_per_step"],
+                "steps": (off["steps"], on["steps"]),
+                "draft_steps": on["draft_steps"],
+                "serial_steps": on["serial_steps"],
                 "tokens": on["tokens"],
                 "same_tokens": on["replies"] == off["replies"],
             }

@@ -172,6 +172,8 @@ class Engine:
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
         self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
         self.drafted = self.kept = 0  # draft tokens verified, and kept, so far
+        # steps that verified drafts, and steps completed before the next was scheduled for drafting's sake
+        self.draft_steps = self.serial_steps = 0
         self.host_s = 0.0  # the loop's time outside waits for the device or for work, for per-step figures
         self._wait_s = 0.0  # this loop turn's wait for the device
         # the longest step so far, from its scheduling (or the end of the step it queued behind) to its sampled
@@ -353,6 +355,8 @@ class Engine:
             host_s=self.host_s,
             drafted=self.drafted,
             kept=self.kept,
+            draft_steps=self.draft_steps,
+            serial_steps=self.serial_steps,
             mask_steps=(masks := self.runner.mask_times).steps,
             mask_fill_s=masks.fill_s,
             mask_tokens_s=masks.tokens_s,
@@ -426,6 +430,7 @@ class Engine:
             # proposed from tokens on the host: a step that verified drafts, or one before a step that may draft,
             # completes first (no step in flight ever holds drafts when the scheduler runs).
             if inflight is not None and (not self.overlap or inflight.has_drafts or self.scheduler.may_draft()):
+                self.serial_steps += self.overlap
                 self._complete(inflight)
                 inflight = None
             launched = self._launch()
@@ -512,6 +517,7 @@ class Engine:
             if drafts and seq.status is not Status.FINISHED:
                 self.scheduler.drop_rejected(seq)
         self.drafted, self.kept = self.drafted + step.verified, self.kept + step.kept
+        self.draft_steps += step.has_drafts
         for seq, token, logprob in tokens:
             handle = self._handles.get(seq.id)
             if handle is None or handle.seq is not seq:  # ended by an earlier token of this step

@@ -99,9 +99,10 @@ def test_bench_table_and_bad_input():
 
 
 def test_bench_under_a_json_schema_says_where_masked_steps_wait():
-    """The default model's replies under a schema, through the engine process: each session count's masks' fill
-    time and the engine's waits, from the child's own timings. The closed loop's two prompts take 0.5-1 s to
-    prefill on two cores: its window opens after them, on decode steps."""
+    """The default model's replies under a schema, through the engine process, each run just after its free twin
+    on the same engine: each session count's masks' fill time and the engine's waits, from the child's own
+    timings, and the pair's ratio. The closed loop's two prompts take 0.5-1 s to prefill on two cores: its window
+    opens after them, on decode steps."""
     schema = Path(__file__).parents[1] / "benchmarks" / "people.schema.json"
     out = llamaterm(
         "bench", "--device", "cpu", "--json-schema", str(schema), "--sessions", "2", "--tokens", "16",
@@ -117,6 +118,8 @@ def test_bench_under_a_json_schema_says_where_masked_steps_wait():
     assert masks is not None, out.stdout
     fill, tokens, wait = map(float, masks.groups())
     assert fill > 0 and tokens >= 0 and wait >= 0
+    assert re.search(r"\n +2 free +[\d,.]+ .*\n +2 schema +[\d,.]+ ", out.stdout), out.stdout
+    assert re.search(r"under the schema, pair by pair, % of free: static \d+%; closed loop \d+%\n", out.stdout)
 
 
 def test_bench_beside_transformers_on_cpu():
@@ -172,6 +175,8 @@ def test_bench_speculation_with_and_without_on_cpu():
         assert row["same_tokens"] and row["off_tok_s"] > 0 and row["on_tok_s"] > 0
         n, prompts = row["sessions"], 3 if row["workload"] == "editing" else 4
         assert row["tokens"] == -(-max(n, prompts) // n) * n * 16  # every prompt, in waves of n sessions
+        # on the CPU no step overlaps the next, so none gave its overlap up for drafts
+        assert row["draft_steps"] <= row["steps"][1] and row["serial_steps"] == 0
     assert any(row["acceptance"] for row in r["rows"])  # random weights repeat themselves: some drafts are kept
     out = llamaterm("bench", "--speculate", "draft", "--device", "cpu")
     assert out.returncode == 2 and "--speculate takes ngram, or draft with --draft MODEL" in out.stderr
