@@ -14,6 +14,9 @@ runner's one-token warm-up):
 - again: the bucket captured a second time (what a capture costs once everything it needs exists);
 - replay 1 and replay 2: both graphs replayed, synchronized: the first replay uploads the graph;
 - kernels: kernels one replay of the bucket's two graphs runs (torch profiler).
+With --pieces, the buckets' warm-ups and captures go as the engine runs them between steps instead
+(StepGraphs.background, a piece a call): each piece's host time, the slowest and which, and the pieces that took
+new segments of memory (each a cudaMalloc).
 Every figure is wall time with the device synchronized before and after. Then the cProfile of warm 1 and of the
 capture of --profile-bucket (default: the last given), top 20 by own time; that bucket's row (marked *) carries
 cProfile's overhead. Run it twice: the first run may
@@ -160,6 +163,7 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--buckets", default="", help="comma-separated; default: the decode buckets, 1 upward")
     parser.add_argument("--profile-bucket", type=int, default=0, help="default: the last of --buckets")
+    parser.add_argument("--pieces", action="store_true", help="time the engine's background pieces instead")
     args = parser.parse_args()
 
     device = torch.device("cuda")
@@ -184,6 +188,8 @@ def main() -> None:
     unknown = [b for b in buckets if b not in graphs.buckets]
     if unknown:
         raise SystemExit(f"not buckets: {unknown}; the buckets are {graphs.buckets}")
+    if args.pieces:
+        return pieces(graphs, buckets, device)
     profiled = args.profile_bucket or buckets[-1]
     print(
         "bucket   warm 1  variants (s)  loads (s)   warm 2    begin  record    end  capture  mallocs   gc ms"
@@ -218,6 +224,33 @@ def main() -> None:
                 flush=True,
             )
     print("\n".join(profiles))
+
+
+def pieces(graphs: StepGraphs, buckets: list[int], device: torch.device) -> None:
+    """Each bucket warmed and captured as the engine's loop does it beside live steps, a piece a call of
+    StepGraphs.background; per job, its pieces' host times."""
+    print("bucket  job       pieces  first pieces ms          slowest ms (piece)  median ms  new segments (piece)")
+    for bucket in buckets:
+        graphs.uses[bucket] = 1 << 20  # the most wanted
+        for job in ("warm-up", "capture"):
+            times, grown = [], []
+            while True:
+                before, t = segments(device), time.perf_counter()
+                waiting = graphs.background(0.0, idle=False)
+                times.append(time.perf_counter() - t)
+                if segments(device) > before:
+                    grown.append(f"{segments(device) - before} ({len(times)})")
+                if waiting:
+                    times.pop()  # a look at the instantiating thread, not a piece of work
+                    time.sleep(0.0005)
+                elif graphs._job is None:
+                    break
+            slowest = max(range(len(times)), key=times.__getitem__)
+            print(
+                f"{bucket:6d}  {job:8s} {len(times):7d}  {' '.join(ms(x).strip() for x in times[:4]):22s}"
+                f"  {ms(times[slowest])} ({slowest + 1:3d})  {ms(sorted(times)[len(times) // 2])}   {' '.join(grown)}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
