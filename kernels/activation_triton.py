@@ -5,12 +5,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llamaterm.kernels.triton_util import after_previous, pdl
+
 BLOCK = 1024
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a compiled kernel reads only constexpr globals
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(
+    x_ptr, y_ptr, n_cols, stride_x, stride_y, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < n_cols
@@ -32,6 +37,15 @@ def act_and_mul_triton(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     y = torch.empty(x.shape[0], n_cols, dtype=gate_up.dtype, device=gate_up.device)
     if x.shape[0] > 0:
         _act_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, BLOCK))](
-            x, y, n_cols, x.stride(0), y.stride(0), GELU=activation == "gelu_tanh", BLOCK=BLOCK, num_warps=4
+            x,
+            y,
+            n_cols,
+            x.stride(0),
+            y.stride(0),
+            GELU=activation == "gelu_tanh",
+            BLOCK=BLOCK,
+            PDL=pdl(x.device),
+            num_warps=4,
+            launch_pdl=pdl(x.device),
         )
     return y.view(*gate_up.shape[:-1], n_cols)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import arith_dtype, num_sms
+from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl
 
 _LOG2E = 1.4426950408889634
 
@@ -60,7 +60,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
     DT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -166,7 +168,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -270,8 +274,10 @@ def paged_attention_triton(
         SPLIT=splits > 1,
         SLIDING=window is not None,
         DT=arith_dtype(q.dtype),
+        PDL=pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, n_heads)](
@@ -286,6 +292,8 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_S=triton.next_power_of_2(splits),
+            PDL=pdl(q.device),
             num_warps=4,
+            launch_pdl=pdl(q.device),
         )
     return out

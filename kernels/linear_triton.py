@@ -32,7 +32,7 @@ from llamaterm.kernels.qweight_triton import (
     step_params,
     use_asm,
 )
-from llamaterm.kernels.triton_util import arith_dtype, num_sms
+from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
@@ -77,7 +77,9 @@ def _qmatmul_kernel(
     DT: tl.constexpr,
     ASM: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -229,5 +231,7 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
+        PDL=pdl(x.device),
+        launch_pdl=pdl(x.device),
     )
     return y.view(*x.shape[:-1], n)

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llamaterm.kernels.triton_util import after_previous, pdl
+
 
 @triton.jit
 def _normalize(x, w_ptr, c, mask, n_cols, eps):
@@ -33,7 +35,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     X_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < n_cols
@@ -82,6 +86,8 @@ def rms_norm_triton(
             HAS_RESIDUAL=residual is not None,
             X_NORM=x_weight is not None,
             BLOCK=block,
+            PDL=pdl(x.device),
             num_warps=min(16, max(1, block // 256)),
+            launch_pdl=pdl(x.device),
         )
     return y.view(*x.shape[:-1], n_cols), total.view(x.shape)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llamaterm.kernels.triton_util import after_previous, pdl
+
 
 @triton.jit
 def _rotate(
@@ -77,7 +79,9 @@ def _rope_write_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)  # this program's KV head and the GROUP query heads that share it
     i = tl.arange(0, BLOCK_HALF)
@@ -165,6 +169,8 @@ def rope_write_kv_triton(
             PAGE=k_cache.shape[1],
             BLOCK_G=triton.next_power_of_2(n_q // n_k),
             BLOCK_HALF=triton.next_power_of_2(d // 2),
+            PDL=pdl(q.device),
             num_warps=1,
+            launch_pdl=pdl(q.device),
         )
     return q_out

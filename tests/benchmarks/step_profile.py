@@ -9,6 +9,7 @@ profiler over 10 replays.
 """
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -56,6 +57,8 @@ def main() -> None:
     try:
         for n in map(int, args.sessions.split(",")):
             rate = wl.static_rate(sessions, n, 128, 128)
+            while engine.runner.background_pending(idle=True):  # no capture open while the profiler synchronizes
+                time.sleep(0.01)
             graph = engine.runner.graphs.graphs[n].forward  # captured while the batch ran (its bucket in use)
             gpu = replay_ms(graph)
             print(
