@@ -33,10 +33,11 @@ class EngineConfig:
     # from the draft model `draft` (a store name or a path; it must share the model's vocabulary), "off"
     speculate: str = "ngram"
     draft: str | None = None
-    # drafts ride while a step samples at most this many rows (a row per sequence, one per draft): a step with
-    # drafts completes before the next is scheduled, which on the H200 cost 8 sessions of the default model 13-20%
-    # with drafts at 32 rows; at 8, one session drafts up to 7 tokens and 8 sessions none
-    speculate_tokens: int = 8
+    # drafts ride while a step samples at most this many rows (a row per sequence, one per draft): one session drafts
+    # up to 15 tokens. A step with drafts completes before the next is scheduled, which on the H200 cost 8 sessions of
+    # the default model 13-20% with drafts at 32 rows: beyond a few sessions, may_draft's weighing of the overlap lost
+    # (speculation.py's OVERLAP_COST) keeps them off
+    speculate_tokens: int = 16
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ proposal costs O(MAX_NGRAM + k) and each token O(MAX_NGRAM ** 2) once.
 Why at least MIN_NGRAM = 3 tokens: how often the token after a match is the one that followed it before grows with
 the match's length. On the default model's replies to the editing and open chat requests of `llamaterm bench
 --speculate` (tests/benchmarks/draft_policy.py) the first draft was kept 13-21% of the time after a match of one
-token, 35-42% after two, 53-71% after three and 75-97% after eight or more; a step with drafts costs about 0.17 of
+token, 35-42% after two, 53-71% after three and 75-97% after eight or more; a step with drafts costs about 0.6 of
 a plain step more (below), so drafts after shorter matches cost more than they bring.
 
 Verification (engine/serving/scheduler.py places the chunk, model_runner.py samples it): the step computes the
@@ -34,9 +34,12 @@ How many tokens to draft adapts to each sequence's measured acceptance (`DraftLe
 drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` rows sampled in the
 step. What drafting costs where it does not pay: a step with drafts completes before the next is scheduled, and the
 engine completes the step in flight before scheduling one that may draft (scheduler.py's may_draft), so the host's
-work stops hiding under the device's; on the H200 a step with drafts at one session of the default model took 1.17x
-a plain step. So may_draft asks `NgramIndex.may_match` (could a suffix of MIN_NGRAM tokens match once the token in
-flight is known?) and a sequence gives up its steps' overlap only where a proposal can follow.
+work stops hiding under the device's; on the H200 a step with drafts at one session of the default model took
+1.55-1.6x a plain step (OVERLAP_COST). So may_draft asks `NgramIndex.may_match` (did the last MIN_NGRAM known tokens
+occur before, so that with the token in flight a match of MIN_NGRAM + 1 may follow?) and a sequence gives up its
+steps' overlap only where a proposal is likely to follow: a match of MIN_NGRAM alone after the token in flight
+(its last two tokens occurred before) held too little promise, 7-23% of a reply's steps giving up their overlap for
+no drafts (the offline replay of tests/benchmarks/draft_policy.py, against 3-11% now).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 SPECULATE = ("off", "ngram", "draft")  # EngineConfig.speculate
 MIN_NGRAM = 3  # the shortest suffix looked up: shorter matches' drafts are kept too seldom to pay
 MAX_NGRAM = 8  # the longest: among matches this long or longer, the latest
-MAX_DRAFT = 8  # tokens drafted per step at most
+MAX_DRAFT = 15  # tokens drafted per step at most
 EWMA = 0.3  # weight of the newest step in a sequence's acceptance average
 FIRST_ACCEPTANCE = 0.6  # the average a sequence starts from, and comes back to after a pause
 MIN_ACCEPTANCE = 0.25  # below it, drafting pauses: the step's rows cost more than the tokens they bring
@@ -56,22 +59,23 @@ MAX_PAUSE_DOUBLINGS = 4
 MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
 # What a step costs more when it is launched after the one before completed on the host (drafts are proposed from
 # tokens there) than beside it, in steps: the host's work no longer hides under the device's (the default model at
-# one session on the H200: 1.27 ms against 1.08, BENCHMARKS.md). A step of n sequences that gives up its overlap
-# pays OVERLAP_COST * n tokens: drafting pays where its drafts are expected to bring more (Scheduler.may_draft).
-OVERLAP_COST = 0.17
+# one session on the H200, its kernels launched dependent: 0.55-0.6 ms against a plain step's 0.91, BENCHMARKS.md).
+# A step of n sequences that gives up its overlap pays OVERLAP_COST * n tokens: drafting pays where its drafts are
+# expected to bring more (Scheduler.may_draft).
+OVERLAP_COST = 0.6
 
 
 @dataclass
 class NgramIndex:
     """The latest end position of every n-gram among a sequence's known tokens but for those that end at the last
-    one (they are the suffix looked up, and have no follower yet): of MIN_NGRAM - 1 tokens for may_match, which the
+    one (they are the suffix looked up, and have no follower yet): of MIN_NGRAM tokens for may_match, which the
     scheduler asks of every running sequence while a step could draft, and of MIN_NGRAM .. MAX_NGRAM for propose.
     Each is built on first use: a prompt of 500 tokens takes 0.1 ms for the first and 0.8 ms for the others on a
     2-core machine, which sequences that never draft do not pay."""
 
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)  # MIN_NGRAM .. MAX_NGRAM
     indexed: int = 0  # n-grams ending before this position are in `latest`
-    short: dict[tuple[int, ...], int] = field(default_factory=dict)  # MIN_NGRAM - 1
+    short: dict[tuple[int, ...], int] = field(default_factory=dict)  # MIN_NGRAM
     short_indexed: int = 0
 
     def propose(self, tokens: list[int], known: int, k: int) -> list[int]:
@@ -92,12 +96,13 @@ class NgramIndex:
         return []
 
     def may_match(self, tokens: list[int], known: int) -> bool:
-        """Whether some next token would give tokens[:known] and it a suffix that propose finds: the last
-        MIN_NGRAM - 1 known tokens occurred before, with a known token after them."""
-        if known < MIN_NGRAM:
+        """Whether the next token is likely to give tokens[:known] and it a suffix that propose finds: the last
+        MIN_NGRAM known tokens occurred before, with a known token after them (if the next is that token, a match of
+        MIN_NGRAM + 1 follows)."""
+        if known <= MIN_NGRAM:
             return False
-        self.short_indexed = index(self.short, (MIN_NGRAM - 1,), tokens, self.short_indexed, known)
-        return tuple(tokens[known - MIN_NGRAM + 1 : known]) in self.short
+        self.short_indexed = index(self.short, (MIN_NGRAM,), tokens, self.short_indexed, known)
+        return tuple(tokens[known - MIN_NGRAM : known]) in self.short
 
 
 def index(latest: dict[tuple[int, ...], int], lengths: Sequence[int], tokens: list[int], start: int, known: int) -> int:

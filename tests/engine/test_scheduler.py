@@ -178,10 +178,10 @@ def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
 
 
 def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_it():
-    """Completing the step in flight costs a step 17% more for every running sequence (0.17 tokens each); the
+    """Completing the step in flight costs a step 60% more for every running sequence (0.6 tokens each); the
     drafts the next step has rows for bring their chances of being kept. 7 sequences at acceptance 0.6 have one row:
-    0.6 < 7 * 0.17; 4 have four: 4 * 0.6 > 4 * 0.17. At acceptance 0.25 a sequence drafts one token, kept a
-    quarter of the time: 4 sequences 4 * 0.25 > 0.68; 6 have two rows, 0.5 < 1.02."""
+    0.6 < 7 * 0.6; 2 have six: 0.6 + 0.6 + 0.36 + 0.36 + 0.216 + 0.216 > 2 * 0.6. At acceptance 0.45 a sequence
+    drafts two tokens, kept with chances 0.45 and 0.2025: 2 sequences 1.305 > 1.2; 3 have five rows, 1.755 < 1.8."""
     s, running = drafting_batch(7)
     assert running[0].speculation.length.acceptance == 0.6
     assert not s.may_draft()
@@ -192,13 +192,13 @@ def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_
     s.advance(step)
     for q in running:
         q.token_ids.append(q.token_ids[11])
-    s.running = s.running[:4]
+    s.running = s.running[:2]
     assert s.may_draft()
-    assert sum(c.length - 1 for c in s.schedule()) == 4  # drafts in the four rows
+    assert sum(c.length - 1 for c in s.schedule()) == 6  # drafts in the six rows
     for q in running:
-        q.speculation.length.acceptance = 0.25
+        q.speculation.length.acceptance = 0.45
     assert s.may_draft()
-    s.running = running[:6]
+    s.running = running[:3]
     assert not s.may_draft()
 
 
@@ -214,7 +214,7 @@ def test_overlap_is_given_up_only_where_a_proposal_can_follow():
     q.token_ids.append(-1)  # its first token, in flight
     q.num_pending = 1
     assert not s.may_draft()  # a prompt of distinct tokens
-    q.token_ids[-1:] = [q.token_ids[5], q.token_ids[6], -1]  # the reply quotes the prompt's 6th and 7th tokens
+    q.token_ids[-1:] = [*q.token_ids[5:8], -1]  # the reply quotes the prompt's 6th to 8th tokens
     assert s.may_draft()
     q.speculation.length.paused_until = q.num_generated + 1
     assert not s.may_draft()

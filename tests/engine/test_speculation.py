@@ -60,17 +60,20 @@ def test_prompt_lookup_matches_a_plain_search():
             assert index.propose(tokens, known, k) == longest_match(tokens[:known], k), (trial, known)
 
 
-def test_a_match_may_follow_where_some_next_token_gives_one():
-    """may_match (the engine gives up overlapping its steps for it) is true exactly where some token after the
-    known ones would give the lookup a match."""
+def test_a_match_may_follow_where_the_last_tokens_occurred_before():
+    """may_match (the engine gives up overlapping its steps for it) is true exactly where the last MIN_NGRAM known
+    tokens occurred before with a known token after them; that token next would give the lookup a match."""
     rng = random.Random(1)
+    m = speculation.MIN_NGRAM
     for trial in range(300):
         vocab = rng.choice([3, 6, 12])
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         index = NgramIndex()
         for known in range(1, len(tokens) + 1):
-            possible = any(longest_match(tokens[:known] + [x], 1) for x in range(vocab))
-            assert index.may_match(tokens, known) == possible, (trial, known)
+            ends = [e for e in range(m - 1, known - 1) if tokens[e - m + 1 : e + 1] == tokens[known - m : known]]
+            assert index.may_match(tokens, known) == bool(ends), (trial, known)
+            if ends:
+                assert longest_match(tokens[:known] + [tokens[ends[-1] + 1]], 1)
             if rng.random() < 0.5:  # interleaved with proposals, as the scheduler asks
                 index.propose(tokens, known, 1)
 
