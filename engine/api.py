@@ -92,8 +92,8 @@ class EngineStats:
     host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
     drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
     kept: int = 0
-    draft_steps: int = 0  # steps that verified drafts, and steps completed before the next one was scheduled
-    serial_steps: int = 0  # because drafts were verified or might be proposed (the overlap given up)
+    draft_steps: int = 0  # steps that verified drafts
+    serial_steps: int = 0  # steps completed before the next was scheduled, as drafts were verified or may follow
     # steps under a grammar so far, and their host time summed: masks filling (on their own thread), the engine
     # waiting for the tokens the masks start from, and waiting for the masks (engine/serving/model_runner.py)
     mask_steps: int = 0

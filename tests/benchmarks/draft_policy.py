@@ -11,11 +11,11 @@ of its drafts the model would have kept, follow from the replies alone. Per work
 `bench` counts them: a reply's tokens over its steps, the prompt's included), drafts a step, the drafts kept, the
 steps that gave up overlap with no drafts to show for it, and the speed-up over decoding without drafts by this cost
 model of one session on the H200: a plain step (launched while the one before runs) costs 1; one launched after the
-step before was completed on the host costs 1.17 (that step had drafts, or the engine saw that the next one may
-draft: scheduler.py's may_draft), plus 0.01 a draft row. Where that comes from: BENCHMARKS.md's speculative decoding
-section, the default model at one session: a plain step 1.08 ms, a step with drafts about 1.27 ms (1.17x), the
-extra mostly the host's work no longer hidden under the device's; and verify_step there (8B shapes): 8 rows 1.09x
-one row, about 0.01 a row.
+step before was completed on the host costs 1 + speculation.OVERLAP_COST (that step had drafts, or the engine saw
+that the next one may draft: scheduler.py's may_draft), plus 0.01 a draft row. Where that comes from: BENCHMARKS.md,
+the default model at one session with its kernels launched dependent: a plain step 0.91 ms, one completed before
+the next 0.55-0.6 ms more, mostly the host's work no longer hidden under the device's (before dependent launches,
+1.08 and 0.19 ms); and verify_step (8B shapes): 8 rows 1.09x one row, about 0.01 a row.
 
 The policies vary the lookup (the shortest and longest suffix matched; "all": the longest match over every earlier
 occurrence; "prompt first": among matches as long, the prompt's), the draft length (the engine's DraftLength, or
@@ -41,7 +41,7 @@ from llamaterm.engine.serving import speculation
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.speculation import DraftLength, Speculation
 
-SYNCED, ROW = 0.17, 0.01  # a step launched after the one before completed, a draft row: in plain steps
+SYNCED, ROW = speculation.OVERLAP_COST, 0.01  # a step launched after the one before completed, a draft row
 EDITS = Path(__file__).parent / "editing"
 
 
@@ -229,7 +229,7 @@ def policies() -> list[Policy]:
         replace(now, name="  and the prompt first", max_n=None, prompt_first=True),
         replace(now, name="  no pause", pause=False),
         replace(now, name="  k always the most", adapt=False),
-        replace(now, name="  15 drafts (speculate_tokens 16)", most=15),
+        replace(now, name="  7 drafts (speculate_tokens 8)", most=7),
         replace(now, name="engine"),
     ]
 
