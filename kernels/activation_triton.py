@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import after_previous, pdl
+from llamaterm.kernels.triton_util import after_previous, pdl_launch
 
 BLOCK = 1024
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a compiled kernel reads only constexpr globals
@@ -44,8 +44,7 @@ def act_and_mul_triton(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
             y.stride(0),
             GELU=activation == "gelu_tanh",
             BLOCK=BLOCK,
-            PDL=pdl(x.device),
             num_warps=4,
-            launch_pdl=pdl(x.device),
+            **pdl_launch(x.device),
         )
     return y.view(*gate_up.shape[:-1], n_cols)

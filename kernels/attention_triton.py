@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl
+from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -274,10 +274,9 @@ def paged_attention_triton(
         SPLIT=splits > 1,
         SLIDING=window is not None,
         DT=arith_dtype(q.dtype),
-        PDL=pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=pdl(q.device),
+        **pdl_launch(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, n_heads)](
@@ -292,8 +291,7 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_S=triton.next_power_of_2(splits),
-            PDL=pdl(q.device),
             num_warps=4,
-            launch_pdl=pdl(q.device),
+            **pdl_launch(q.device),
         )
     return out

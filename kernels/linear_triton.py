@@ -32,7 +32,7 @@ from llamaterm.kernels.qweight_triton import (
     step_params,
     use_asm,
 )
-from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl
+from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl_launch
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
@@ -231,7 +231,6 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
-        PDL=pdl(x.device),
-        launch_pdl=pdl(x.device),
+        **pdl_launch(x.device),
     )
     return y.view(*x.shape[:-1], n)

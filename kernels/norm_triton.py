@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import after_previous, pdl
+from llamaterm.kernels.triton_util import after_previous, pdl_launch
 
 
 @triton.jit
@@ -86,8 +86,7 @@ def rms_norm_triton(
             HAS_RESIDUAL=residual is not None,
             X_NORM=x_weight is not None,
             BLOCK=block,
-            PDL=pdl(x.device),
             num_warps=min(16, max(1, block // 256)),
-            launch_pdl=pdl(x.device),
+            **pdl_launch(x.device),
         )
     return y.view(*x.shape[:-1], n_cols), total.view(x.shape)

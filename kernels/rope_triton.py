@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import after_previous, pdl
+from llamaterm.kernels.triton_util import after_previous, pdl_launch
 
 
 @triton.jit
@@ -169,8 +169,7 @@ def rope_write_kv_triton(
             PAGE=k_cache.shape[1],
             BLOCK_G=triton.next_power_of_2(n_q // n_k),
             BLOCK_HALF=triton.next_power_of_2(d // 2),
-            PDL=pdl(q.device),
             num_warps=1,
-            launch_pdl=pdl(q.device),
+            **pdl_launch(q.device),
         )
     return q_out

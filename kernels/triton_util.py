@@ -38,6 +38,13 @@ def pdl(device: torch.device) -> bool:
     )
 
 
+@functools.cache
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A launch's arguments for `pdl`: the kernel's PDL (which after_previous reads) and Triton's launch_pdl."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def after_previous(PDL: tl.constexpr):
     """A kernel's first step under programmatic dependent launch: wait until the kernel before it has ended and
