@@ -12,6 +12,16 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a compiled kernel reads onl
 
 
 @triton.jit
+def gated(gate, up, GELU: tl.constexpr):
+    """act(gate) * up in fp32 (SiLU, or with GELU its tanh form)."""
+    if GELU:
+        z = 2.0 * SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+    else:
+        z = gate
+    return gate / (1.0 + tl.exp(-z)) * up
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr, y_ptr, n_cols, stride_x, stride_y, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -21,11 +31,7 @@ def _act_and_mul_kernel(
     mask = c < n_cols
     gate = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + c, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
-        z = 2.0 * SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
-    else:
-        z = gate
-    tl.store(y_ptr + row * stride_y + c, (gate / (1.0 + tl.exp(-z)) * up).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + c, gated(gate, up, GELU).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def act_and_mul_triton(gate_up: torch.Tensor, activation: str) -> torch.Tensor:

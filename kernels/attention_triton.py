@@ -8,8 +8,9 @@ blocks start at query_start_loc[b] // BLOCK_Q + b, which leaves room for its par
 program finds its sequence by binary search, so varlen batches need no host-side metadata (and no sync).
 
 Decode-heavy steps (about one query token per sequence) use BLOCK_Q = 1; when that grid is too small to fill
-the GPU, the KV range is also split across programs (flash-decoding): each split writes its normalized partial
-output and log-sum-exp, and a second kernel merges them. The split count comes from the block table's width,
+the GPU, the KV range is also split across programs (flash-decoding): each split with keys writes its normalized
+partial output and log-sum-exp, and the last of them to finish (a counter per query block and KV head) merges
+them, so a decode step's attention is one launch. The split count comes from the block table's width,
 an upper bound on context length known on the host; each sequence's keys are shared among the splits in the
 kernel, so a batch of short sequences (or a CUDA graph captured for the longest context) splits their real length.
 With a sliding window (SLIDING) a program's keys start at its first query's window, so a long context costs
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl_launch
+from llamaterm.kernels.triton_util import arith_dtype, launch_next, num_sms, pdl_launch, split_counters, wait_previous
 
 _LOG2E = 1.4426950408889634
 
@@ -38,6 +39,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
+    counters_ptr,
     qk_scale,
     window,
     num_seqs,
@@ -62,7 +64,7 @@ def _paged_attention_kernel(
     DT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    after_previous(PDL)
+    wait_previous(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,6 +111,7 @@ def _paged_attention_kernel(
         per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         kv_lo = kv_start + split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+        n_used = tl.cdiv(kv_end - kv_start, per_split)  # splits with keys (every row sees each of their keys)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -134,57 +137,49 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DT), v.to(DT))
             m_i = m_new
 
+        launch_next(PDL)  # only now: see triton_util.launch_next
         tok = q_start + qi
-        if SPLIT:
-            # normalized partial and its log2-sum-exp; a split with no visible key has lse = -inf, weight 0
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            row = (split * num_tokens + tok).to(tl.int64) * (tl.num_programs(1) * GROUP) + head
-            tl.store(part_lse_ptr + row, lse, mask=row_mask)
-            tl.store(
-                part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                acc / l_safe[:, None],
-                mask=row_mask[:, None] & d_mask[None, :],
-            )
-        else:
-            o = acc / l_i[:, None]
-            tl.store(
-                out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                o.to(out_ptr.dtype.element_ty),
-                mask=row_mask[:, None] & d_mask[None, :],
-            )
+        out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        out_mask = row_mask[:, None] & d_mask[None, :]
+        if n_used == 1:  # all keys in split 0 (without SPLIT, the only one); the other splits have none
+            if split == 0:
+                tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        elif SPLIT:
+            if split < n_used:
+                # a normalized partial and its log2-sum-exp; the last split to finish merges them all
+                row0 = tok.to(tl.int64) * tl.num_programs(1) * GROUP + head  # the rows' partials in split 0
+                stride = num_tokens * tl.num_programs(1) * GROUP  # from one split's partials to the next's
+                tl.store(part_lse_ptr + split * stride + row0, m_i + tl.log2(l_i), mask=row_mask)
+                o_offs = row0[:, None] * HEAD_DIM + d[None, :]
+                tl.store(part_o_ptr + split * stride * HEAD_DIM + o_offs, acc / l_i[:, None], mask=out_mask)
+                tl.debug_barrier()  # every thread's partial is stored before the counter's release
+                counter = counters_ptr + pid * tl.num_programs(1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == n_used - 1:
+                    o = _merge_splits(
+                        part_o_ptr + o_offs, part_lse_ptr + row0, stride, HEAD_DIM, row_mask, out_mask, n_used
+                    )
+                    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+                    tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_o_ptr,
-    part_lse_ptr,
-    out_ptr,
-    num_tokens,
-    n_heads,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    after_previous(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (s * num_tokens + t).to(tl.int64) * n_heads + h
-    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # some split holds the query's own key, so the max is finite
-    o = tl.load(
-        part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    o = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+def _merge_splits(o_ptrs, lse_ptrs, stride, HEAD_DIM: tl.constexpr, row_mask, mask, n_used):
+    """The outputs [rows, BLOCK_D] from the partials of splits 0 .. n_used - 1 (split s's at o_ptrs + s * stride *
+    HEAD_DIM and lse_ptrs + s * stride): each weighs 2^lse, merged online. Loads bypass L1 (.cg): other programs
+    wrote them."""
+    m = tl.full([o_ptrs.shape[0]], float("-inf"), tl.float32)
+    w_sum = tl.zeros([o_ptrs.shape[0]], tl.float32)
+    o = tl.zeros(o_ptrs.shape, tl.float32)
+    for s in range(n_used):
+        lse = tl.load(lse_ptrs + s * stride, mask=row_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(o_ptrs + s * stride * HEAD_DIM, mask=mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        o = o * alpha[:, None] + w[:, None] * part
+        w_sum = w_sum * alpha + w
+        m = m_new
+    return o / w_sum[:, None]
 
 
 @dataclass(frozen=True)
@@ -252,6 +247,7 @@ def paged_attention_triton(
         out,
         part_o,
         part_lse,
+        split_counters(q.device, n_blocks * n_kv, "paged_attention"),
         scale * _LOG2E,
         window or 0,
         num_seqs,
@@ -278,20 +274,4 @@ def paged_attention_triton(
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
     )
-    if splits > 1:
-        _merge_splits_kernel[(num_tokens, n_heads)](
-            part_o,
-            part_lse,
-            out,
-            num_tokens,
-            n_heads,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
-            **pdl_launch(q.device),
-        )
     return out

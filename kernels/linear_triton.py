@@ -7,6 +7,8 @@ layout (wgmma from BLOCK_N = 64 on Hopper; mma.sync for BLOCK_M = 8) while the a
 Each group's dot is on the centred integers, exact in fp16/bf16, and its scale multiplies the fp32 partial; offsets
 add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two groups), wide enough for
 cp.async, so the pipelined loop prefetches them with the bytes.
+With an activation (the gated MLP's gate_up projection), a tile's rows alternate gate and up rows of the same
+features, and the epilogue writes act(gate) * up: one launch fewer per layer.
 Above DENSE_M rows: dequantize to a dense copy, then cuBLAS; with a dense copy kept (QuantWeight.kept_dense), cuBLAS
 from DENSE_M_KEPT rows, where its fp16 matmul costs less than this kernel's third 64-row tile.
 
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llamaterm.kernels.activation_triton import act_and_mul_triton, gated
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.qweight_triton import (
     ROW_PAD,
@@ -32,7 +35,7 @@ from llamaterm.kernels.qweight_triton import (
     step_params,
     use_asm,
 )
-from llamaterm.kernels.triton_util import after_previous, arith_dtype, num_sms, pdl_launch
+from llamaterm.kernels.triton_util import arith_dtype, launch_next, num_sms, pdl_launch, split_counters, wait_previous
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
@@ -77,21 +80,28 @@ def _qmatmul_kernel(
     DT: tl.constexpr,
     ASM: tl.constexpr,
     STAGES: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    after_previous(PDL)
+    wait_previous(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     GPS: tl.constexpr = 8 // BITS  # groups per step
     n_steps = tl.cdiv(K, GROUP * GPS)
     n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows >= N read zero padding (n_pad) or are masked out of y
-    row_mask = rows < N
+    if GATED:  # the tile's rows alternate gate and up rows of the same BLOCK_N // 2 features
+        features = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        rows = features + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
+        row_mask = features < N // 2
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows >= N read zero padding (n_pad) or are masked out of y
+        row_mask = rows < N
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     j = tl.arange(0, GROUP)
-    pad_mask = rows < n_pad
+    pad_mask = row_mask if GATED else rows < n_pad
     s_lo = pid_k * steps_per_split
     s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
     byte_ptrs = w_ptr + s_lo.to(tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
@@ -122,40 +132,48 @@ def _qmatmul_kernel(
             if HAS_OFFSET:
                 acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
 
-    y_ptrs = y_ptr + m[:, None] * stride_ym + rows[None, :]
+    launch_next(PDL)  # only now: see triton_util.launch_next
     part_ptrs = part_ptr + m[:, None] * N + rows[None, :]
-    out_mask = m_mask[:, None] & row_mask[None, :]
-    tile = pid_m * tl.num_programs(0) + pid_n
-    _store(tl.trans(acc), y_ptrs, part_ptrs, M * N, out_mask, count_ptr + tile, pid_k, split_k, SPLIT)
-
-
-@triton.jit
-def _store(acc, y_ptrs, part_ptrs, part_size, mask, counter, pid_k, split_k, SPLIT: tl.constexpr):
-    """Writes acc to y; with a split K, through the fp32 partials (see the docstring), split s's at
-    part_ptrs + s * part_size."""
+    mask = m_mask[:, None] & row_mask[None, :]
     if not SPLIT:
-        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptrs + pid_k * part_size, acc, mask=mask)
+        _write(tl.trans(acc), y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
+    else:  # through the fp32 partials (see the docstring), split s's at part_ptrs + s * M * N
+        tl.store(part_ptrs + pid_k * M * N, tl.trans(acc), mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter's release
-        done = tl.atomic_add(counter, 1, sem="acq_rel")
-        if done == split_k - 1:
-            total = tl.zeros(acc.shape, dtype=tl.float32)
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split_k):
-                total += tl.load(part_ptrs + s * part_size, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _write(total, y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
             tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Per-tile split counters, zero between launches (the last split resets its own). One stream only."""
-    c = _counters.get(device)
-    if c is None or c.numel() < tiles:
-        c = _counters[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-    return c
+@triton.jit
+def _write(
+    acc,
+    y_ptr,
+    stride_ym,
+    m,
+    m_mask,
+    rows,
+    row_mask,
+    pid_n,
+    N,
+    BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+):
+    """Stores the tile acc [BLOCK_M, BLOCK_N] to y; GATED: act(gate) * up of its column pairs, each rounded to y's
+    dtype first as the unfused activation reads them."""
+    dt = y_ptr.dtype.element_ty
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc.to(dt).to(tl.float32), [acc.shape[0], BLOCK_N // 2, 2]))
+        features = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = m_mask[:, None] & (features < N // 2)[None, :]
+        tl.store(y_ptr + m[:, None] * stride_ym + features[None, :], gated(gate, up, GELU).to(dt), mask=mask)
+    else:
+        tl.store(y_ptr + m[:, None] * stride_ym + rows[None, :], acc.to(dt), mask=m_mask[:, None] & row_mask[None, :])
 
 
 def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) -> Config:
@@ -181,7 +199,11 @@ def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) ->
     return Config(block_m, block_n, split, warps, 3)
 
 
-def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None) -> torch.Tensor:
+def qmatmul_triton(
+    x: torch.Tensor, w: QuantWeight, config: Config | None = None, activation: str | None = None
+) -> torch.Tensor:
+    """x @ w^T; with an activation ("silu", "gelu_tanh"), act(gate) * up of its halves [..., N / 2] (w stacks the
+    gate and up projections), in the same kernel."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if w.perm is not None:  # GPTQ act-order: y = x[:, perm] @ W^T; gather the (small) activations once
@@ -192,16 +214,19 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
     kept = w.kept_dense(x.dtype)
     if config is None and (m > DENSE_M or (kept is not None and m > DENSE_M_KEPT)):
         dense = kept if kept is not None else dequantize_rows_triton(w, None, x.dtype)
-        return F.linear(x2, dense).view(*x.shape[:-1], n)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = F.linear(x2, dense).view(*x.shape[:-1], n)
+        return y if activation is None else act_and_mul_triton(y, activation)
+    n_out = n if activation is None else n // 2
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.view(*x.shape[:-1], n)
+        return y.view(*x.shape[:-1], n_out)
     layout = gpu_layout(w)
     steps = layout.values.shape[0]
     cfg = config or pick_config(m, n, k, w.group_size, steps, num_sms(x.device))
     steps_per_split = triton.cdiv(steps, cfg.split_k)
     split = triton.cdiv(steps, steps_per_split)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    tile_n = cfg.block_n if activation is None else cfg.block_n // 2  # output features per tile
+    grid = (triton.cdiv(n_out, tile_n), triton.cdiv(m, cfg.block_m), split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     _qmatmul_kernel[grid](
         x2,
@@ -210,7 +235,7 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         layout.scales if layout.offsets is None else layout.offsets,
         y,
         part,
-        _tile_counters(x.device, grid[0] * grid[1]),
+        split_counters(x.device, grid[0] * grid[1], "qmatmul"),
         m,
         n,
         k,
@@ -224,13 +249,15 @@ def qmatmul_triton(x: torch.Tensor, w: QuantWeight, config: Config | None = None
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SPLIT=split > 1,
-        EVEN_N=n % cfg.block_n == 0,
+        EVEN_N=n_out % tile_n == 0,
         EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
         DT=arith_dtype(x.dtype),
         ASM=use_asm(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
+        GATED=activation is not None,
+        GELU=activation == "gelu_tanh",
         **pdl_launch(x.device),
     )
-    return y.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], n_out)

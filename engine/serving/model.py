@@ -16,7 +16,7 @@ from llamaterm.engine.checkpoints.config import ModelConfig
 from llamaterm.kernels.activation import act_and_mul
 from llamaterm.kernels.attention import paged_attention
 from llamaterm.kernels.embedding import embedding
-from llamaterm.kernels.linear import linear
+from llamaterm.kernels.linear import linear, linear_act
 from llamaterm.kernels.norm import rms_norm
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.rope import rope_write_kv
@@ -105,6 +105,13 @@ def linear_parts(x: torch.Tensor, parts: list[Weight]) -> torch.Tensor:
     if len(parts) == 1:
         return linear(x, parts[0])
     return torch.cat([linear(x, p) for p in parts], dim=-1)
+
+
+def gated_parts(x: torch.Tensor, parts: list[Weight], activation: str) -> torch.Tensor:
+    """The gated MLP's act(gate) * up, its gate and up projections stacked in `parts`."""
+    if len(parts) == 1:
+        return linear_act(x, parts[0], activation)
+    return act_and_mul(linear_parts(x, parts), activation)
 
 
 def take_rows(parts: list[Weight], index: torch.Tensor) -> list[Weight]:
@@ -253,7 +260,7 @@ class Model:
             h = linear(o.view(n_tokens, q_size), layer.o)
             yield  # half a layer a piece: a capture's pieces then sit within half a small model's step
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual, layer.post_attn_norm)
-            h = linear(act_and_mul(linear_parts(x, layer.gate_up), c.activation), layer.down)
+            h = linear(gated_parts(x, layer.gate_up, c.activation), layer.down)
             post_norm = layer.post_ffn_norm
             yield
         last = step.logits_indices

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from llamaterm.kernels.activation import REFERENCES as act_and_mul_refs  # noqa: E402
 from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref  # noqa: E402
 from llamaterm.kernels.activation_triton import act_and_mul_triton  # noqa: E402
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
@@ -82,6 +83,20 @@ def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
     ref = linear_ref(x.float(), w)
     assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]
     assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]  # split counters were reset
+
+
+@pytest.mark.parametrize("bits,group,offsets,perm", FORMATS[:2])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (1, CONFIGS[3]), (3, CONFIGS[4]), (300, None)])
+def test_qmatmul_gated(bits, group, offsets, perm, activation, m, config):
+    """The gate_up projection with its activation in the epilogue: act(gate) * up of the two halves of W's rows
+    (20 features: no multiple of the tiles); 300 rows take the dense path, then the activation's own kernel."""
+    k = 3 * group if group < 128 else 2 * group
+    w = random_qweight(40, k, bits, group, offsets, perm)
+    x = torch.randn(m, k, device=DEVICE).half()
+    ref = act_and_mul_refs[activation](linear_ref(x.float(), w))
+    assert rel_err(qmatmul_triton(x, w, config, activation), ref) < TOL[torch.float16]
+    assert rel_err(qmatmul_triton(x, w, config, activation), ref) < TOL[torch.float16]  # split counters were reset
 
 
 def nan_guarded(t: torch.Tensor) -> torch.Tensor:
