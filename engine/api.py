@@ -35,8 +35,8 @@ class EngineConfig:
     draft: str | None = None
     # drafts ride while a step samples at most this many rows (a row per sequence, one per draft): one session drafts
     # up to 15 tokens. A step with drafts completes before the next is scheduled, which on the H200 cost 8 sessions of
-    # the default model 13-20% with drafts at 32 rows: may_draft weighs the overlap lost (0.6 of a step a sequence,
-    # speculation.py's OVERLAP_COST) against the drafts' chances, and 8 new sequences (a row each, at 0.6) draft none
+    # the default model 13-20% with drafts at 32 rows: may_draft weighs the overlap lost (0.95 of a step a sequence,
+    # speculation.py's BATCH_OVERLAP_COST) against the drafts' chances, and 8 sequences draft only near-certain drafts
     speculate_tokens: int = 16
 
 

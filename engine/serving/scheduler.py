@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from llamaterm.engine.serving.block_manager import BlockManager
 from llamaterm.engine.serving.sequence import Sequence, Status
-from llamaterm.engine.serving.speculation import OVERLAP_COST
+from llamaterm.engine.serving.speculation import BATCH_OVERLAP_COST
 
 
 @dataclass
@@ -158,7 +158,7 @@ class Scheduler:
         """Drafting pays in the next step, so the engine completes the step in flight before it schedules (engine.py:
         drafts are proposed from tokens on the host), giving up the overlap of the two: the drafts the step has rows
         for (speculate_tokens, less a row per sequence) are expected to bring more tokens than that costs a batch,
-        OVERLAP_COST of a step of every running sequence. A draft is expected to bring the chance it is kept
+        BATCH_OVERLAP_COST of a step of every running sequence. A draft is expected to bring the chance it is kept
         (DraftLength.chances); a sequence drafts when it is not pausing and, with prompt lookup, a proposal is likely
         to follow its known tokens. A lone sequence's drafting is its DraftLength's to weigh: it pauses when its drafts
         are seldom kept, and starts again afresh, where a weighing here would hold it back for good on a low average
@@ -176,7 +176,7 @@ class Scheduler:
             ),
             reverse=True,
         )
-        return sum(chances[:rows]) > (OVERLAP_COST * len(self.running) if len(self.running) > 1 else 0.0)
+        return sum(chances[:rows]) > (BATCH_OVERLAP_COST * len(self.running) if len(self.running) > 1 else 0.0)
 
     def _draft_rows(self) -> int:
         """The rows of speculate_tokens a step leaves for drafts: every running and admitted sequence samples one."""

@@ -178,10 +178,11 @@ def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
 
 
 def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_it():
-    """Completing the step in flight costs a step 60% more for every running sequence (0.6 tokens each); the
-    drafts the next step has rows for bring their chances of being kept. 7 sequences at acceptance 0.6 have one row:
-    0.6 < 7 * 0.6; 2 have six: 0.6 + 0.6 + 0.36 + 0.36 + 0.216 + 0.216 > 2 * 0.6. At acceptance 0.45 a sequence
-    drafts two tokens, kept with chances 0.45 and 0.2025: 2 sequences 1.305 > 1.2; 3 have five rows, 1.755 < 1.8."""
+    """Completing the step in flight costs a batch 0.95 of a step for every running sequence (0.95 tokens each);
+    the drafts the next step has rows for bring their chances of being kept. 7 sequences at acceptance 0.6 have one
+    row: 0.6 < 7 * 0.95; 2 have six: 0.6 + 0.6 + 0.36 + 0.36 + 0.216 + 0.216 = 2.352 > 2 * 0.95. At acceptance 0.45
+    a sequence drafts two tokens, kept with chances 0.45 and 0.2025: 2 sequences 1.305 < 1.9; at 0.9, 3 sequences
+    have five rows, 0.9 * 3 + 0.81 * 2 = 4.32 > 2.85."""
     s, running = drafting_batch(7)
     assert running[0].speculation.length.acceptance == 0.6
     assert not s.may_draft()
@@ -197,9 +198,11 @@ def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_
     assert sum(c.length - 1 for c in s.schedule()) == 6  # drafts in the six rows
     for q in running:
         q.speculation.length.acceptance = 0.45
-    assert s.may_draft()
-    s.running = running[:3]
     assert not s.may_draft()
+    for q in running:
+        q.speculation.length.acceptance = 0.9
+    s.running = running[:3]
+    assert s.may_draft()
 
 
 def test_overlap_is_given_up_only_where_a_proposal_can_follow():

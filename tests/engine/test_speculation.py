@@ -97,7 +97,7 @@ def fixed_k(monkeypatch):
     def use(k: int, shortest: int = MIN_NGRAM) -> None:
         monkeypatch.setattr(speculation.DraftLength, "k", lambda self, generated: k)
         monkeypatch.setattr(speculation, "MIN_NGRAM", shortest)
-        monkeypatch.setattr(scheduler, "OVERLAP_COST", 0.0)
+        monkeypatch.setattr(scheduler, "BATCH_OVERLAP_COST", 0.0)
 
     return use
 
