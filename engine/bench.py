@@ -182,12 +182,17 @@ def weight_bytes(model: Model) -> int:
     parts = [model.lm_head, model.output_norm]
     for layer in model.layers:
         parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
+    return sum(read_bytes(w) for w in parts)
+
+
+def read_bytes(w: Weight) -> int:
+    """The bytes of w a decode step reads (see weight_bytes)."""
     size = lambda t: 0 if t is None else t.numel() * t.element_size()
-    cpu = model.device.type == "cpu"
-    quant = lambda w: (
-        sum(map(size, w._dense.values())) if cpu and w._dense else size(w.packed) + size(w.scales) + size(w.offsets)
-    )
-    return sum(quant(w) if isinstance(w, QuantWeight) else size(w) for w in parts)
+    if not isinstance(w, QuantWeight):
+        return size(w)
+    if w.packed.device.type == "cpu" and w._dense:
+        return sum(map(size, w._dense.values()))
+    return size(w.packed) + size(w.scales) + size(w.offsets)
 
 
 def engine_info(engine: Engine) -> dict:
