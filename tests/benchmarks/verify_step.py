@@ -61,6 +61,15 @@ def wait_for_captures(engine, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+def decode_engine(model: str, sessions: int, context: int) -> wl.Bench:
+    """An engine on CUDA with room for `sessions` sequences of `context` tokens, its decode graphs captured."""
+    config = EngineConfig(kv_tokens=sessions * (context + 64) + 1024, max_running=64, speculate="off")
+    bench = wl.open_engine(model, "cuda", config)
+    assert bench.engine.runner.graphs is not None, "CUDA graphs are needed (a CUDA device)"
+    wait_for_captures(bench.engine)
+    return bench
+
+
 def break_even(ratio: float, drafts: int) -> float | None:
     """The acceptance a at which (1 - a^(k+1)) / (1 - a) tokens per step pay for a step `ratio` times as long."""
     tokens = lambda a: sum(a**i for i in range(drafts + 1))
@@ -80,12 +89,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--sessions", type=int, default=1)
     args = parser.parse_args()
-    config = EngineConfig(kv_tokens=args.sessions * (args.context + 64) + 1024, max_running=64, speculate="off")
-    bench = wl.open_engine(args.model, "cuda", config)
+    bench = decode_engine(args.model, args.sessions, args.context)
     engine = bench.engine
     try:
-        assert engine.runner.graphs is not None, "CUDA graphs are needed (a CUDA device)"
-        wait_for_captures(engine)
         print(f"{bench.label}: {args.sessions} session(s), {args.context} tokens of context, CUDA graphs")
         print(
             f"{'drafts':>6} {'tokens':>6} {'bucket':>6} {'forward ms':>10} {'sample ms':>9} {'step ms':>8} "
