@@ -25,6 +25,7 @@ def num_sms(device: torch.device) -> int:
 
 
 _counters: dict[tuple[torch.device, str], torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # counters replaced by larger ones: CUDA graphs captured before still use them
 
 
 def split_counters(device: torch.device, n: int, kernel: str) -> torch.Tensor:
@@ -33,6 +34,8 @@ def split_counters(device: torch.device, n: int, kernel: str) -> torch.Tensor:
     set per kernel and device (one stream runs them: the engine's)."""
     c = _counters.get((device, kernel))
     if c is None or c.numel() < n:
+        if c is not None:
+            _outgrown.append(c)
         c = _counters[device, kernel] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
     return c
 
