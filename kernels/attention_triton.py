@@ -23,7 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import arith_dtype, launch_next, num_sms, pdl_launch, split_counters, wait_previous
+from llamaterm.kernels.triton_util import (
+    arith_dtype,
+    last_to_arrive,
+    launch_next,
+    num_sms,
+    pdl_launch,
+    split_counters,
+    wait_previous,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -152,9 +160,8 @@ def _paged_attention_kernel(
                 tl.store(part_lse_ptr + split * stride + row0, m_i + tl.log2(l_i), mask=row_mask)
                 o_offs = row0[:, None] * HEAD_DIM + d[None, :]
                 tl.store(part_o_ptr + split * stride * HEAD_DIM + o_offs, acc / l_i[:, None], mask=out_mask)
-                tl.debug_barrier()  # every thread's partial is stored before the counter's release
                 counter = counters_ptr + pid * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel") == n_used - 1:
+                if last_to_arrive(counter, n_used):
                     o = _merge_splits(
                         part_o_ptr + o_offs, part_lse_ptr + row0, stride, HEAD_DIM, row_mask, out_mask, n_used
                     )

@@ -35,7 +35,15 @@ from llamaterm.kernels.qweight_triton import (
     step_params,
     use_asm,
 )
-from llamaterm.kernels.triton_util import arith_dtype, launch_next, num_sms, pdl_launch, split_counters, wait_previous
+from llamaterm.kernels.triton_util import (
+    arith_dtype,
+    last_to_arrive,
+    launch_next,
+    num_sms,
+    pdl_launch,
+    split_counters,
+    wait_previous,
+)
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
@@ -139,9 +147,8 @@ def _qmatmul_kernel(
         _write(tl.trans(acc), y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
     else:  # through the fp32 partials (see the docstring), split s's at part_ptrs + s * M * N
         tl.store(part_ptrs + pid_k * M * N, tl.trans(acc), mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter's release
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
+        if last_to_arrive(counter, split_k):
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split_k):
                 total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")

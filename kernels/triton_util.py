@@ -40,10 +40,18 @@ def split_counters(device: torch.device, n: int, kernel: str) -> torch.Tensor:
     return c
 
 
+@triton.jit
+def last_to_arrive(counter, n):
+    """A program's arrival at its tile's split counter (split_counters), once its partial is stored: True for the
+    last of the n, which then reduces the partials and resets the counter to zero."""
+    tl.debug_barrier()  # every thread's partial is stored before the counter's release
+    return tl.atomic_add(counter, 1, sem="acq_rel") == n - 1
+
+
 @functools.cache
 def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch (Hopper on): the next kernel in the
-    stream, or in a CUDA graph, is launched while this one runs and waits in `after_previous` for it to end, so its
+    stream, or in a CUDA graph, is launched while this one runs and waits in `wait_previous` for it to end, so its
     launch and prologue overlap the tail of the one before (a decode step is some 300 kernels of a few
     microseconds). LLAMATERM_PDL=0 turns it off."""
     return (
@@ -56,7 +64,8 @@ def pdl(device: torch.device) -> bool:
 
 @functools.cache
 def pdl_launch(device: torch.device) -> dict[str, bool]:
-    """A launch's arguments for `pdl`: the kernel's PDL (which after_previous reads) and Triton's launch_pdl."""
+    """A launch's arguments for `pdl`: the kernel's PDL (which wait_previous and launch_next read) and Triton's
+    launch_pdl."""
     on = pdl(device)
     return {"PDL": on, "launch_pdl": on}
 
