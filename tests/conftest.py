@@ -1,7 +1,10 @@
 import atexit
+import importlib
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,24 @@ if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on the CPU; set before any test module is imported (see
     # tests/kernels/test_kernels_triton.py): triton reads it as kernels are decorated.
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def import_hub_kernels() -> None:
+    """transformers (5.25 on) imports the Hugging Face Hub's `kernels` package where it is installed; pytest puts
+    the repository's root on sys.path, where this project's kernels/ (installed as llamaterm.kernels) would be found
+    under that name instead. Import the Hub's first, from everywhere but the root, so sys.modules holds it."""
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:  # not installed: transformers then does not ask for it
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+import_hub_kernels()
 
 # `llamaterm serve` announces itself in the user's runtime directory, where `run` finds it (app/announcements.py): the
 # tests' servers and runs, subprocesses too, meet in a folder of their own, never the user's
