@@ -38,6 +38,9 @@ class EngineConfig:
     # the default model 13-20% with drafts at 32 rows: may_draft weighs the overlap lost (0.95 of a step a sequence,
     # speculation.py's BATCH_OVERLAP_COST) against the drafts' chances, and 8 sequences draft only near-certain drafts
     speculate_tokens: int = 16
+    # under a grammar, the tokens it forces (a JSON key and its punctuation) are computed in the next step's chunk
+    # without sampling, as SGLang's jump-forward does (model_runner.py); False samples every token
+    fast_forward: bool = True
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class Engine:
                 c.cuda_graphs,
                 max(c.max_running, spec_rows),
                 max(0, spec_rows - 1),
+                c.fast_forward,
             )
         self.draft = None
         if draft is not None:

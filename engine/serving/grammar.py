@@ -269,6 +269,21 @@ class GrammarMatcher:
         self.done, self.refusal = False, self._matcher.get_error() or None
         return False
 
+    def fast_forward(self, most: int) -> list[int]:
+        """Advance past the tokens the grammar forces next (up to `most`: in JSON a key and its punctuation, `",
+        "age": `) and return them, less the last where it would end the reply (that one is sampled, where the reply
+        may stop): the engine computes them in one chunk without sampling (what SGLang calls jump-forward).
+        llguidance gives the forced text's canonical tokens, less a last one that the text after could merge with."""
+        forced = self._matcher.compute_ff_tokens()[:most] if most > 0 and not self.done else []
+        taken = self._matcher.try_consume_tokens(forced) if forced else 0
+        if taken < len(forced):
+            self._matcher.rollback(taken)
+            return []
+        if forced and self._matcher.is_stopped():
+            self._matcher.rollback(1)
+            forced.pop()
+        return forced
+
     def is_done(self) -> bool:
         """The grammar is complete and takes nothing more but an end-of-text token: the reply ends ("stop")."""
         return self.done
@@ -307,6 +322,12 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequen
         raise ValueError(f"rows {list(rows)} of {len(matchers)} matchers for a bitmask of {height} rows")
     pairs = [(m._matcher, row) for m, row in zip(matchers, rows, strict=True)]
     _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, height)
+
+
+def force_token(row: Any, token: int) -> None:
+    """A bitmask row (as fill_bitmasks writes them) that allows `token` alone."""
+    row.zero_()
+    row[token // 32] = (1 << (token % 32)) - (1 << 32 if token % 32 == 31 else 0)  # as int32
 
 
 def accept_tokens(matchers: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> list[bool]:

@@ -33,10 +33,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -44,12 +44,12 @@ import torch
 
 from llamaterm.engine.api import TokenLogprob
 from llamaterm.engine.serving.cuda_graph import StepGraphs
-from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks
+from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks, force_token
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepInput, StepLists, run_through
 from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk
-from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
 from llamaterm.engine.serving.speculation import accepted
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 FIRST_PROMPT = 64
 
 # A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
-# token_ids when that step completes. Only the last tokens of a sequence can be pending.
+# token_ids when that step completes. Only the last tokens of a sequence can be pending, but for tokens its grammar
+# forced after them (Sequence.num_forced), which are handed out with the pending token before them.
 PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
@@ -101,6 +102,10 @@ class LaunchedStep:
     tokens: HostTokens | None = None  # once its sampler is queued
     received: tuple[list[int], set[int]] | None = None  # its tokens on the host, and the rows refused (receive)
     outcome: list[Sampled] | None = None  # complete()'s answer, kept
+    # grammar fast-forward (_fast_forward), by row: the tokens placed after a sequence's PENDING one, and the token
+    # its mask forces, which its grammar has consumed already
+    forced: dict[int, list[int]] = field(default_factory=dict)
+    forced_first: dict[int, int] = field(default_factory=dict)
     verified: int = 0  # drafts verified by complete(), and of them those kept
     kept: int = 0
 
@@ -125,9 +130,10 @@ class ModelRunner:
         cuda_graphs: bool,
         max_rows: int | None = None,
         max_drafts: int = 0,
+        fast_forward: bool = True,
     ):
         """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running);
-        max_drafts: the most drafts a step holds."""
+        max_drafts: the most drafts a step holds; fast_forward: tokens a grammar forces skip the sampler."""
         rows = max_rows or max_running
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
@@ -141,6 +147,8 @@ class ModelRunner:
         self._host_bitmasks = [torch.zeros(0, 0, dtype=torch.int32)] * 2
         self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="llamaterm-masks")
         self.mask_times = MaskTimes()
+        self.fast_forward = fast_forward
+        self._forced_next: dict[int, list[int]] = {}  # by sequence id: a run forced after the launching step's token
         self._host_turn = 0
         self._last: LaunchedStep | None = None  # the step launched last, whose tokens the next one may need
         self.graphs = None
@@ -214,6 +222,11 @@ class ModelRunner:
         prefill = sum(c.length for c in chunks if c.length > 1 + c.seq.num_drafts)  # a decode with drafts: a row
         decode_rows = sum(c.length == 1 + c.seq.num_drafts for c in chunks)
         launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample, graphed)
+        if self._forced_next:  # runs forced after the tokens this step samples: its masks force their first token
+            for i, seq in enumerate(sampling):
+                if (forced := self._forced_next.pop(seq.id, None)) is not None:
+                    launched.forced_first[i] = forced[0]
+                    self._place_forced(launched, i, forced[1:])
         row_seqs = [seq for seq, d in zip(sampling, drafts, strict=True) for _ in range(1 + len(d))]
         asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
@@ -254,7 +267,7 @@ class ModelRunner:
         handed out by complete() once the masks have started."""
         times, t = self.mask_times, time.perf_counter()
         if last is not None and any(seq.num_pending for seq in constrained):
-            self._receive(last)
+            self._receive(last, {seq.id for seq in constrained})
         times.steps, times.tokens_s = times.steps + 1, times.tokens_s + time.perf_counter() - t
         self._host_bitmasks.reverse()
         if self._host_bitmasks[0].numel() == 0:  # a row per sampler slot
@@ -262,9 +275,16 @@ class ModelRunner:
             pinned = self.model.device.type == "cuda"
             rows = len(self.sampler.tables.ints)
             self._host_bitmasks[0] = torch.zeros(rows, words, dtype=torch.int32, pin_memory=pinned)
-        matchers = [seq.grammar for seq in constrained if seq.grammar is not None]
         slots = [cast(int, seq.sampler_slot) for seq in constrained]
         bitmask = self._host_bitmasks[0]
+        free = []  # the rows llguidance fills; a forced run's first token is the only one its row allows
+        for seq, slot in zip(constrained, slots, strict=True):
+            if (forced := self._forced_next.get(seq.id)) is not None:
+                force_token(bitmask[slot], forced[0])
+            else:
+                free.append((seq, slot))
+        matchers = [cast(GrammarMatcher, seq.grammar) for seq, _ in free]
+        free_slots = [slot for _, slot in free]
         # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
         # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. Once
         # started it sets the interval back: at 0.1 ms the engine's thread would hand the GIL to every thread that
@@ -275,7 +295,8 @@ class ModelRunner:
         def fill() -> Masks:
             sys.setswitchinterval(interval)
             t = time.perf_counter()
-            fill_bitmasks(matchers, bitmask, slots)
+            if matchers:
+                fill_bitmasks(matchers, bitmask, free_slots)
             times.fill_s += time.perf_counter() - t
             return min(slots), max(slots) + 1, bitmask
 
@@ -326,18 +347,23 @@ class ModelRunner:
                 assert seq.speculation is not None
                 seq.speculation.observe(len(drafts), kept, seq.num_generated)
                 if penalised(seq.params):
-                    self.sampler.count_kept(seq, new)
+                    self.sampler.count_tokens(seq, new[1:])  # (the first: its own row counted it)
                 step.verified, step.kept = step.verified + len(drafts), step.kept + kept
-            else:
-                new = [REFUSED if i in refused else tokens[first]]
-                seq.token_ids[len(seq.token_ids) - seq.num_pending] = new[0]
+            else:  # its token, and any run its grammar forced after it
+                forced = step.forced.get(i, [])
+                seq.token_ids[seq.num_known] = REFUSED if i in refused else tokens[first]  # its first PENDING one
+                new = [seq.token_ids[seq.num_known], *forced]
+                seq.num_forced -= len(forced)
             seq.num_pending -= 1
-            step.outcome += [(seq, token, logprobs.get(first + j)) for j, token in enumerate(new)]
+            step.outcome += [
+                (seq, token, logprobs.get(first + j) if j <= len(drafts) else None) for j, token in enumerate(new)
+            ]
         return step.outcome
 
-    def _receive(self, step: LaunchedStep) -> tuple[list[int], set[int]]:
-        """Wait for a step's tokens on the host and advance its sequences' grammars past them (once): all the next
-        masks need, which start before complete() hands the tokens out. Returns the tokens and the rows refused."""
+    def _receive(self, step: LaunchedStep, launching: Collection[int] = ()) -> tuple[list[int], set[int]]:
+        """Wait for a step's tokens on the host and advance its sequences' grammars past them and what they force
+        next (once): all the next masks need, which start before complete() hands the tokens out. launching: the
+        ids of the sequences that sample in the step being launched. Returns the tokens and the rows refused."""
         if step.received is None:
             self._queue_sampler(step)
             if step.tokens is None:  # its masks failed
@@ -346,23 +372,56 @@ class ModelRunner:
             assert step.tokens is not None
             tokens = step.tokens.wait()
             first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))[:-1]
-            step.received = tokens, self._advance_grammars(step.sampling, [tokens[row] for row in first_rows])
+            new = [tokens[row] for row in first_rows]
+            step.received = tokens, self._advance_grammars(step, new)
+            if self.fast_forward:
+                self._fast_forward(step, new, step.received[1], launching)
         return step.received
 
     @staticmethod
-    def _advance_grammars(sampling: list[Sequence], tokens: list[int]) -> set[int]:
-        """Each grammar past its sequence's new token (never drafted), one after another (grammar.accept_tokens);
-        the sequences refused, by index."""
+    def _advance_grammars(step: LaunchedStep, tokens: list[int]) -> set[int]:
+        """Each grammar past its sequence's new token (never drafted), one after another (grammar.accept_tokens),
+        but where the token was forced (consumed already); the sequences refused, by index."""
         rows = [
             i
-            for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True))
+            for i, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True))
             if seq.grammar is not None and token >= 0 and seq.status is not Status.FINISHED
         ]
-        if not rows:
-            return set()
-        matchers = [cast(GrammarMatcher, sampling[i].grammar) for i in rows]
-        accepted = accept_tokens(matchers, [tokens[i] for i in rows])
-        return {i for i, ok in zip(rows, accepted, strict=True) if not ok}
+        refused = {i for i in rows if i in step.forced_first and tokens[i] != step.forced_first[i]}
+        rows = [i for i in rows if i not in step.forced_first]
+        if rows:
+            matchers = [cast(GrammarMatcher, step.sampling[i].grammar) for i in rows]
+            accepted = accept_tokens(matchers, [tokens[i] for i in rows])
+            refused |= {i for i, ok in zip(rows, accepted, strict=True) if not ok}
+        return refused
+
+    def _fast_forward(self, step: LaunchedStep, tokens: list[int], refused: set[int], launching: Collection[int]):
+        """Where a grammar forces the tokens after a sequence's new one (GrammarMatcher.fast_forward), take them
+        unsampled: the next step computes them in one chunk and samples after them. A sequence that samples in
+        the step being launched has its token there forced to the run's first, the rest placed after it; another
+        has the run after this step's token. Not where a request asks for log-probabilities (a forced token has
+        none), and never past max_tokens (a sampled token follows)."""
+        for i, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
+            if seq.grammar is None or token < 0 or i in refused or seq.status is Status.FINISHED:
+                continue
+            if seq.params.logprobs is not None:
+                continue
+            forced = seq.grammar.fast_forward(min(FORCED_MOST, seq.max_tokens - seq.num_generated - 1))
+            if seq.id in launching and forced:
+                self._forced_next[seq.id] = forced
+            elif forced:
+                self._place_forced(step, i, forced)
+
+    def _place_forced(self, step: LaunchedStep, i: int, forced: list[int]) -> None:
+        """A forced run after the token of row i of `step` (PENDING, its sequence's last): in its token_ids, in its
+        penalties' counts, and handed out with that token by complete()."""
+        if forced:
+            seq = step.sampling[i]
+            seq.token_ids += forced
+            seq.num_forced += len(forced)
+            step.forced[i] = forced
+            if penalised(seq.params):
+                self.sampler.count_tokens(seq, forced)
 
     def _forward(self, step: DeviceStep) -> Pieces:
         """The first half of a step (one CUDA graph): the forward pass, to the logits of the rows that sample, a
@@ -395,7 +454,7 @@ class ModelRunner:
 def drop_pending(seq: Sequence) -> None:
     """A finished sequence's samples past its end and drafts, never read."""
     del seq.token_ids[seq.num_known :]
-    seq.num_pending = seq.num_drafts = 0
+    seq.num_pending = seq.num_drafts = seq.num_forced = 0
 
 
 def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
@@ -470,9 +529,9 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
         seq, start, end = c.seq, c.start, c.start + c.length
         table, known = seq.table.block_ids, len(seq.token_ids)
         ids += seq.token_ids[start:end]
-        if seq.num_pending and end == known:  # its last token is the step in flight's sample
-            ids[-1] = 0
-            pending.append(len(ids) - 1)
+        if seq.num_pending and start <= (at := seq.num_known) < end:  # the step in flight's sample (its last token,
+            pending.append(len(ids) - end + at)  # or before a run its grammar forced)
+            ids[pending[-1]] = 0
             pending_from.append(last_rows[seq.id])
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -71,7 +71,7 @@ class Sampler:
     def write_draft_rows(self, seq: Sequence, drafts: list[int], slots: list[int]) -> None:
         """Draft slots (past the sequences' own) for a penalised sequence's rows at its drafts: row i samples after
         drafts[:i + 1], so its penalties count them too, as decoding would have. Each is a copy of the sequence's
-        slot with those drafts counted; the sampler's count-up in them is dropped (count_kept counts the drafts
+        slot with those drafts counted; the sampler's count-up in them is dropped (count_tokens counts the drafts
         kept in the sequence's own slot)."""
         t, own = self.tables, seq.sampler_slot
         assert own is not None and len(slots) == len(drafts) and min(slots) >= self.first_draft_slot
@@ -86,15 +86,14 @@ class Sampler:
         )
         t.counts.index_put_(index, torch.ones(len(tokens), dtype=t.counts.dtype, device=self.device), accumulate=True)
 
-    def count_kept(self, seq: Sequence, tokens: list[int]) -> None:
-        """A penalised sequence's kept drafts and the token after them, but the first (its own row counted it)."""
-        if tokens[1:]:
+    def count_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        """Count tokens a penalised sequence took without its own row sampling them (kept drafts after the first,
+        a run its grammar forced) in its penalties."""
+        if tokens:
             assert seq.sampler_slot is not None
             counts = self.tables.counts[seq.sampler_slot]
-            ids = self._staged(tokens[1:], torch.int64).to(self.device, non_blocking=True)
-            counts.index_put_(
-                (ids,), torch.ones(len(tokens) - 1, dtype=counts.dtype, device=self.device), accumulate=True
-            )
+            ids = self._staged(tokens, torch.int64).to(self.device, non_blocking=True)
+            counts.index_put_((ids,), torch.ones(len(tokens), dtype=counts.dtype, device=self.device), accumulate=True)
 
     def sample(self, logits: torch.Tensor, sampler_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return sample(logits, sampler_slots, positions, self.tables)

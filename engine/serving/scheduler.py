@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from llamaterm.engine.serving.block_manager import BlockManager
-from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
 from llamaterm.engine.serving.speculation import BATCH_OVERLAP_COST
 
 
@@ -115,11 +115,11 @@ class Scheduler:
         # only where some sequence has all its tokens on the host (not after an overlapped step: the common one)
         may = any(seq.speculation is not None and not seq.num_pending for seq in self.running) and self.may_draft()
         drafts = self._draft_rows() if may else 0
-        for seq in sorted(self.running, key=lambda s: s.num_to_compute > 1):
+        for seq in sorted(self.running, key=is_prefilling):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
             n = min(seq.num_to_compute, budget)
-            prefilling = seq.num_to_compute > 1
+            prefilling = is_prefilling(seq)
             if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_pending:
                 n += self._draft(seq, min(drafts, budget - 1))
                 drafts -= n - 1
@@ -329,3 +329,9 @@ class Scheduler:
             self.free_slots.append(seq.sampler_slot)
             seq.sampler_slot = None
         seq.status = Status.FINISHED
+
+
+def is_prefilling(seq: Sequence) -> bool:
+    """Its next chunk computes its prompt (or, preempted, its tokens again), paced beside the decodes; a decode
+    computes its last token, and any run its grammar forced after it (model_runner.py: fast-forward)."""
+    return seq.num_to_compute > 1 and (seq.num_computed < seq.num_prompt_tokens or seq.num_to_compute > 1 + FORCED_MOST)

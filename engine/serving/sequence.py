@@ -10,6 +10,9 @@ from llamaterm.engine.serving.block_manager import BlockTable
 from llamaterm.engine.serving.grammar import GrammarMatcher
 from llamaterm.engine.serving.speculation import Speculation
 
+# the most tokens of a run its grammar forces that a sequence takes in one step (GrammarMatcher.fast_forward)
+FORCED_MOST = 16
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -31,7 +34,9 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
-    num_pending: int = 0  # trailing token_ids still PENDING (sampled by a step in flight: model_runner.py)
+    num_pending: int = 0  # token_ids still PENDING (sampled by a step in flight: model_runner.py)
+    # tokens its grammar forced (GrammarMatcher.fast_forward), placed after a PENDING one and handed out with it
+    num_forced: int = 0
     # drafts the step in flight verifies: the token_ids just before its PENDING one (engine/serving/speculation.py)
     num_drafts: int = 0
     speculation: Speculation | None = None  # None: it never drafts (off, penalties, a grammar)
@@ -45,8 +50,8 @@ class Sequence:
 
     @property
     def num_known(self) -> int:
-        """Tokens on the host and final: neither pending nor drafts."""
-        return len(self.token_ids) - self.num_pending - self.num_drafts
+        """Tokens on the host and final: before the first pending one, and before any drafts."""
+        return len(self.token_ids) - self.num_pending - self.num_drafts - self.num_forced
 
     @property
     def done_sampling(self) -> bool:

@@ -26,7 +26,7 @@ removed, renormalised, which is the target's draw given that it is not d. So eve
 
 Repetition, presence and frequency penalties count the tokens sampled before each position: a penalised sequence's
 rows at its drafts sample from slots of their own whose counts hold the drafts before them, and the drafts kept are
-counted in its slot after the step (Sampler.write_draft_rows, count_kept). A sequence under a grammar is not drafted
+counted in its slot after the step (Sampler.write_draft_rows, count_tokens). A sequence under a grammar is not drafted
 (its matcher would have to be advanced through the drafts for their masks), nor a penalised one with a draft model
 (its draws from the sequence's slot would count up its tokens).
 

@@ -1,7 +1,8 @@
 """Replies under a grammar (SamplingParams.grammar): a random model's sampled replies match the JSON schema, the
 regular expression or the Lark grammar they were given (pydantic, re and a hand-written parse are the oracles),
 alone and in batches beside free rows, with steps overlapped or not; seeded replies repeat; a grammar that never
-ends stops at max_tokens; a fill of the masks that fails ends its step's requests, and the engine goes on."""
+ends stops at max_tokens; a fill of the masks that fails ends its step's requests, and the engine goes on; tokens a
+grammar forces are taken unsampled, a few steps a run, up to max_tokens, but where log-probabilities are asked."""
 
 import json
 import re
@@ -14,6 +15,7 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import model_runner
 from llamaterm.engine.serving.engine import Engine
+from tests.engine.test_speculation import assert_every_block_back
 from tests.support.tiny_models import write_tiny_llama
 
 
@@ -104,3 +106,61 @@ def test_masks_that_fail_end_their_steps_requests_and_the_next_ones_are_served(e
     text, reason = reply(engine, PERSON, seed=3)  # the engine still serves, masks and all
     assert reason == "stop" and Person.model_validate_json(text)
     assert reply(engine, None, seed=3)[1] == "length"
+
+
+FORCED = "The answer, in full: forty-two and no other number."
+
+
+def stream(engine: Engine, grammar: Grammar, **params) -> list:
+    events = list(engine.submit("Hi", SamplingParams(grammar=grammar, **(SAMPLED | params))).events())
+    assert events[-1].error is None, events[-1].error
+    return events
+
+
+def test_tokens_a_grammar_forces_are_taken_without_sampling_each(engine):
+    """Fast-forward: a reply the grammar spells out takes a few steps, not one a token (its tokens are computed in
+    one chunk, unsampled), and arrives whole; under the schema, a reply's keys and punctuation are forced."""
+    steps = engine.num_steps
+    events = stream(engine, Grammar("regex", re.escape(FORCED)), seed=1)
+    tokens = [t for e in events for t in e.token_ids]
+    assert "".join(e.text for e in events) == FORCED and events[-1].finish_reason == "stop"
+    assert len(tokens) >= 10 and engine.num_steps - steps <= 4, (len(tokens), engine.num_steps - steps)
+    steps = engine.num_steps
+    events = stream(engine, PERSON, seed=2)
+    tokens = [t for e in events for t in e.token_ids]
+    Person.model_validate_json("".join(e.text for e in events))
+    assert engine.num_steps - steps <= len(tokens) - 5, (len(tokens), engine.num_steps - steps)
+    assert_every_block_back(engine)
+
+
+def test_a_forced_run_stops_at_max_tokens(engine):
+    for most in (1, 2, 3, 7):
+        events = stream(engine, Grammar("regex", re.escape(FORCED)), seed=1, max_tokens=most)
+        assert sum(len(e.token_ids) for e in events) == most and events[-1].finish_reason == "length"
+        assert FORCED.startswith("".join(e.text for e in events))
+    assert_every_block_back(engine)
+
+
+def test_every_token_is_sampled_where_log_probabilities_are_asked(engine):
+    """A forced token would have no log-probability of its own: a request that asks for them samples each."""
+    events = stream(engine, Grammar("regex", re.escape(FORCED)), seed=1, logprobs=0)
+    assert "".join(e.text for e in events) == FORCED
+    assert all(len(e.logprobs) == len(e.token_ids) for e in events if not e.finished)
+    assert sum(len(e.logprobs) for e in events) >= 10
+
+
+def test_forced_runs_beside_free_and_penalised_rows_in_one_batch(engine):
+    """Rows with forced runs, rows sampling every token (a penalty on) and free rows share steps; each reply is as
+    its grammar says and every block comes back."""
+    handles = []
+    for seed in range(4):
+        for grammar, extra in ((PERSON, {}), (PERSON, {"presence_penalty": 1.5}), (None, {})):
+            handles.append(
+                (grammar, engine.submit("Hi", SamplingParams(grammar=grammar, seed=seed, **(SAMPLED | extra))))
+            )
+    for grammar, handle in handles:
+        events = list(handle.events())
+        assert events[-1].error is None, events[-1].error
+        if grammar is not None:
+            Person.model_validate_json("".join(e.text for e in events))
+    assert_every_block_back(engine)
