@@ -325,8 +325,8 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequen
 
 
 def force_token(row: Any, token: int) -> None:
-    """A bitmask row (as fill_bitmasks writes them) that allows `token` alone."""
-    row.zero_()
+    """A bitmask row (as fill_bitmasks writes them; a numpy view) that allows `token` alone."""
+    row[:] = 0
     row[token // 32] = (1 << (token % 32)) - (1 << 32 if token % 32 == 31 else 0)  # as int32
 
 

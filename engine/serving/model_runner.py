@@ -223,10 +223,9 @@ class ModelRunner:
         decode_rows = sum(c.length == 1 + c.seq.num_drafts for c in chunks)
         launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample, graphed)
         if self._forced_next:  # runs forced after the tokens this step samples: its masks force their first token
-            for i, seq in enumerate(sampling):
-                if (forced := self._forced_next.pop(seq.id, None)) is not None:
-                    launched.forced_first[i] = forced[0]
-                    self._place_forced(launched, i, forced[1:])
+            runs = {i: self._forced_next.pop(seq.id) for i, seq in enumerate(sampling) if seq.id in self._forced_next}
+            launched.forced_first = {i: forced[0] for i, forced in runs.items()}
+            self._place_forced(launched, {i: forced[1:] for i, forced in runs.items() if len(forced) > 1})
         row_seqs = [seq for seq, d in zip(sampling, drafts, strict=True) for _ in range(1 + len(d))]
         asked = [(i, seq.params.logprobs) for i, seq in enumerate(row_seqs) if seq.params.logprobs is not None]
         if asked:  # the raw logits' rows, before the sampler changes them
@@ -278,9 +277,10 @@ class ModelRunner:
         slots = [cast(int, seq.sampler_slot) for seq in constrained]
         bitmask = self._host_bitmasks[0]
         free = []  # the rows llguidance fills; a forced run's first token is the only one its row allows
+        host_rows = bitmask.numpy()  # (a view: a tensor's row by row writes cost microseconds each)
         for seq, slot in zip(constrained, slots, strict=True):
             if (forced := self._forced_next.get(seq.id)) is not None:
-                force_token(bitmask[slot], forced[0])
+                force_token(host_rows[slot], forced[0])
             else:
                 free.append((seq, slot))
         matchers = [cast(GrammarMatcher, seq.grammar) for seq, _ in free]
@@ -347,7 +347,7 @@ class ModelRunner:
                 assert seq.speculation is not None
                 seq.speculation.observe(len(drafts), kept, seq.num_generated)
                 if penalised(seq.params):
-                    self.sampler.count_tokens(seq, new[1:])  # (the first: its own row counted it)
+                    self.sampler.count_tokens([(seq, new[1:])])  # (the first: its own row counted it)
                 step.verified, step.kept = step.verified + len(drafts), step.kept + kept
             else:  # its token, and any run its grammar forced after it
                 forced = step.forced.get(i, [])
@@ -401,27 +401,30 @@ class ModelRunner:
         the step being launched has its token there forced to the run's first, the rest placed after it; another
         has the run after this step's token. Not where a request asks for log-probabilities (a forced token has
         none), and never past max_tokens (a sampled token follows)."""
+        after: dict[int, list[int]] = {}  # runs after this step's tokens, by row
         for i, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
-            if seq.grammar is None or token < 0 or i in refused or seq.status is Status.FINISHED:
+            grammar = seq.grammar
+            asks_logprobs = seq.params.logprobs is not None
+            if grammar is None or token < 0 or i in refused or seq.status is Status.FINISHED or asks_logprobs:
                 continue
-            if seq.params.logprobs is not None:
-                continue
-            forced = seq.grammar.fast_forward(min(FORCED_MOST, seq.max_tokens - seq.num_generated - 1))
-            if seq.id in launching and forced:
-                self._forced_next[seq.id] = forced
-            elif forced:
-                self._place_forced(step, i, forced)
+            if forced := grammar.fast_forward(min(FORCED_MOST, seq.max_tokens - seq.num_generated - 1)):
+                if seq.id in launching:
+                    self._forced_next[seq.id] = forced
+                else:
+                    after[i] = forced
+        self._place_forced(step, after)
 
-    def _place_forced(self, step: LaunchedStep, i: int, forced: list[int]) -> None:
-        """A forced run after the token of row i of `step` (PENDING, its sequence's last): in its token_ids, in its
-        penalties' counts, and handed out with that token by complete()."""
-        if forced:
+    def _place_forced(self, step: LaunchedStep, runs: dict[int, list[int]]) -> None:
+        """Forced runs after the tokens of rows of `step` (PENDING, each its sequence's last), by row: in their
+        sequences' token_ids and penalties' counts, handed out with those tokens by complete()."""
+        for i, forced in runs.items():
             seq = step.sampling[i]
             seq.token_ids += forced
             seq.num_forced += len(forced)
-            step.forced[i] = forced
-            if penalised(seq.params):
-                self.sampler.count_tokens(seq, forced)
+        step.forced |= runs
+        self.sampler.count_tokens(
+            [(step.sampling[i], f) for i, f in runs.items() if penalised(step.sampling[i].params)]
+        )
 
     def _forward(self, step: DeviceStep) -> Pieces:
         """The first half of a step (one CUDA graph): the forward pass, to the logits of the rows that sample, a

@@ -2,6 +2,8 @@
 a step, and the batched kernel over every row of a step (kernels/sampling.py). A sequence keeps its slot for its
 whole life, preemptions included (scheduler.py), so its token counts stay valid while it waits."""
 
+from typing import cast
+
 import torch
 
 from llamaterm.engine.sampling_params import SamplingParams
@@ -86,14 +88,17 @@ class Sampler:
         )
         t.counts.index_put_(index, torch.ones(len(tokens), dtype=t.counts.dtype, device=self.device), accumulate=True)
 
-    def count_tokens(self, seq: Sequence, tokens: list[int]) -> None:
-        """Count tokens a penalised sequence took without its own row sampling them (kept drafts after the first,
-        a run its grammar forced) in its penalties."""
-        if tokens:
-            assert seq.sampler_slot is not None
-            counts = self.tables.counts[seq.sampler_slot]
-            ids = self._staged(tokens, torch.int64).to(self.device, non_blocking=True)
-            counts.index_put_((ids,), torch.ones(len(tokens), dtype=counts.dtype, device=self.device), accumulate=True)
+    def count_tokens(self, runs: list[tuple[Sequence, list[int]]]) -> None:
+        """Count tokens penalised sequences took without their own rows sampling them (kept drafts after the first,
+        runs their grammars forced) in their penalties: (sequence, tokens) pairs, in one scatter."""
+        slots = [cast(int, seq.sampler_slot) for seq, tokens in runs for _ in tokens]
+        if slots:
+            ids = [t for _, tokens in runs for t in tokens]
+            index = self._staged([slots, ids], torch.int64).to(self.device, non_blocking=True)
+            counts = self.tables.counts
+            counts.index_put_(
+                tuple(index), torch.ones(len(ids), dtype=counts.dtype, device=self.device), accumulate=True
+            )
 
     def sample(self, logits: torch.Tensor, sampler_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return sample(logits, sampler_slots, positions, self.tables)

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import pydantic
 import pytest
+import torch
 
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
@@ -164,3 +165,16 @@ def test_forced_runs_beside_free_and_penalised_rows_in_one_batch(engine):
         if grammar is not None:
             Person.model_validate_json("".join(e.text for e in events))
     assert_every_block_back(engine)
+
+
+def test_a_forced_run_counts_in_the_penalties(tmp_path):
+    """The tokens a penalised request's grammar forced count in its penalties as sampled ones do: its sampler slot's
+    counts are the histogram of its reply (stepwise, where no step samples past the reply's end)."""
+    model = write_tiny_llama(tmp_path / "tiny.gguf", context_length=512)
+    with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=False)) as engine:
+        events = stream(engine, Grammar("regex", re.escape(FORCED) + " ?"), seed=1, presence_penalty=1.0)
+        tokens = [t for e in events for t in e.token_ids]
+        slot = engine.scheduler.free_slots[-1]  # the slot it had, free again
+        counts = engine.runner.sampler.tables.counts[slot]
+        expected = torch.bincount(torch.tensor(tokens), minlength=counts.numel()).to(counts.dtype)
+        assert engine.num_steps <= len(tokens) - 5 and torch.equal(counts, expected)
