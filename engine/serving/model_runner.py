@@ -17,6 +17,11 @@ which keeps it busy), advance the grammars and start filling their next masks on
 and the engine's thread hands out the tokens, schedules the next step and writes its inputs; the next launch
 queues the sampler that reads them (or `complete`).
 
+Where a grammar forces the tokens after a sequence's new one (a JSON key and its punctuation), `_receive` takes them
+unsampled (fast-forward): they go after that token, or, where the step being launched samples the sequence already,
+that step's mask forces the run's first token and the rest go after its PENDING one; they are handed out with the
+token before them, and the next step computes them in one chunk and samples after them.
+
 A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
 samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
 confirm and the token after them in place of the drafts and PENDING (Scheduler.drop_rejected then shrinks its
