@@ -107,8 +107,8 @@ class LaunchedStep:
     tokens: HostTokens | None = None  # once its sampler is queued
     received: tuple[list[int], set[int]] | None = None  # its tokens on the host, and the rows refused (receive)
     outcome: list[Sampled] | None = None  # complete()'s answer, kept
-    # grammar fast-forward (_fast_forward), by row: the tokens placed after a sequence's PENDING one, and the token
-    # its mask forces, which its grammar has consumed already
+    # grammar fast-forward (_fast_forward), by row: the tokens placed after a sequence's PENDING one (one run, or two
+    # where the chunk after it was cut short), and the token its mask forces, which its grammar has consumed already
     forced: dict[int, list[int]] = field(default_factory=dict)
     forced_first: dict[int, int] = field(default_factory=dict)
     verified: int = 0  # drafts verified by complete(), and of them those kept
@@ -193,6 +193,7 @@ class ModelRunner:
         next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
         masks and tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
+        self._forced_next.clear()  # filled and taken within a launch: what a failed one left is stale
         last = self._last
         rows = last.last_rows() if last else {}
         step = step_lists(chunks, self.block_size, rows)
@@ -400,7 +401,9 @@ class ModelRunner:
             refused |= {i for i, ok in zip(rows, accepted, strict=True) if not ok}
         return refused
 
-    def _fast_forward(self, step: LaunchedStep, tokens: list[int], refused: set[int], launching: Collection[int]):
+    def _fast_forward(
+        self, step: LaunchedStep, tokens: list[int], refused: set[int], launching: Collection[int]
+    ) -> None:
         """Where a grammar forces the tokens after a sequence's new one (GrammarMatcher.fast_forward), take them
         unsampled: the next step computes them in one chunk and samples after them. A sequence that samples in
         the step being launched has its token there forced to the run's first, the rest placed after it; another
@@ -420,13 +423,14 @@ class ModelRunner:
         self._place_forced(step, after)
 
     def _place_forced(self, step: LaunchedStep, runs: dict[int, list[int]]) -> None:
-        """Forced runs after the tokens of rows of `step` (PENDING, each its sequence's last), by row: in their
-        sequences' token_ids and penalties' counts, handed out with those tokens by complete()."""
+        """Forced runs at the end of the sequences of rows of `step`, by row: after the row's PENDING token and any
+        run placed after it already (a chunk cut short by the step's budget did not sample in the step after), in
+        their token_ids and penalties' counts, handed out with that token by complete()."""
         for i, forced in runs.items():
             seq = step.sampling[i]
             seq.token_ids += forced
             seq.num_forced += len(forced)
-        step.forced |= runs
+            step.forced.setdefault(i, []).extend(forced)
         self.sampler.count_tokens(
             [(step.sampling[i], f) for i, f in runs.items() if penalised(step.sampling[i].params)]
         )

@@ -178,3 +178,23 @@ def test_a_forced_run_counts_in_the_penalties(tmp_path):
         counts = engine.runner.sampler.tables.counts[slot]
         expected = torch.bincount(torch.tensor(tokens), minlength=counts.numel()).to(counts.dtype)
         assert engine.num_steps <= len(tokens) - 5 and torch.equal(counts, expected)
+
+
+@pytest.mark.parametrize("limits", [{"max_batch_tokens": 8}, {"kv_tokens": 200}], ids=["chunks cut short", "preempted"])
+def test_forced_runs_whole_where_chunks_are_cut_short_or_preempted(tmp_path, limits):
+    """Overlapped steps where a chunk holding a forced run is cut short by the step's budget (so a later run is
+    placed after it) or its sequence is preempted for blocks: each reply is its grammar's text, whole, the
+    preemptions happened, and every block comes back."""
+    model = write_tiny_llama(tmp_path / "tiny.gguf", context_length=512)
+    text = (FORCED + " ") * 2
+    preemptions = []
+    with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=True, **limits)) as engine:
+        preempt = engine.scheduler.preempt
+        engine.scheduler.preempt = lambda seq: preemptions.append(seq) or preempt(seq)
+        grammar = Grammar("regex", re.escape(text))
+        handles = [engine.submit("Hi", SamplingParams(grammar=grammar, seed=s, **SAMPLED)) for s in range(6)]
+        for handle in handles:
+            events = list(handle.events())
+            assert events[-1].error is None and "".join(e.text for e in events) == text
+        assert_every_block_back(engine)
+    assert preemptions or "kv_tokens" not in limits
