@@ -485,7 +485,8 @@ def format_tables(r: dict) -> str:
         if m := row.get("masks_ms_per_step"):
             lines.append(
                 f"{row['sessions']:8d} sessions, a step's grammar masks: ready in {m['fill']:.2f} ms on their thread; "
-                f"the engine waited {m['tokens']:.2f} ms for the tokens they start from and {m['wait']:.2f} ms for them"
+                f"the engine waited {m['tokens']:.2f} ms for the tokens they start from and {m['wait']:.2f} ms for "
+                f"them; {100 * row.get('forced_share', 0):.0f}% of the tokens forced by the grammar, computed unsampled"
             )
     if paired:
         pairs = list(zip(r["decode"][::2], r["decode"][1::2], strict=True))

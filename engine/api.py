@@ -103,6 +103,7 @@ class EngineStats:
     mask_fill_s: float = 0.0
     mask_tokens_s: float = 0.0
     mask_wait_s: float = 0.0
+    forced_tokens: int = 0  # tokens grammars forced, computed without sampling (fast-forward)
     # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
     # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
     # in use, which serving captures first), the longest graph decode step that the work ran beside, its longest

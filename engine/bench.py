@@ -360,8 +360,9 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
         sessions, n, lambda: sessions.start(*mix.draw(rng)), True, warmup_s + window_s, (warmup_s, warmup_s + window_s)
     )
     gaps = [g for t, g in log.gaps if lo < t <= hi]
+    tok_s = rate(log.token_times, lo, hi)
     out = {
-        "tok_s": rate(log.token_times, lo, hi),
+        "tok_s": tok_s,
         "gap_ms": {
             "p50": 1e3 * percentile(gaps, 0.5),
             "p99": 1e3 * percentile(gaps, 0.99),
@@ -376,6 +377,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
         if masked := b.mask_steps - a.mask_steps:
             per_step = lambda field: 1e3 * (getattr(b, field) - getattr(a, field)) / masked
             out["masks_ms_per_step"] = {k: per_step(f"mask_{k}_s") for k in ("fill", "tokens", "wait")}
+            out["forced_share"] = (b.forced_tokens - a.forced_tokens) / max(1.0, tok_s * window_s)
     return out
 
 

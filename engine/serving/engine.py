@@ -362,6 +362,7 @@ class Engine:
             mask_fill_s=masks.fill_s,
             mask_tokens_s=masks.tokens_s,
             mask_wait_s=masks.wait_s,
+            forced_tokens=masks.forced_tokens,
             **self._graph_stats(),
         )
 

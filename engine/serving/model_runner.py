@@ -87,6 +87,7 @@ class MaskTimes:
     fill_s: float = 0.0
     tokens_s: float = 0.0
     wait_s: float = 0.0
+    forced_tokens: int = 0  # tokens the grammars forced, taken without sampling (_fast_forward)
 
 
 @dataclass
@@ -416,6 +417,7 @@ class ModelRunner:
             if grammar is None or token < 0 or i in refused or seq.status is Status.FINISHED or asks_logprobs:
                 continue
             if forced := grammar.fast_forward(min(FORCED_MOST, seq.max_tokens - seq.num_generated - 1)):
+                self.mask_times.forced_tokens += len(forced)
                 if seq.id in launching:
                     self._forced_next[seq.id] = forced
                 else:

@@ -100,9 +100,9 @@ def test_bench_table_and_bad_input():
 
 def test_bench_under_a_json_schema_says_where_masked_steps_wait():
     """The default model's replies under a schema, through the engine process, each run just after its free twin
-    on the same engine: each session count's masks' fill time and the engine's waits, from the child's own
-    timings, and the pair's ratio. The closed loop's two prompts take 0.5-1 s to prefill on two cores: its window
-    opens after them, on decode steps."""
+    on the same engine: each session count's masks' fill time, the engine's waits and the share of tokens the
+    grammar forced, from the child's own counts, and the pair's ratio. The closed loop's two prompts take 0.5-1 s
+    to prefill on two cores: its window opens after them, on decode steps."""
     schema = Path(__file__).parents[1] / "benchmarks" / "people.schema.json"
     out = llamaterm(
         "bench", "--device", "cpu", "--json-schema", str(schema), "--sessions", "2", "--tokens", "16",
@@ -112,12 +112,13 @@ def test_bench_under_a_json_schema_says_where_masked_steps_wait():
     assert "through the engine process, replies under a JSON schema" in out.stdout
     masks = re.search(
         r"\n +2 sessions, a step's grammar masks: ready in ([\d.]+) ms on their thread; the engine waited ([\d.]+) "
-        r"ms for the tokens they start from and ([\d.]+) ms for them\n",
+        r"ms for the tokens they start from and ([\d.]+) ms for them; (\d+)% of the tokens forced by the grammar, "
+        r"computed unsampled\n",
         out.stdout,
     )
     assert masks is not None, out.stdout
-    fill, tokens, wait = map(float, masks.groups())
-    assert fill > 0 and tokens >= 0 and wait >= 0
+    fill, tokens, wait, forced = map(float, masks.groups())
+    assert fill > 0 and tokens >= 0 and wait >= 0 and forced > 0  # the schema's keys and punctuation
     assert re.search(r"\n +2 free +[\d,.]+ .*\n +2 schema +[\d,.]+ ", out.stdout), out.stdout
     assert re.search(r"under the schema, pair by pair, % of free: static \d+%; closed loop \d+%\n", out.stdout)
 
