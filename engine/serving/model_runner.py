@@ -53,7 +53,7 @@ from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepInput, StepLists, run_through
 from llamaterm.engine.serving.sampling import Sampler, penalised
-from llamaterm.engine.serving.scheduler import ScheduledChunk
+from llamaterm.engine.serving.scheduler import ScheduledChunk, is_prefilling
 from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
 from llamaterm.engine.serving.speculation import accepted
 from llamaterm.kernels.dispatch import use_triton
@@ -98,8 +98,8 @@ class LaunchedStep:
     sampling: list[Sequence]
     drafts: list[list[int]]  # each sampling sequence's drafts, as launched
     start: float  # when it was scheduled
-    decode_rows: int  # its chunks of one token, and
-    prefill_tokens: int  # the tokens of its longer ones (Scheduler.pace learns what they cost)
+    decode_rows: int  # its decode chunks (a token, and any drafts or forced run after it), and
+    prefill_tokens: int  # the tokens of its prompts' chunks (Scheduler.pace learns what they cost)
     sample: Callable[[], torch.Tensor] | None  # its sampler, until queued (after its masks, if it has a grammar)
     graphed: bool  # replayed from its bucket's CUDA graphs (else run eagerly)
     launch_s: float = 0.0  # its launch's time on the host: an eager step's Python, most of its time
@@ -194,6 +194,9 @@ class ModelRunner:
         next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
         masks and tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
+        # as the scheduler paces them: a decode with drafts or a forced run is a row, a prompt's chunk its tokens
+        prefill = sum(c.length for c in chunks if is_prefilling(c.seq))
+        decode_rows = sum(c.length > 0 and not is_prefilling(c.seq) for c in chunks)
         self._forced_next.clear()  # filled and taken within a launch: what a failed one left is stale
         last = self._last
         rows = last.last_rows() if last else {}
@@ -226,8 +229,6 @@ class ModelRunner:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
         drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
-        prefill = sum(c.length for c in chunks if c.length > 1 + c.seq.num_drafts)  # a decode with drafts: a row
-        decode_rows = sum(c.length == 1 + c.seq.num_drafts for c in chunks)
         launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample, graphed)
         if self._forced_next:  # runs forced after the tokens this step samples: its masks force their first token
             runs = {i: self._forced_next.pop(seq.id) for i, seq in enumerate(sampling) if seq.id in self._forced_next}
