@@ -333,5 +333,6 @@ class Scheduler:
 
 def is_prefilling(seq: Sequence) -> bool:
     """Its next chunk computes its prompt (or, preempted, its tokens again), paced beside the decodes; a decode
-    computes its last token, and any run its grammar forced after it (model_runner.py: fast-forward)."""
-    return seq.num_to_compute > 1 and (seq.num_computed < seq.num_prompt_tokens or seq.num_to_compute > 1 + FORCED_MOST)
+    computes its last token, and any drafts or run its grammar forced after it (model_runner.py: fast-forward)."""
+    n = seq.num_to_compute - seq.num_drafts
+    return n > 1 and (seq.num_computed < seq.num_prompt_tokens or n > 1 + FORCED_MOST)
