@@ -195,8 +195,9 @@ class ModelRunner:
         masks and tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
         # as the scheduler paces them: a decode with drafts or a forced run is a row, a prompt's chunk its tokens
-        prefill = sum(c.length for c in chunks if is_prefilling(c.seq))
-        decode_rows = sum(c.length > 0 and not is_prefilling(c.seq) for c in chunks)
+        paced = [is_prefilling(c.seq) for c in chunks]
+        prefill = sum(c.length for c, p in zip(chunks, paced, strict=True) if p)
+        decode_rows = sum(c.length > 0 and not p for c, p in zip(chunks, paced, strict=True))
         self._forced_next.clear()  # filled and taken within a launch: what a failed one left is stale
         last = self._last
         rows = last.last_rows() if last else {}
@@ -358,9 +359,9 @@ class ModelRunner:
                     self.sampler.count_tokens([(seq, new[1:])])  # (the first: its own row counted it)
                 step.verified, step.kept = step.verified + len(drafts), step.kept + kept
             else:  # its token, and any run its grammar forced after it
-                forced = step.forced.get(i, [])
-                seq.token_ids[seq.num_known] = REFUSED if i in refused else tokens[first]  # its first PENDING one
-                new = [seq.token_ids[seq.num_known], *forced]
+                forced, at = step.forced.get(i, []), seq.num_known  # at: its first PENDING token
+                seq.token_ids[at] = REFUSED if i in refused else tokens[first]
+                new = [seq.token_ids[at], *forced]
                 seq.num_forced -= len(forced)
             seq.num_pending -= 1
             step.outcome += [
