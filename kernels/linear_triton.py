@@ -10,7 +10,9 @@ cp.async, so the pipelined loop prefetches them with the bytes.
 With an activation (the gated MLP's gate_up projection), a tile's rows alternate gate and up rows of the same
 features, and the epilogue writes act(gate) * up: one launch fewer per layer.
 Above DENSE_M rows: dequantize to a dense copy, then cuBLAS; with a dense copy kept (QuantWeight.kept_dense), cuBLAS
-from DENSE_M_KEPT rows, where its fp16 matmul costs less than this kernel's third 64-row tile.
+from DENSE_M_KEPT rows, where its fp16 matmul costs less than this kernel's third 64-row tile, and for a small
+weight (under SMALL_WEIGHT values: a small model's) from DENSE_M_KEPT_SMALL rows: there the 4x fewer bytes save
+less than a microsecond, and cuBLAS's tiles cost less than ours at 16 rows and more.
 
 At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. K is split
 across programs when N alone gives too few of them. Splits are reduced without atomics on the data: each split
@@ -50,6 +52,12 @@ DENSE_M = 256
 # Above this many rows, a kept dense copy: fp16 cuBLAS 155-164 µs per 8B block against ours 107.6 at M = 64 and
 # 177.7 at M = 128 (a mixed step's token bucket, engine/serving/cuda_graph.py).
 DENSE_M_KEPT = 96
+# A weight of fewer values than this reads under 2 µs dense at the copy rate, and from DENSE_M_KEPT_SMALL rows its
+# kept dense copy goes to cuBLAS: a SmolLM2-135M layer's four matmuls take 25.1-25.5 µs there against ours 32.0 at
+# 16 rows and 40.5 at 64 (alone, L2 flushed); below, ours with dependent launch win the decode step by 2-3%
+# (BENCHMARKS.md).
+SMALL_WEIGHT = 4 << 20
+DENSE_M_KEPT_SMALL = 8
 
 
 @dataclass(frozen=True)
@@ -219,7 +227,8 @@ def qmatmul_triton(
         x2 = x2.contiguous()
     m = x2.shape[0]
     kept = w.kept_dense(x.dtype)
-    if config is None and (m > DENSE_M or (kept is not None and m > DENSE_M_KEPT)):
+    kept_from = DENSE_M_KEPT_SMALL if n * k < SMALL_WEIGHT else DENSE_M_KEPT
+    if config is None and (m > DENSE_M or (kept is not None and m > kept_from)):
         dense = kept if kept is not None else dequantize_rows_triton(w, None, x.dtype)
         y = F.linear(x2, dense).view(*x.shape[:-1], n)
         return y if activation is None else act_and_mul_triton(y, activation)

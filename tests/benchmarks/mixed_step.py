@@ -104,12 +104,12 @@ def main() -> None:
             rows.append([p, bucket, ms])
         base = rows[0][2] if sizes[0] == 0 else None
         # the same steps with every linear on the fused 4-bit kernel (no cuBLAS on dense copies)
-        kept = linear_triton.DENSE_M, linear_triton.DENSE_M_KEPT
-        linear_triton.DENSE_M = linear_triton.DENSE_M_KEPT = 1 << 30
+        kept = linear_triton.DENSE_M, linear_triton.DENSE_M_KEPT, linear_triton.DENSE_M_KEPT_SMALL
+        linear_triton.DENSE_M = linear_triton.DENSE_M_KEPT = linear_triton.DENSE_M_KEPT_SMALL = 1 << 30
         forget(engine)
         for row in rows:
             row.append(step_ms(engine, make(row[0]))[1])
-        linear_triton.DENSE_M, linear_triton.DENSE_M_KEPT = kept
+        linear_triton.DENSE_M, linear_triton.DENSE_M_KEPT, linear_triton.DENSE_M_KEPT_SMALL = kept
         forget(engine)
         alone = {p: step_ms(engine, make(p, 0))[1] for p in sizes if p}
         print(

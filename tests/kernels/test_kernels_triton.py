@@ -18,7 +18,7 @@ from llamaterm.kernels.activation_triton import act_and_mul_triton  # noqa: E402
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton  # noqa: E402
 from llamaterm.kernels.linear import linear_ref  # noqa: E402
-from llamaterm.kernels.linear_triton import DENSE_M, Config, qmatmul_triton  # noqa: E402
+from llamaterm.kernels.linear_triton import DENSE_M, DENSE_M_KEPT_SMALL, Config, qmatmul_triton  # noqa: E402
 from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
 from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
@@ -144,10 +144,14 @@ def test_qmatmul_with_a_short_last_group(bits, k, group, offsets, perm, m, confi
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_qmatmul_dense_path(dtype):
-    """Above DENSE_M rows: dequantize, then a dense matmul; also a 3-D input."""
+@pytest.mark.parametrize("rows, keep", [(DENSE_M + 1, False), (DENSE_M_KEPT_SMALL + 1, True)])
+def test_qmatmul_dense_path(dtype, rows, keep):
+    """Above DENSE_M rows: dequantize, then a dense matmul; with a dense copy kept, a small weight's from
+    DENSE_M_KEPT_SMALL rows; also a 3-D input."""
     w = random_qweight(24, 64, 4, 32, True, True)
-    x = torch.randn(3, (DENSE_M + 3) // 3 + 1, 64, device=DEVICE).to(dtype)
+    if keep:
+        w.dense(dtype)
+    x = torch.randn(3, rows // 3 + 1, 64, device=DEVICE).to(dtype)
     assert rel_err(qmatmul_triton(x, w), linear_ref(x.float(), w)) < TOL[dtype]
 
 
