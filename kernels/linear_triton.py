@@ -52,9 +52,9 @@ DENSE_M = 256
 # Above this many rows, a kept dense copy: fp16 cuBLAS 155-164 µs per 8B block against ours 107.6 at M = 64 and
 # 177.7 at M = 128 (a mixed step's token bucket, engine/serving/cuda_graph.py).
 DENSE_M_KEPT = 96
-# A weight of fewer values than this reads under 2 µs dense at the copy rate, and from DENSE_M_KEPT_SMALL rows its
+# A weight of fewer values than this reads in about 2 µs dense at the copy rate, and from DENSE_M_KEPT_SMALL rows its
 # kept dense copy goes to cuBLAS: a SmolLM2-135M layer's four matmuls take 25.1-25.5 µs there against ours 32.0 at
-# 16 rows and 40.5 at 64 (alone, L2 flushed); below, ours with dependent launch win the decode step by 2-3%
+# 16 rows and 40.5 at 64 (alone, L2 flushed); below, ours with dependent launch win the decode step by 1-5%
 # (BENCHMARKS.md).
 SMALL_WEIGHT = 4 << 20
 DENSE_M_KEPT_SMALL = 8
