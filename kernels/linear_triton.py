@@ -12,7 +12,7 @@ features, and the epilogue writes act(gate) * up: one launch fewer per layer.
 Above DENSE_M rows: dequantize to a dense copy, then cuBLAS; with a dense copy kept (QuantWeight.kept_dense), cuBLAS
 from DENSE_M_KEPT rows, where its fp16 matmul costs less than this kernel's third 64-row tile, and for a small
 weight (under SMALL_WEIGHT values: a small model's) from DENSE_M_KEPT_SMALL rows: there the 4x fewer bytes save
-less than a microsecond, and cuBLAS's tiles cost less than ours at 16 rows and more.
+at most 1.5 µs, and cuBLAS's tiles cost less than ours from 16 rows.
 
 At small M the cost is reading the weights once: 0.53 B per 4-bit weight with group-128 fp16 scales. K is split
 across programs when N alone gives too few of them. Splits are reduced without atomics on the data: each split

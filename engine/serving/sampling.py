@@ -80,7 +80,7 @@ class Sampler:
         at = self._staged(slots, torch.int64).to(self.device, non_blocking=True)
         for table in (t.floats, t.ints, t.in_prompt, t.bias, t.counts):
             table.index_copy_(0, at, table[own].repeat(len(slots), 1))  # (a copy: the rows share no memory)
-        # row i: drafts 0 .. i
+        # the slot of draft row i counts drafts 0 .. i
         rows = [s for i, s in enumerate(slots) for _ in range(i + 1)]
         self._count(rows, [d for i in range(len(drafts)) for d in drafts[: i + 1]])
 
