@@ -1138,13 +1138,18 @@ async def whole_reply(
 ) -> Response:
     """Every choice's whole reply, once all have ended. asked: the request asked for logprobs."""
     streams, running = [c.stream for c in choices], len(choices)
+    check_at = time.monotonic() + DISCONNECT_CHECK_S
     while running:
         try:
             i, events = await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
         except TimeoutError:
+            i, events = -1, []
+        if time.monotonic() >= check_at:  # by the clock: a reply's events come every few milliseconds
             if await request.is_disconnected():
                 cancel_all(engine, streams)
                 return Response(status_code=499)
+            check_at = time.monotonic() + DISCONNECT_CHECK_S
+        if not events:
             continue
         choice, last = choices[i], events[-1]
         choice.text += [e.text for e in events]

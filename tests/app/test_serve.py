@@ -143,6 +143,19 @@ def test_a_client_that_disconnects_frees_its_blocks(server, client, model):
         time.sleep(0.1)
 
 
+def test_a_client_that_leaves_before_a_whole_reply_frees_its_blocks(server, model):
+    """A non-streaming request whose client gives up (a timeout) is cancelled while its reply is still coming."""
+    impatient = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=4000, extra_body={"ignore_eos": True}
+        )
+    deadline = time.monotonic() + 30  # 4000 tokens would take minutes on the CPU
+    while (m := metrics(server, KEY))["llamaterm_kv_blocks_used"] or m["llamaterm_requests_running"]:
+        assert time.monotonic() < deadline, f"blocks still held: {m}"
+        time.sleep(0.1)
+
+
 def test_a_wrong_or_missing_key_gets_401(server, model):
     with pytest.raises(openai.AuthenticationError) as err:
         openai.OpenAI(base_url=server, api_key="wrong-key", max_retries=0).chat.completions.create(
