@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import secrets
 import signal
 import socket
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from llamaterm.engine.tool_calls import ToolCallStream
 
 PUMP_S = 0.01  # how often the live requests' events are collected (the engine process sends one message per step)
+COMPLETION_MAX_TOKENS = 16  # a text completion's max_tokens where the request gives none, as OpenAI's API says
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
 WATCH_S = 0.05  # how often the supervisor looks for an engine that exited
 MAX_FAILURES, FAILURE_WINDOW_S = 3, 600  # this many engine failures in the window stop the server
@@ -268,7 +270,8 @@ def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, 
     names = [t["function"]["name"] for t in checked]
     if choice is None or choice in ("none", "auto", "required"):
         return checked, choice or "auto", parallel
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
         raise APIError(
             400,
@@ -415,15 +418,18 @@ def parse_prompt(prompt: object) -> str:
 def parse_params(body: dict, max_context: int, chat: bool, defaults: SamplingDefaults) -> SamplingParams:
     check_fields(body)
     values: dict[str, Any] = numbers(body)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
-            raise APIError(
-                400,
-                f"max_tokens must be a whole number from 1 to {max_context} (the model's context), not {max_tokens!r}",
-                "max_tokens",
-            )
-        values["max_tokens"] = max_tokens
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:  # OpenAI's: a chat reply runs to the end of the context, a text completion 16 tokens
+        max_tokens = max_context if chat else COMPLETION_MAX_TOKENS
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
+        raise APIError(
+            400,
+            f"max_tokens must be a whole number from 1 to {max_context} (the model's context), not {max_tokens!r}",
+            "max_tokens",
+        )
+    values["max_tokens"] = max_tokens
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -478,7 +484,7 @@ def parse_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         raise APIError(400, "logit_bias must be an object of token ids to numbers", "logit_bias")
     out = []
     for key, bias in value.items():
-        if not key.isdigit() or len(key) > 9:
+        if not re.fullmatch("[0-9]{1,9}", key):
             raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_BIAS <= bias <= MAX_BIAS:
             raise APIError(400, f"logit_bias values are numbers from -100 to 100, not {bias!r}", "logit_bias")

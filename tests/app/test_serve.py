@@ -18,6 +18,7 @@ from tests.support.serve_support import LLAMATERM, app_server, llamaterm_serve, 
 KEY = "test-key"
 SERVED = "the served model"  # stands for its name in the parameters below
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 pytestmark = pytest.mark.slow
 
@@ -156,6 +157,19 @@ def test_a_client_that_leaves_before_a_whole_reply_frees_its_blocks(server, mode
         time.sleep(0.1)
 
 
+def test_max_tokens_where_a_request_gives_none_is_openai_s():
+    """A chat reply may run to the end of the context, a text completion 16 tokens; a null max_completion_tokens is
+    not given (max_tokens then counts)."""
+    with FakeEngine(model_name="m", max_context=2048) as engine, app_server(engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="-", max_retries=0)
+        client.chat.completions.create(model="m", messages=QUESTION)
+        client.completions.create(model="m", prompt="Hi")
+        client.chat.completions.create(
+            model="m", messages=QUESTION, max_tokens=3, extra_body={"max_completion_tokens": None}
+        )
+        assert [params.max_tokens for _, params in engine.submitted] == [2048, 16, 3]
+
+
 def test_a_wrong_or_missing_key_gets_401(server, model):
     with pytest.raises(openai.AuthenticationError) as err:
         openai.OpenAI(base_url=server, api_key="wrong-key", max_retries=0).chat.completions.create(
@@ -201,6 +215,7 @@ def test_a_wrong_or_missing_key_gets_401(server, model):
             "vocabulary",
         ),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "logit_bias": {"hello": 5}}, 400, "token ids"),
+        ("/chat/completions", {"model": SERVED, "messages": QUESTION, "logit_bias": {"\u00b2": 5}}, 400, "token ids"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "logit_bias": {"5": 101}}, 400, "-100 to 100"),
         ("/chat/completions", {"model": SERVED, "messages": QUESTION, "frobnicate": True}, 400, "Unrecognized"),
         (
@@ -210,6 +225,17 @@ def test_a_wrong_or_missing_key_gets_401(server, model):
             "enable_thinking",
         ),
         ("/completions", {"model": SERVED, "prompt": [1, 2, 3]}, 400, "prompt"),
+        (
+            "/chat/completions",
+            {
+                "model": SERVED,
+                "messages": QUESTION,
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": "f"},
+            },
+            400,
+            "tool_choice must be",
+        ),
         ("/no/such/endpoint", {}, 404, "no such endpoint"),
     ],
 )
