@@ -248,7 +248,8 @@ def parse_request(
 
 
 def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, bool]:
-    """tools, tool_choice and parallel_tool_calls: (the tools, checked; "none", "auto", "required" or a tool's name;
+    """tools, tool_choice and parallel_tool_calls: (the tools, checked, the schemas of those a grammar forces a call
+    to enforceable (engine/tool_calls.py check_tools); "none", "auto", "required" or a tool's name;
     whether a forced reply may hold several calls). A reply read freely ("auto") may hold several calls whatever
     parallel_tool_calls says. Forced, several are allowed only where the client asks (llama.cpp's server's
     default, not OpenAI's): a small model, once allowed another call, repeats its first until max_tokens."""
@@ -263,24 +264,25 @@ def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, 
         return None, None, parallel
     if not chat:
         raise APIError(400, "tools are taken by chat completions only", "tools")
-    try:
-        checked = check_tools(tools)
+    if choice is None or choice in ("none", "auto", "required"):
+        choice = choice or "auto"
+    else:
+        function = choice.get("function") if isinstance(choice, dict) else None
+        choice = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, str) or body["tool_choice"].get("type") != "function":
+            raise APIError(
+                400,
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+    try:  # the schemas a grammar enforces: every tool's where a call is required, the named tool's
+        checked = check_tools(tools, enforced=lambda name: choice in ("required", name))
     except ToolError as e:
         raise APIError(400, str(e), e.param) from None
     names = [t["function"]["name"] for t in checked]
-    if choice is None or choice in ("none", "auto", "required"):
-        return checked, choice or "auto", parallel
-    function = choice.get("function") if isinstance(choice, dict) else None
-    named = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
-        raise APIError(
-            400,
-            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-            "tool_choice",
-        )
-    if named not in names:
-        raise APIError(400, f"tool_choice names {named!r}, which is not in tools ({', '.join(names)})", "tool_choice")
-    return checked, named, parallel
+    if choice not in ("none", "auto", "required", *names):
+        raise APIError(400, f"tool_choice names {choice!r}, which is not in tools ({', '.join(names)})", "tool_choice")
+    return checked, choice, parallel
 
 
 def parse_special(value: object, chat: bool) -> bool:

@@ -40,6 +40,10 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 MAX_NESTING = 64  # of a tool's parameters schema or a call's arguments: real ones nest a few levels
 
 
+# llguidance's words for a schema that JSON Schema allows but it does not implement (its other errors: not a schema)
+UNIMPLEMENTED = re.compile(r"Unimplemented keys|is not supported|Unknown format")
+
+
 def nesting(value: object) -> int:
     """How deep JSON values nest (dicts and lists), counted without recursion: a request's JSON may nest as deep
     as the parser allows."""
@@ -481,21 +485,24 @@ class ToolCallStream:
         return [ToolCall(i, c.name or "", c.arguments) for i, c in zip(self.ids, parsed, strict=False)]
 
 
-def check_tools(tools: object) -> list[dict]:
-    """OpenAI's tools, checked: function tools with distinct names and parameters that are JSON schemas of objects
-    which llguidance can enforce. ToolError names the field."""
+def check_tools(tools: object, enforced: Callable[[str], bool] = lambda name: True) -> list[dict]:
+    """OpenAI's tools, checked: function tools with distinct names and parameters that are JSON schemas of objects,
+    which llguidance can enforce for the tools `enforced` says a grammar holds a call to (tool_choice "required" or
+    a named tool); for the others a schema of JSON Schema's that llguidance does not implement (uniqueItems, not,
+    if/then, a look-ahead pattern: Pydantic's sets and many MCP tools have them) is the template's to show, as
+    OpenAI takes it for tools that are not strict. ToolError names the field."""
     if not isinstance(tools, list) or not tools:
         raise ToolError("tools must be a non-empty array of function tools", "tools")
     names: set[str] = set()
     for i, tool in enumerate(tools):
-        name = _check_tool(tool, f"tools[{i}]")
+        name = _check_tool(tool, f"tools[{i}]", enforced)
         if name in names:
             raise ToolError(f"tools[{i}]: {name!r} is the name of another tool: names must differ", f"tools[{i}]")
         names.add(name)
     return tools
 
 
-def _check_tool(tool: object, where: str) -> str:
+def _check_tool(tool: object, where: str, enforced: Callable[[str], bool]) -> str:
     from llguidance import LLMatcher  # noqa: PLC0415 (its native library loads only when tools come)
 
     function = tool.get("function") if isinstance(tool, dict) else None
@@ -512,6 +519,6 @@ def _check_tool(tool: object, where: str) -> str:
     if nesting(params) > MAX_NESTING:
         raise ToolError(f"{field_name} nests deeper than {MAX_NESTING} levels", field_name)
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(params))
-    if error:
+    if error and (enforced(name) or not UNIMPLEMENTED.search(error)):
         raise ToolError(f"{field_name} is not a JSON schema this server can enforce: {error}", field_name)
     return name

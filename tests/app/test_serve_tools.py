@@ -161,6 +161,13 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_the_reply_as_text(fa
 
 TOOL_REPLY = {"role": "tool", "tool_call_id": "call_1", "content": "21"}
 ASKED = {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add"}}]}
+SET_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "tag",
+        "parameters": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+    },
+}
 DEEP_SCHEMA: dict = {"type": "string"}
 for _ in range(200):
     DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
@@ -206,6 +213,7 @@ DEEP_CALL = {
             "not in tools",
         ),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "required"),
+        ({"tools": [SET_TOOL], "tool_choice": "required"}, "tools[0].function.parameters", "uniqueItems"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
         ({"messages": [*QUESTION, {"role": "tool", "content": "21"}]}, "messages[1].tool_call_id", "tool_call_id"),
@@ -226,6 +234,15 @@ def test_bad_tools_and_tool_messages_get_a_400_naming_the_field(fake_url, client
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
     assert client.chat.completions.create(model="fake-llama", messages=QUESTION, max_tokens=2).choices[0].message
+
+
+def test_a_tool_whose_schema_is_not_enforced_is_taken_where_the_reply_is_free(fake, client):
+    """A tool with a keyword llguidance does not implement (a Pydantic set's uniqueItems) goes to the template
+    under "auto"; forced ("required"), it is refused (above)."""
+    reply = client.chat.completions.create(model="fake-llama", messages=QUESTION, tools=[SET_TOOL, *TOOLS])
+    assert reply.choices[0].finish_reason == "tool_calls" and fake.prompts[-1] == qwen3_prompt(
+        QUESTION, [SET_TOOL, *TOOLS]
+    )
 
 
 def test_tools_on_text_completions_are_refused(fake_url):

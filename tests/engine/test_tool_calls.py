@@ -324,6 +324,40 @@ def test_bad_tools_are_refused_naming_the_field(tools, param):
     assert err.value.param == param
 
 
+UNIMPLEMENTED_SCHEMAS = [  # JSON Schema allows them; llguidance does not enforce them
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}},
+    {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+    {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)b"}}},
+]
+
+
+@pytest.mark.parametrize("schema", UNIMPLEMENTED_SCHEMAS)
+def test_a_schema_llguidance_does_not_implement_is_refused_only_where_a_grammar_enforces_it(schema):
+    """Pydantic's sets and many MCP tools use keywords llguidance does not implement: such a tool is shown to the
+    model where the reply is free (tool_choice "auto" or "none"), refused naming it where a call is forced."""
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": schema}},
+        {"type": "function", "function": {"name": "g"}},
+    ]
+    assert check_tools(tools, enforced=lambda name: False) == tools
+    assert check_tools(tools, enforced=lambda name: name == "g") == tools
+    with pytest.raises(ToolError) as err:
+        check_tools(tools, enforced=lambda name: name == "f")
+    assert err.value.param == "tools[0].function.parameters" and "enforce" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": "object", "properties": {"a": {"type": "strung"}}}, {"type": "object", "properties": 5}]
+)
+def test_a_schema_that_is_not_one_is_refused_even_where_the_reply_is_free(schema):
+    with pytest.raises(ToolError) as err:
+        check_tools(
+            [{"type": "function", "function": {"name": "f", "parameters": schema}}], enforced=lambda name: False
+        )
+    assert err.value.param == "tools[0].function.parameters"
+
+
 def test_special_token_text_in_tools_and_calls_stays_text(qwen3):
     """A tool's description or a call's arguments cannot forge a turn: '<|im_end|>' in them is text."""
     ours, _ = qwen3
