@@ -225,6 +225,7 @@ def call_grammar(
 class PartialCall:
     name: str | None = None  # once its text is whole
     arguments: str = ""  # the text of the arguments so far
+    arguments_at: int = -1  # where they start in the reply's text
     whole: bool = False
 
 
@@ -333,7 +334,7 @@ def _call(text: str, i: int) -> tuple[PartialCall, int | None]:
         start, stop = args
         if text[start] != "{":
             raise ValueError("a call's arguments are an object")
-        call.arguments = text[start : len(text) if stop is None else stop]
+        call.arguments, call.arguments_at = text[start : len(text) if stop is None else stop], start
     if end is not None:
         if call.name is None:
             raise ValueError("a call has a name")
@@ -400,26 +401,7 @@ _SCALAR = re.compile(r"[-+.0-9a-zA-Z]+")
 def _value_end(text: str, i: int) -> int | None:
     """The index after the JSON value that starts at text[i], None while it is not whole. ValueError: not JSON."""
     if text[i] in '"{[':
-        depth, in_string, j = 0, text[i] == '"', i + 1 if text[i] == '"' else i
-        while j < len(text):
-            c = text[j]
-            if in_string:
-                if c == "\\":
-                    j += 1
-                elif c == '"':
-                    in_string = False
-                    if depth == 0:
-                        return j + 1
-            elif c == '"':
-                in_string = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
+        return _scan(text, Nesting(i + 1, 0, True) if text[i] == '"' else Nesting(i, 0, False))
     scalar = _SCALAR.match(text, i)
     if scalar is None:
         raise ValueError(f"not JSON: {text[i]!r}")
@@ -427,6 +409,42 @@ def _value_end(text: str, i: int) -> int | None:
         return None
     json.loads(scalar.group())
     return scalar.end()
+
+
+@dataclass
+class Nesting:
+    """How far a reading of a JSON string, object or array has come: the next index to read, the depth of objects
+    and arrays open, and whether it is inside a string. A stream's text only grows: its reading goes on from here."""
+
+    at: int
+    depth: int
+    in_string: bool
+
+
+def _scan(text: str, n: Nesting) -> int | None:
+    """Read text on from n (updated to where the text ends): the index after the value, None while it is not
+    whole."""
+    j, depth, in_string = n.at, n.depth, n.in_string
+    while j < len(text):
+        c = text[j]
+        if in_string:
+            if c == "\\":
+                j += 1
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    n.at, n.depth, n.in_string = j, depth, in_string  # (past the end after a backslash: the next text's first
+    return None  # character is the one it escapes)
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -456,9 +474,18 @@ class ToolCallStream:
         self.text, self.content_sent = "", 0
         self.ids: list[str] = []  # of the calls announced
         self.arguments_sent: list[int] = []
+        # the last call's arguments while they are not whole and the call is announced: their reading, so that a
+        # push inside them reads its own text, not the reply's again (an agent writes whole files as arguments)
+        self.open_arguments: Nesting | None = None
 
     def push(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
+        if self.open_arguments is not None and not final and _scan(self.text, self.open_arguments) is None:
+            index = len(self.ids) - 1
+            piece = self.text[len(self.text) - len(delta) :]
+            self.arguments_sent[index] += len(piece)
+            return "", [{"index": index, "function": {"arguments": piece}}] if piece else []
+        self.open_arguments = None
         parsed = parse(self.text, self.family, final)
         if final and len(parsed.calls) < len(self.ids):  # a call announced, then cut short: it stays a call
             parsed = parse(self.text, self.family, False)
@@ -477,6 +504,11 @@ class ToolCallStream:
                 piece = call.arguments[self.arguments_sent[index] :]
                 deltas.append({"index": index, "function": {"arguments": piece}})
             self.arguments_sent[index] = len(call.arguments)
+        last = parsed.calls[-1] if parsed.calls else None
+        if not final and last is not None and last.arguments and len(parsed.calls) == len(self.ids):
+            reading = Nesting(last.arguments_at, 0, False)
+            if _scan(self.text, reading) is None:  # (once: later pushes read on from where it stops)
+                self.open_arguments = reading
         return content, deltas
 
     def calls(self) -> list[ToolCall]:

@@ -152,6 +152,12 @@ TOOL_REPLY_CASES = [  # (family, reply, content, [(name, arguments)]) written by
     ),
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', None, [("add", '{"a": 1, "b": 2}')]),
     (HERMES, "No call here: <tool but text.", "No call here: <tool but text.", []),
+    (  # escapes in a string: a quote, a backslash before a brace (a stream may cut after any backslash)
+        HERMES,
+        r'<tool_call>{"name": "write", "arguments": {"text": "say \"hi\"\n{\\}", "n": [1, {"m": "]"}]}}</tool_call>',
+        None,
+        [("write", r'{"text": "say \"hi\"\n{\\}", "n": [1, {"m": "]"}]}')],
+    ),
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", '{"city": "Paris"}')]),
     (
         LLAMA3,
