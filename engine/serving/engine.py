@@ -419,11 +419,7 @@ class Engine:
             start = time.perf_counter()
             self._wait_s = 0.0
             for handle in incoming:
-                self._handles[handle.id] = handle
-                if self.sink is None:
-                    prefix = THINK_OPEN if handle.opens_thinking else ""
-                    self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop, prefix)
-                self.scheduler.add(handle.seq)
+                self._admit(handle)
             for request_id in cancels:
                 if request_id in self._handles:
                     self._finish(self._handles[request_id], "cancelled")
@@ -444,9 +440,19 @@ class Engine:
             inflight = launched
             self._flush()
             self.host_s += time.perf_counter() - start - self._wait_s - piece_s
+        for handle in self._incoming:  # submitted while the last step ran: they end with the rest
+            self._admit(handle)
         for handle in list(self._handles.values()):
             self._finish(handle, "cancelled")
         self._flush()
+
+    def _admit(self, handle: RequestHandle) -> None:
+        """A submitted request, in the loop's hands."""
+        self._handles[handle.id] = handle
+        if self.sink is None:
+            prefix = THINK_OPEN if handle.opens_thinking else ""
+            self._outputs[handle.id] = OutputState(self.tokenizer, handle.seq.params.stop, prefix)
+        self.scheduler.add(handle.seq)
 
     def _turn_beside(self, step: LaunchedStep) -> float:
         """A turn of the graphs' background work while the device runs the steps queued, a share of the time of

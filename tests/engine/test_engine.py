@@ -98,6 +98,35 @@ def test_choices_forked_from_one_prefill_sample_as_if_alone(tiny, overlap, promp
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+def test_a_request_submitted_as_the_engine_shuts_down_ends_as_cancelled(tiny):
+    """A request the loop has not taken in yet when shutdown() stops it (submitted while a step ran) ends as
+    cancelled, as those in flight do: its caller never waits for an event that would not come."""
+    engine = make_engine(tiny)
+    stepping, go_on = threading.Event(), threading.Event()
+    launch = engine._launch
+
+    def slow_launch():
+        stepping.set()
+        go_on.wait()
+        return launch()
+
+    engine._launch = slow_launch
+    running = engine.submit(None, SamplingParams(max_tokens=400, ignore_eos=True), prompt_ids=[5, 6, 7])
+    stepping.wait()
+    queued = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=[8, 9])
+    stopper = threading.Thread(target=engine.shutdown)
+    stopper.start()
+    while not engine._stopped:
+        time.sleep(0.001)
+    go_on.set()
+    stopper.join(timeout=30)
+    for handle in (running, queued):
+        last = handle.events_queue.get(timeout=30)
+        while not last.finished:
+            last = handle.events_queue.get(timeout=30)
+        assert last.finish_reason == "cancelled" and handle.finished
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_small_pool_preempts_and_recomputes(tiny, overlap):
