@@ -78,6 +78,8 @@ class PromptEncoder:
 
 def check_prompt(ids: list[int], vocab_size: int, max_context: int, pool_limit: int) -> None:
     """Refuse a prompt the model cannot take, with what to do about it."""
+    if not ids:  # a reply samples from its prompt's last position
+        raise RequestError("the prompt is empty (no tokens): give it some text")
     if any(not 0 <= i < vocab_size for i in ids):  # a tokenizer larger than the weights
         raise RequestError(
             f"the prompt has a token id outside the model's {vocab_size}-token "

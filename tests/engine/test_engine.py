@@ -98,6 +98,13 @@ def test_choices_forked_from_one_prefill_sample_as_if_alone(tiny, overlap, promp
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+def test_an_empty_prompt_is_refused(tiny):
+    """A reply samples from its prompt's last position: with no tokens, a request alone failed its step, and in a
+    batch sampled from the row before it (another request's)."""
+    with make_engine(tiny) as engine, pytest.raises(RequestError, match="empty"):
+        engine.submit(None, SamplingParams(max_tokens=3), prompt_ids=[])
+
+
 def test_a_request_submitted_as_the_engine_shuts_down_ends_as_cancelled(tiny):
     """A request the loop has not taken in yet when shutdown() stops it (submitted while a step ran) ends as
     cancelled, as those in flight do: its caller never waits for an event that would not come."""
