@@ -86,6 +86,7 @@ class RequestHandle(EventStream):
     finish_time: float | None = None
     opens_thinking: bool = False  # the chat template opened a thinking block: the reply's text starts with its tag
     num_tokens: int = 0  # tokens handed out
+    num_read: int = 0  # tokens of the reply read (handed out, or ending it): the reply's, however many a step brought
 
     def stats(self) -> RequestStats:
         seq = self.seq
@@ -541,6 +542,7 @@ class Engine:
 
     def _on_token(self, handle: RequestHandle, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq = handle.seq
+        handle.num_read += 1
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -582,6 +584,7 @@ class Engine:
         seq = handle.seq
         self.scheduler.finish(seq)
         drop_pending(seq)
+        del seq.token_ids[seq.num_prompt_tokens + handle.num_read :]  # a step's drafts or forced run past its end
         del self._handles[handle.id]
         handle.finished, handle.finish_time = True, time.perf_counter()
         if self.sink is not None:

@@ -144,6 +144,24 @@ def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):
         assert_every_block_back(engine)
 
 
+def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k):
+    """A step hands out the drafts it confirms and the token after them; where the reply stops at one of them, the
+    tokens after it were never the reply's: its sequence and stats end at the stop, as the stream does."""
+    prompt = [11, 22, 33, 44, 55, 66] * 6  # the tiny model goes on repeating itself: drafts are confirmed in runs
+    (reply,) = alone_without_drafts(tiny, [(prompt, SamplingParams(max_tokens=40, ignore_eos=True))])
+    text = lambda n: tiny[1].decode(reply[:n])
+    fixed_k(8)
+    with make_engine(tiny) as engine:
+        for n in (10, 13, 17):
+            stop = SamplingParams(max_tokens=40, ignore_eos=True, stop=(text(n),))
+            handle = engine.submit(None, stop, prompt_ids=prompt)
+            streamed = [t for event in handle.events() for t in event.token_ids]
+            ends = next(i for i in range(1, n + 1) if text(n) in text(i))
+            assert streamed == reply[:ends] == handle.seq.generated and handle.stats().generated_tokens == ends
+        assert engine.stats().kept >= 8
+        assert_every_block_back(engine)
+
+
 def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):
     """`llamaterm run` prepares an engine for one sequence: its steps still have a row for each of 8 drafts."""
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in repetitive_prompts(2, seed=50)]
