@@ -149,7 +149,7 @@ class Completion:
     tools: list[dict] | None = None  # OpenAI's function tools, checked
     tool_choice: str | None = None  # "none", "auto", "required" or a tool's name (None: no tools)
     parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
-    prompt_ids: list[int] | None = None  # the prompt rendered with its tools (with_tool_prompt)
+    template_tools: list[dict] | None = None  # the tools as its chat template takes them (with_tool_prompt)
     n: int = 1  # choices, each its own request to the engine
     parse_special: bool = True  # a raw prompt's special-token text becomes those tokens (False: plain text)
     token_ids: bool = False  # each choice carries its tokens' ids (vLLM's return_token_ids)
@@ -699,7 +699,7 @@ class SupervisedEngine(EngineClient, Protocol):
         raw: bool = False,
         enable_thinking: bool | None = None,
         parse_special: bool = True,
-        prompt_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
     ) -> RequestStream: ...
 
     @property
@@ -1017,25 +1017,23 @@ class Handlers:
 
 
 def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Completion, str]:
-    """The request with its prompt rendered with its tools (and its calls and their replies) as token ids, and the
-    grammar its tool_choice asks for; and the family of calls its reply is read for (engine/tool_calls.py)."""
+    """The request with its messages and tools as its chat template takes them (its calls and their replies too),
+    and the grammar its tool_choice asks for; and the family of calls its reply is read for (engine/tool_calls.py).
+    The engine renders the prompt, so a template that leaves a thinking block open starts the reply with its tag
+    as it does without tools."""
     from llamaterm.engine import tool_calls  # noqa: PLC0415 (llguidance, when tools come)
 
     tokenizer = engine.tokenizer
     fmt = tool_calls.tool_format(tokenizer.chat_template)
     assert isinstance(req.prompt, list)  # chat: tools were refused on completions
     messages, tools = tool_calls.for_template(req.prompt, req.tools, fmt)
-    try:
-        ids = tokenizer.encode_chat(messages, enable_thinking=req.enable_thinking, tools=tools)
-    except RequestError as e:
-        raise APIError(400, str(e), "messages") from None
     params = req.params
     if req.tools is not None and req.tool_choice not in ("none", "auto"):
         name = None if req.tool_choice == "required" else req.tool_choice
         parallel = name is None and req.parallel_tool_calls  # a named function: one call to it, as vLLM forces it
         grammar = tool_calls.call_grammar(fmt, req.tools, name, parallel, tokenizer.token_id)
         params = replace(params, grammar=grammar)
-    return replace(req, prompt_ids=ids, params=params), fmt.family
+    return replace(req, prompt=messages, template_tools=tools, params=params), fmt.family
 
 
 def call_reader(family: str | None, req: Completion) -> ToolCallStream | None:
@@ -1092,18 +1090,16 @@ def submit_choices(engine: SupervisedEngine, req: Completion) -> list[RequestStr
             for i in range(req.n):
                 seed = req.params.seed
                 params = req.params if seed is None else replace(req.params, seed=(seed + i) % 2**64)
-                if req.prompt_ids is not None:
-                    streams.append(engine.submit(None, params, prompt_ids=req.prompt_ids))
-                else:
-                    streams.append(
-                        engine.submit(
-                            req.prompt,
-                            params,
-                            raw=req.raw,
-                            enable_thinking=req.enable_thinking,
-                            parse_special=req.parse_special,
-                        )
+                streams.append(
+                    engine.submit(
+                        req.prompt,
+                        params,
+                        raw=req.raw,
+                        enable_thinking=req.enable_thinking,
+                        parse_special=req.parse_special,
+                        tools=req.template_tools,
                     )
+                )
     except BaseException:
         cancel_all(engine, streams)
         raise

@@ -268,14 +268,16 @@ class Engine:
         enable_thinking: bool | None = None,
         parse_special: bool = True,
         prompt_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
         request_id: int | None = None,
     ) -> RequestHandle:
         """Queue a request: chat messages, a string (a user message, or raw text with raw=True, its special-token
         text parsed unless parse_special=False) or token ids, encoded here, in the caller's thread.
-        enable_thinking: the chat template's thinking switch (None: the template's default). request_id: the
-        caller's own id (engine/serving/process.py), unique among its requests."""
+        enable_thinking: the chat template's thinking switch (None: the template's default). tools: what the chat
+        template renders of a request's tools (engine/tool_calls.py). request_id: the caller's own id
+        (engine/serving/process.py), unique among its requests."""
         params = params or SamplingParams()
-        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special)
+        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special, tools)
         limit = self.sequence_limit()
         check_prompt(ids, self.model.config.vocab_size, self.max_context, limit)
         params.check_vocabulary(self.model.config.vocab_size)

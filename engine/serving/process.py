@@ -204,10 +204,11 @@ class EngineProcess:
         enable_thinking: bool | None = None,
         parse_special: bool = True,
         prompt_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
     ) -> ProcessHandle:
         """As Engine.submit; a request the model cannot take raises here, in the caller's thread."""
         params = params or SamplingParams()
-        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special)
+        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special, tools)
         r = self._ready
         check_prompt(ids, r.vocab_size, r.max_context, r.sequence_limit)
         params.check_vocabulary(r.vocab_size)

@@ -28,12 +28,13 @@ class PromptEncoder:
         enable_thinking: bool | None,
         given: list[int] | None,
         parse_special: bool = True,
+        tools: list[dict] | None = None,
     ) -> tuple[list[int], bool]:
         """A request's (ids, whether a thinking block is open): the token ids it gives as they are, else its
         prompt encoded."""
         if given is not None:
             return list(given), False
-        return self.encode(prompt or "", raw, enable_thinking, parse_special)
+        return self.encode(prompt or "", raw, enable_thinking, parse_special, tools)
 
     def encode(
         self,
@@ -41,11 +42,13 @@ class PromptEncoder:
         raw: bool = False,
         enable_thinking: bool | None = None,
         parse_special: bool = True,
+        tools: list[dict] | None = None,
     ) -> tuple[list[int], bool]:
         """Chat messages or a string (a user message, or raw text with raw=True) -> (ids, whether the template
         left a thinking block open for the reply: R1 distills, QwQ). Raw text's special-token text
         ('<|im_start|>') becomes those tokens, as vLLM and llama.cpp's server read a prompt, unless
-        parse_special=False; a message's content is always text (it cannot forge a turn)."""
+        parse_special=False; a message's content is always text (it cannot forge a turn). tools: the tools the
+        chat template renders (engine/tool_calls.py for_template)."""
         if not isinstance(prompt, str | list):
             raise RequestError(f"a prompt is text or a list of chat messages, not {type(prompt).__name__}")
         if isinstance(prompt, str) and raw:
@@ -55,11 +58,11 @@ class PromptEncoder:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not messages or not any(m.get("content") for m in messages):
             raise RequestError("the prompt is empty: give some text")
-        key = json.dumps([messages, enable_thinking], sort_keys=True, default=str)
+        key = json.dumps([messages, enable_thinking, tools], sort_keys=True, default=str)
         if (hit := self._cache.get(key)) is not None:
             self._cache.move_to_end(key)
             return list(hit[0]), hit[1]
-        ids = self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
+        ids = self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking, tools=tools)
         entry = ids, opens_thinking(self.tokenizer.decode(ids[-4:]))
         self._cache[key] = entry
         if len(self._cache) > CACHED_PROMPTS:

@@ -63,9 +63,10 @@ class ToolFakeEngine(FakeEngine):
         self.tokenizer = Tokenizer.from_hf_dir(QWEN3_FILES)
         self.prompts: list[str] = []
 
-    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True, prompt_ids=None):
-        if prompt_ids is not None:
-            prompt, raw = self.tokenizer.decode(prompt_ids), True
+    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True, tools=None):
+        if isinstance(prompt, list):  # rendered as the engine renders it, tools and all
+            ids = self.tokenizer.encode_chat(prompt, enable_thinking=enable_thinking, tools=tools)
+            prompt, raw = self.tokenizer.decode(ids), True
             self.prompts.append(prompt)
         return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking, parse_special=parse_special)
 

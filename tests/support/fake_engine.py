@@ -133,6 +133,7 @@ class FakeEngine:
         raw: bool = False,
         enable_thinking: bool | None = None,
         parse_special: bool = True,
+        tools: list[dict] | None = None,
     ) -> FakeHandle:
         params = params or SamplingParams()
         if isinstance(messages, str):
