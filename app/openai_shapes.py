@@ -100,6 +100,11 @@ class Responder:
             "text_offset": offsets,
         }
 
+    def text_length(self, tokens: Sequence[TokenLogprob]) -> int:
+        """The characters of the tokens' texts, as a text completion's text_offset counts them."""
+        assert self.token_bytes is not None
+        return sum(len(text_of(self.token_bytes(x.token_id))) for x in tokens)
+
 
 def text_of(piece: bytes) -> str:
     """A token's text; a piece that is part of a UTF-8 character shows its bytes, as OpenAI's "bytes:\\xe6"."""

@@ -634,7 +634,7 @@ class Choice:
     text: list[str] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    streamed: int = 0  # characters sent so far (a stream's text offsets)
+    offset: int = 0  # in a stream, the text offset of its next token's log-probabilities
     finish_reason: str | None = None
 
     def read(self, text: str, final: bool = False) -> tuple[str, list[dict] | None]:
@@ -1126,11 +1126,12 @@ async def stream_events(
         text, deltas = choice.read(text + last.text, final=last.finished)
         reason = finish_reason(last.finish_reason, choice.calls) if last.finished else None
         if text or deltas or logprobs or reason or (ids and responder.token_ids):
-            at = choice.streamed
+            at = choice.offset  # (a token's text may come in a later chunk: a stop string held it back)
             yield sse(
                 responder.chunk(text, reason, calls=deltas, index=i, logprobs=logprobs, offset=at, ids=ids, **extra)
             )
-        choice.streamed += len(text)
+        if logprobs:
+            choice.offset += responder.text_length(logprobs)
         running -= last.finished
     if include_usage:
         yield sse(responder.envelope(responder.chunk_kind, [], usage=usage([c.stream for c in choices])))

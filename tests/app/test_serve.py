@@ -76,6 +76,12 @@ def test_completions_streamed_and_whole_agree(client, model):
     streamed = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True)
     text = whole.choices[0].text
     assert text.strip() and "".join(c.choices[0].text for c in streamed) == text
+    # the tokens' text offsets, where a stop string's start holds text back a while ("Paris" of "Paris!")
+    asked = dict(prompt=prompt, max_tokens=8, temperature=0, logprobs=0, stop=["Paris!"])
+    logprobs = client.completions.create(model=model, **asked).choices[0].logprobs
+    chunks = client.completions.create(model=model, stream=True, **asked)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert " Paris" in logprobs.tokens and offsets == logprobs.text_offset
     # raw text: no chat template, so the prompt is its own tokens and fewer than the chat's
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1)
     assert 0 < whole.usage.prompt_tokens < chat.usage.prompt_tokens
