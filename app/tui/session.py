@@ -15,7 +15,7 @@ from llamaterm.app.logprobs import ShownToken, TokenReader
 from llamaterm.app.tui.backends import Backend
 from llamaterm.engine.api import EngineClient, RequestStats, RequestStream
 from llamaterm.engine.checkpoints.sampling_defaults import FIELDS, SamplingDefaults
-from llamaterm.engine.errors import RequestError
+from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 
 SAVE_EVERY_S = 1.0
@@ -156,7 +156,8 @@ class Session:
         return prompt, reply
 
     def submit(self, engine: EngineClient) -> None:
-        """Send the queued request. One the engine refuses (too long for the context) ends with its reason."""
+        """Send the queued request. One the engine refuses (too long for the context) or cannot take (its process
+        has exited) ends with its reason."""
         self.queued, self.engine = False, engine
         self._tokens = TokenReader(engine) if self.messages[-1].tokens is not None else None
         try:
@@ -165,7 +166,7 @@ class Session:
                 self.settings.sampling_params(engine.sampling_defaults),
                 enable_thinking=self.settings.thinking,
             )
-        except RequestError as e:
+        except LlamatermError as e:
             self._end_reply("error", str(e))
 
     def poll(self) -> tuple[str, bool]:
@@ -241,7 +242,10 @@ class Session:
 
     def _cancel(self, handle: RequestStream) -> None:
         assert self.engine is not None  # submit() set it along with the handle
-        self.engine.cancel(handle)
+        try:
+            self.engine.cancel(handle)
+        except LlamatermError:  # the engine's process has exited: its requests end with that error
+            pass
 
     def _end_reply(self, reason: str | None, error: str | None) -> None:
         reply = self.messages[-1]

@@ -21,7 +21,7 @@ from llamaterm.app.tui.screens.settings import SettingsScreen, origin
 from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, SERVER_DEFAULTS, from_values
-from llamaterm.engine.errors import ModelNotFound
+from llamaterm.engine.errors import LlamatermError, ModelNotFound
 from llamaterm.engine.sampling_params import SamplingParams
 from tests.benchmarks.tui_bench import key_latencies
 from tests.support.fake_engine import REPLY, FakeEngine
@@ -82,6 +82,42 @@ def test_prompt_has_focus_and_a_first_question_is_answered():
     history = History.open()
     (conv,) = history.search()
     assert conv.title == "hello" and [m.content for m in history.load(conv.id).messages] == ["hello", REPLY]
+
+
+class DyingEngine(FakeEngine):
+    """The fake engine as an engine process that can die: `exited` (as EngineProcess has it) and, once dead,
+    refusing what it is sent, as EngineProcess._send does."""
+
+    def __init__(self):
+        super().__init__()
+        self.exited, self.dead = threading.Event(), False
+
+    def submit(self, *args, **kwargs):
+        if self.dead:
+            raise LlamatermError("the engine process has exited")
+        return super().submit(*args, **kwargs)
+
+
+def test_an_engine_process_that_died_ends_a_reply_with_its_error_and_is_loaded_again():
+    """The engine dies (killed, out of memory) between two prompts: a prompt sent to it before its death is seen
+    ends with the error, and the app goes on; the next finds it exited, and the model loads again to answer."""
+    engines: list[DyingEngine] = []
+    app = ChatApp(lambda *_: engines.append(DyingEngine()) or engines[-1])
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        engines[0].dead = True  # its death not yet seen: the prompt reaches it
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        reply = app.chat.panes[0].session.messages[-1]
+        assert (reply.finish_reason, reply.error) == ("error", "the engine process has exited")
+        engines[0].exited.set()
+        await type_and_send(pilot, "again")
+        await wait_until(pilot, lambda: len(engines) == 2)
+        await idle(pilot)
+        assert app.chat.panes[0].session.messages[-1].content == REPLY and app.is_running
+
+    run(app, scenario)
 
 
 def test_prompts_queue_while_the_model_loads():

@@ -177,7 +177,16 @@ class ChatScreen(Screen):
         return self.engine_for(active.first(ChatPane)) if active else None
 
     def engine_for(self, pane: ChatPane) -> EngineClient | None:
-        return self.engines.get(pane.session.settings.backend)
+        """The engine of the pane's backend, None while it loads. A local engine whose process has exited (killed,
+        out of memory) is dropped: the prompt waits while load_backends starts it again."""
+        backend = pane.session.settings.backend
+        engine = self.engines.get(backend)
+        exited = getattr(engine, "exited", None)  # (engine/serving/process.py's EngineProcess)
+        if engine is not None and exited is not None and exited.is_set():
+            self.chat_app.stop_engine(self.engines.pop(backend))
+            self.notify("Its engine process had exited: loading the model again.", title=backend.label)
+            return None
+        return engine
 
     def backends(self) -> list[Backend]:
         """The backends the panes use, in pane order."""
