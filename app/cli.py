@@ -267,6 +267,10 @@ def run(
     if file and prompt is not None:
         fail("give a PROMPT or --file, not both", 2)
     if each_line:
+        if prompt not in (None, "-"):
+            fail("--each-line reads its prompts one a line from stdin or --file, not from PROMPT", 2)
+        if not file and sys.stdin.isatty():
+            fail("--each-line reads its prompts one a line from stdin or --file: pipe them in", 2)
         source = read_file(file) if file else read_prompt("-")
         prompts = [line for line in source.splitlines() if line.strip()]
         if not prompts:

@@ -126,6 +126,7 @@ def test_bad_input_gets_a_clear_error(args, code, words):
         (["tokenize", "\udcff"], b"", "the prompt is not UTF-8 text (byte 0xff at offset 0)"),
         (["run", "--system", "\udcff", "hi"], b"", "the text is not valid Unicode"),
         (["run", "--each-line", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),
+        (["run", "--each-line", "an ignored prompt"], b"Name a fruit.\n", "not from PROMPT"),
         (["run", "--each-line", "--file", "{tmp}"], b"", "cannot read --file"),
         (["run", "--each-line", "--file", "{tmp}/latin1.txt"], b"", "latin1.txt is not UTF-8 text"),
         (["run", "--file", "{tmp}/missing.txt"], b"", "cannot read --file"),  # without --each-line: stdin was read
