@@ -482,9 +482,8 @@ class ToolCallStream:
         self.text += delta
         if self.open_arguments is not None and not final and _scan(self.text, self.open_arguments) is None:
             index = len(self.ids) - 1
-            piece = self.text[len(self.text) - len(delta) :]
-            self.arguments_sent[index] += len(piece)
-            return "", [{"index": index, "function": {"arguments": piece}}] if piece else []
+            self.arguments_sent[index] += len(delta)
+            return "", [{"index": index, "function": {"arguments": delta}}] if delta else []
         self.open_arguments = None
         parsed = parse(self.text, self.family, final)
         if final and len(parsed.calls) < len(self.ids):  # a call announced, then cut short: it stays a call
