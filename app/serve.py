@@ -268,13 +268,14 @@ def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, 
         choice = choice or "auto"
     else:
         function = choice.get("function") if isinstance(choice, dict) else None
-        choice = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(choice, str) or body["tool_choice"].get("type") != "function":
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or choice.get("type") != "function":
             raise APIError(
                 400,
                 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
                 "tool_choice",
             )
+        choice = name
     try:  # the schemas a grammar enforces: every tool's where a call is required, the named tool's
         checked = check_tools(tools, enforced=lambda name: choice in ("required", name))
     except ToolError as e:
