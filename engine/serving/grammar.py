@@ -35,6 +35,7 @@ JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_s
 # Grammars up to this long are cached, compiled (clients repeat their schemas): a cache of larger ones would let
 # clients fill the memory with grammars (a request may carry megabytes)
 CACHED_CHARS = 1 << 16
+RUNS_KEPT = 4096  # forced texts a grammar keeps the tokens of (a schema has a few dozen; enums' endings add more)
 SPECIAL_MARK = b"\xff"  # llguidance's first byte of a special token's name (a byte UTF-8 never has)
 # What each kind is called in a refusal
 WHAT = {
@@ -233,13 +234,15 @@ class Vocabulary:
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A new sequence's matcher (RequestError if the grammar is refused)."""
-        return GrammarMatcher(self._start(grammar).deep_copy())
+        start, runs = self._start(grammar)
+        return GrammarMatcher(start.deep_copy(), runs)
 
-    def _start(self, grammar: Grammar) -> llguidance.LLMatcher:
-        """The grammar's matcher at its start, which sequences copy (n samples of one request, a client's repeats)."""
+    def _start(self, grammar: Grammar) -> tuple[llguidance.LLMatcher, dict[bytes, list[int]]]:
+        """The grammar's matcher at its start, which sequences copy (n samples of one request, a client's repeats),
+        and the forced runs its sequences share (GrammarMatcher.fast_forward)."""
         return self._cached(grammar) if len(grammar.text) <= CACHED_CHARS else self._build(grammar)
 
-    def _build(self, grammar: Grammar) -> llguidance.LLMatcher:
+    def _build(self, grammar: Grammar) -> tuple[llguidance.LLMatcher, dict[bytes, list[int]]]:
         matcher = llguidance.LLMatcher(self._tokenizer, compiled(grammar), limits=limits(), log_level=0)
         if not matcher.is_error():
             matcher.compute_bitmask()  # where no token can begin the grammar, the matcher fails here
@@ -247,7 +250,7 @@ class Vocabulary:
             raise GrammarError(f"{WHAT[grammar.kind]} cannot be matched: no token of the model's vocabulary begins it")
         if matcher.is_error():
             raise refusal(grammar, matcher.get_error())
-        return matcher
+        return matcher, {}
 
 
 class GrammarMatcher:
@@ -255,8 +258,9 @@ class GrammarMatcher:
     or why it refused) is read out then and kept: the engine asks while the next masks fill on other threads, and
     llguidance's matcher takes one caller at a time."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, runs: dict[bytes, list[int]]):
         self._matcher = matcher
+        self._runs = runs  # forced text -> its tokens, shared by the grammar's sequences
         self.done = False  # the grammar is complete and takes nothing more but an end-of-text token
         self.refusal: str | None = None  # why the grammar refused a token, if it has
 
@@ -273,8 +277,17 @@ class GrammarMatcher:
         """Advance past the tokens the grammar forces next (up to `most`: in JSON a key and its punctuation, `",
         "age": `) and return them, less the last where it would end the reply (that one is sampled, where the reply
         may stop): the engine computes them in one chunk without sampling (what SGLang calls jump-forward).
-        llguidance gives the forced text's canonical tokens, less a last one that the text after could merge with."""
-        forced = self._matcher.compute_ff_tokens()[:most] if most > 0 and not self.done else []
+        llguidance gives the forced text's canonical tokens, less a last one that the text after could merge with;
+        they are kept by the text (the same key of a schema recurs in every record and every sequence), since
+        llguidance's tokenizing them costs 5x finding the text. (Where the text after differs, so could the last
+        token: a run found where less could merge with it keeps that one, still the grammar's text.)"""
+        if most <= 0 or self.done or not (text := self._matcher.compute_ff_bytes()):
+            return []
+        if (run := self._runs.get(text)) is None:
+            run = self._matcher.compute_ff_tokens()
+            if len(self._runs) < RUNS_KEPT:
+                self._runs[text] = run
+        forced = run[:most]
         taken = self._matcher.try_consume_tokens(forced) if forced else 0
         if taken < len(forced):
             self._matcher.rollback(taken)

@@ -168,6 +168,62 @@ def default_oracle(default) -> llguidance.LLTokenizer:
     return llguidance.hf.from_tokenizer(hf, eos_token=sorted(default.stop_ids))
 
 
+STAFF = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "role": {"enum": ["Designer", "Manager", "Researcher"]},
+        },
+        "required": ["name", "age", "role"],
+    },
+}
+STAFF_ANSWER = json.dumps(
+    [
+        {"name": "Ada", "age": 36, "role": "Designer"},
+        {"name": "Bo", "age": 7, "role": "Manager"},
+        {"name": "Cy", "age": 51, "role": "Researcher"},
+    ]
+)
+
+
+def forced_runs(vocab: grammar.Vocabulary, oracle: llguidance.LLTokenizer) -> list[list[int]]:
+    """Along STAFF_ANSWER, one sequence's forced runs (fast_forward), each checked against llguidance's own on a
+    matcher of its own; the tokens between them are the rest of the text's first token."""
+    ours = Grammar("json_schema", json.dumps(STAFF))
+    matcher = vocab.matcher(ours)
+    reference = llguidance.LLMatcher(oracle, oracle_grammar(llguidance.grammar_from("json", json.dumps(STAFF))))
+    rest, runs = STAFF_ANSWER.encode(), []
+    while rest:
+        expected = reference.compute_ff_tokens()[:16]
+        reference.consume_tokens(expected)
+        if expected and reference.is_stopped():  # fast_forward leaves the last token for the sampler
+            reference.rollback(1)
+            expected.pop()
+        run = matcher.fast_forward(16)
+        assert run == expected
+        runs.append(run)
+        rest = rest[len(oracle.decode_bytes(run)) :]
+        if rest:
+            token = oracle.tokenize_bytes(rest)[0]
+            assert matcher.accept(token) and reference.consume_token(token)
+            rest = rest[len(oracle.decode_bytes([token])) :]
+    assert matcher.is_done()
+    return runs
+
+
+@pytest.mark.slow
+def test_forced_runs_kept_by_their_text_are_llguidance_s_own(default, default_oracle):
+    """A grammar's sequences keep the tokens of the texts it forces (a key recurs in every record): a second
+    sequence takes its runs from those kept, and each equals what llguidance computes for that place."""
+    vocab = grammar.Vocabulary(default, default.vocab_size)
+    first = forced_runs(vocab, default_oracle)
+    assert sum(map(len, first)) > len(first) and len(vocab._start(Grammar("json_schema", json.dumps(STAFF)))[1]) > 3
+    assert forced_runs(vocab, default_oracle) == first
+
+
 @pytest.fixture(scope="module")
 def phi3() -> Tokenizer:  # a SentencePiece vocabulary: llama.cpp's own for Phi-3's tokenizer tests
     return Tokenizer.from_gguf_metadata(gguf_metadata(VOCABS / "ggml-vocab-phi-3.gguf"))
