@@ -5,9 +5,10 @@ The model (the default one unless -m) writes --replies replies (a row each) unde
 are filled a step at a time along those replies' tokens, as the engine fills them (grammar.fill_bitmasks), with
 llguidance's pool of 1, 2, 4, 8 and 12 threads, and one row after another on this thread. A random walk through the
 same schema (each token drawn uniformly among those the mask allows, what random weights write) is the second row.
-Last, the engine's own fill (one thread) alone and beside a thread that runs Python all the while, as the engine's
+Then the engine's own fill (one thread) alone and beside a thread that runs Python all the while, as the engine's
 thread does: with llguidance's own copy of the tokenizer (grammar.native_tokenizer), and with the Python reader,
-whose every call from a mask waits for the GIL.
+whose every call from a mask waits for the GIL. Last, the forced runs a step finds on the engine's thread
+(GrammarMatcher.fast_forward, which keeps a grammar's runs by their text), beside llguidance computing each.
 
     python -m tests.benchmarks.grammar_masks --device cuda
 """
@@ -28,6 +29,7 @@ from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import grammar
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model_runner import MASK_SWITCH_S
+from llamaterm.engine.serving.sequence import FORCED_MOST
 from llamaterm.engine.workload import FILTERS
 
 SCHEMA = "tests/benchmarks/people.schema.json"
@@ -75,6 +77,32 @@ def step_ms(vocabulary: grammar.Vocabulary, schema: Grammar, replies: list[list[
         for matcher, stream in zip(matchers, streams, strict=True):
             matcher.accept(stream[i])
     return 1e3 * statistics.median(times)
+
+
+def runs_ms(vocabulary: grammar.Vocabulary, schema: Grammar, replies: list[list[int]], rows: int, take) -> float:
+    """The mean time a step of `rows` sequences along the replies takes to find their forced runs (take(matcher):
+    the run it takes), each sequence past its next token first."""
+    streams = [replies[i % len(replies)] for i in range(rows)]
+    matchers = [vocabulary.matcher(schema) for _ in streams]
+    at, spent, steps = [0] * rows, 0.0, 0
+    while all(i < len(s) - FORCED_MOST for i, s in zip(at, streams, strict=True)):
+        for row, matcher in enumerate(matchers):
+            matcher.accept(streams[row][at[row]])
+            at[row] += 1
+        t = time.perf_counter()
+        runs = [take(matcher) for matcher in matchers]
+        spent, steps = spent + time.perf_counter() - t, steps + 1
+        at = [i + len(run) for i, run in zip(at, runs, strict=True)]
+    return 1e3 * spent / steps
+
+
+def computed_each_time(matcher: grammar.GrammarMatcher) -> list[int]:
+    """fast_forward as llguidance gives it, the forced text tokenized each time."""
+    m = matcher._matcher
+    run = m.compute_ff_tokens()[:FORCED_MOST]
+    if m.try_consume_tokens(run) < len(run) or (run and m.is_stopped()):
+        raise AssertionError("the replies end in a forced run: give them more tokens")
+    return run
 
 
 def one_by_one(matchers: list[grammar.GrammarMatcher], bitmask: torch.Tensor) -> None:
@@ -132,6 +160,12 @@ def main() -> None:
         alone = step_ms(vocab, schema, replies, args.rows, grammar.fill_bitmasks)
         beside = beside_busy_thread(lambda v=vocab: step_ms(v, schema, replies, args.rows, grammar.fill_bitmasks))
         print(f"{name:51}{alone:6.2f} {beside:21.2f}")
+    print(f"\nthe model's replies, ms a step for the forced runs of {args.rows} rows on the engine's thread")
+    for name, take in (
+        ("kept by their text (fast_forward)", lambda m: m.fast_forward(FORCED_MOST)),
+        ("computed each time (compute_ff_tokens)", computed_each_time),
+    ):
+        print(f"{name:51}{runs_ms(vocabulary, schema, replies, args.rows, take):6.3f}")
 
 
 if __name__ == "__main__":
