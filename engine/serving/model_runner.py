@@ -17,10 +17,12 @@ which keeps it busy), advance the grammars and start filling their next masks on
 and the engine's thread hands out the tokens, schedules the next step and writes its inputs; the next launch
 queues the sampler that reads them (or `complete`).
 
-Where a grammar forces the tokens after a sequence's new one (a JSON key and its punctuation), `_receive` takes them
-unsampled (fast-forward): they go after that token, or, where the step being launched samples the sequence already,
-that step's mask forces the run's first token and the rest go after its PENDING one; they are handed out with the
-token before them, and the next step computes them in one chunk and samples after them.
+Where a grammar forces the tokens after a sequence's new one (a JSON key and its punctuation), `_take_runs` takes
+them unsampled (fast-forward): they go after that token, or, where the step being launched samples the sequence
+already, that step's mask forces the run's first token and the rest go after its PENDING one; they are handed out with
+the token before them, and the next step computes them in one chunk and samples after them. Finding a run costs the
+engine's thread some 20 us (llguidance tokenizes the forced text), so the masks of the sequences whose grammars force
+nothing next start filling first, and the others' once their runs are found.
 
 A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
 samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
@@ -87,7 +89,7 @@ class MaskTimes:
     fill_s: float = 0.0
     tokens_s: float = 0.0
     wait_s: float = 0.0
-    forced_tokens: int = 0  # tokens the grammars forced, taken without sampling (_fast_forward)
+    forced_tokens: int = 0  # tokens the grammars forced, taken without sampling (_take_runs)
 
 
 @dataclass
@@ -107,8 +109,9 @@ class LaunchedStep:
     logprobs: StepLogprobs | None = None
     tokens: HostTokens | None = None  # once its sampler is queued
     received: tuple[list[int], set[int]] | None = None  # its tokens on the host, and the rows refused (receive)
+    runs_taken: bool = False  # the runs its grammars force next are found (_take_runs)
     outcome: list[Sampled] | None = None  # complete()'s answer, kept
-    # grammar fast-forward (_fast_forward), by row: the tokens placed after a sequence's PENDING one (one run, or two
+    # grammar fast-forward (_take_runs), by row: the tokens placed after a sequence's PENDING one (one run, or two
     # where the chunk after it was cut short), and the token its mask forces, which its grammar has consumed already
     forced: dict[int, list[int]] = field(default_factory=dict)
     forced_first: dict[int, int] = field(default_factory=dict)
@@ -272,28 +275,44 @@ class ModelRunner:
         released), while the engine's thread goes on; the future gives the sampler slots they span and the buffer
         filled (a row per slot). A sequence whose last token is the step in flight's needs it on the host first:
         that step's tokens are received here (its sampler and then this step's forward pass are queued), and
-        handed out by complete() once the masks have started."""
+        handed out by complete() once the masks have started. The masks of sequences whose grammars force what
+        follows start after their runs are found (_take_runs), the others' before."""
         times, t = self.mask_times, time.perf_counter()
+        ahead: set[int] = set()  # sequences whose grammars force bytes next
         if last is not None and any(seq.num_pending for seq in constrained):
-            self._receive(last, {seq.id for seq in constrained})
-        times.steps, times.tokens_s = times.steps + 1, times.tokens_s + time.perf_counter() - t
+            self._receive(last)
+            if self.fast_forward:
+                ahead = {seq.id for seq in constrained if cast(GrammarMatcher, seq.grammar).forces_next()}
         self._host_bitmasks.reverse()
         if self._host_bitmasks[0].numel() == 0:  # a row per sampler slot
             words = bitmask_words(self.model.config.vocab_size)
             pinned = self.model.device.type == "cuda"
             rows = len(self.sampler.tables.ints)
             self._host_bitmasks[0] = torch.zeros(rows, words, dtype=torch.int32, pin_memory=pinned)
-        slots = [cast(int, seq.sampler_slot) for seq in constrained]
         bitmask = self._host_bitmasks[0]
-        free = []  # the rows llguidance fills; a forced run's first token is the only one its row allows
+        slots = [cast(int, seq.sampler_slot) for seq in constrained]
+        span = min(slots), max(slots) + 1
+        masks = self._fill([seq for seq in constrained if seq.id not in ahead], bitmask, span)
+        if last is not None and last.received is not None:
+            filling = {seq.id for seq in constrained} - ahead
+            self._take_runs(last, {seq.id for seq in constrained}, filling)
+        times.steps, times.tokens_s = times.steps + 1, times.tokens_s + time.perf_counter() - t
         host_rows = bitmask.numpy()  # (a view: a tensor's row by row writes cost microseconds each)
-        for seq, slot in zip(constrained, slots, strict=True):
+        rest = []  # a forced run's first token is the only one its row allows
+        for seq in constrained:
             if (forced := self._forced_next.get(seq.id)) is not None:
-                force_token(host_rows[slot], forced[0])
-            else:
-                free.append((seq, slot))
-        matchers = [cast(GrammarMatcher, seq.grammar) for seq, _ in free]
-        free_slots = [slot for _, slot in free]
+                force_token(host_rows[cast(int, seq.sampler_slot)], forced[0])
+            elif seq.id in ahead:
+                rest.append(seq)
+        # after the first (the masks' thread takes one at a time), so this one's future is both's
+        return self._fill(rest, bitmask, span) if rest else masks
+
+    def _fill(self, seqs: list[Sequence], bitmask: torch.Tensor, span: tuple[int, int]) -> Future[Masks]:
+        """Fill the masks of `seqs` into their sampler slots' rows of `bitmask` on the masks' thread; the future
+        gives `span` (the sampler slots of the step's masks) and the buffer."""
+        matchers = [cast(GrammarMatcher, seq.grammar) for seq in seqs]
+        slots = [cast(int, seq.sampler_slot) for seq in seqs]
+        times = self.mask_times
         # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
         # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. Once
         # started it sets the interval back: at 0.1 ms the engine's thread would hand the GIL to every thread that
@@ -305,9 +324,9 @@ class ModelRunner:
             sys.setswitchinterval(interval)
             t = time.perf_counter()
             if matchers:
-                fill_bitmasks(matchers, bitmask, free_slots)
+                fill_bitmasks(matchers, bitmask, slots)
             times.fill_s += time.perf_counter() - t
-            return min(slots), max(slots) + 1, bitmask
+            return *span, bitmask
 
         return self._mask_filler.submit(fill)
 
@@ -340,6 +359,7 @@ class ModelRunner:
         if step.outcome is not None:
             return step.outcome
         tokens, refused = self._receive(step)
+        self._take_runs(step)
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
         first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))
         step.outcome = []
@@ -369,10 +389,9 @@ class ModelRunner:
             ]
         return step.outcome
 
-    def _receive(self, step: LaunchedStep, launching: Collection[int] = ()) -> tuple[list[int], set[int]]:
-        """Wait for a step's tokens on the host and advance its sequences' grammars past them and what they force
-        next (once): all the next masks need, which start before complete() hands the tokens out. launching: the
-        ids of the sequences that sample in the step being launched. Returns the tokens and the rows refused."""
+    def _receive(self, step: LaunchedStep) -> tuple[list[int], set[int]]:
+        """Wait for a step's tokens on the host and advance its sequences' grammars past them (once): what the next
+        masks start from, before complete() hands the tokens out. Returns the tokens and the rows refused."""
         if step.received is None:
             self._queue_sampler(step)
             if step.tokens is None:  # its masks failed
@@ -381,10 +400,7 @@ class ModelRunner:
             assert step.tokens is not None
             tokens = step.tokens.wait()
             first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))[:-1]
-            new = [tokens[row] for row in first_rows]
-            step.received = tokens, self._advance_grammars(step, new)
-            if self.fast_forward:
-                self._fast_forward(step, new, step.received[1], launching)
+            step.received = tokens, self._advance_grammars(step, [tokens[row] for row in first_rows])
         return step.received
 
     @staticmethod
@@ -404,19 +420,26 @@ class ModelRunner:
             refused |= {i for i, ok in zip(rows, accepted, strict=True) if not ok}
         return refused
 
-    def _fast_forward(
-        self, step: LaunchedStep, tokens: list[int], refused: set[int], launching: Collection[int]
-    ) -> None:
-        """Where a grammar forces the tokens after a sequence's new one (GrammarMatcher.fast_forward), take them
-        unsampled: the next step computes them in one chunk and samples after them. A sequence that samples in
-        the step being launched has its token there forced to the run's first, the rest placed after it; another
-        has the run after this step's token. Not where a request asks for log-probabilities (a forced token has
-        none), and never past max_tokens (a sampled token follows)."""
+    def _take_runs(self, step: LaunchedStep, launching: Collection[int] = (), filling: Collection[int] = ()) -> None:
+        """Once a step's tokens are received: where a grammar forces the tokens after a sequence's new one
+        (GrammarMatcher.fast_forward), take them unsampled, and the next step computes them in one chunk and samples
+        after them. A sequence that samples in the step being launched (its id in `launching`) has its token there
+        forced to the run's first, the rest placed after it; another has the run after this step's token. Not where
+        a request asks for log-probabilities (a forced token has none), never past max_tokens (a sampled token
+        follows), and not for sequences whose masks are filling (`filling`: their grammars force nothing next)."""
+        if step.runs_taken or not self.fast_forward:
+            return
+        step.runs_taken = True
+        assert step.received is not None
+        tokens, refused = step.received
+        first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))[:-1]
         after: dict[int, list[int]] = {}  # runs after this step's tokens, by row
-        for i, (seq, token) in enumerate(zip(step.sampling, tokens, strict=True)):
-            grammar = seq.grammar
+        for i, (seq, row) in enumerate(zip(step.sampling, first_rows, strict=True)):
+            grammar, token = seq.grammar, tokens[row]
             asks_logprobs = seq.params.logprobs is not None
             if grammar is None or token < 0 or i in refused or seq.status is Status.FINISHED or asks_logprobs:
+                continue
+            if seq.id in filling:  # (its mask is being filled from its grammar, which forces nothing next)
                 continue
             if forced := grammar.fast_forward(min(FORCED_MOST, seq.max_tokens - seq.num_generated - 1)):
                 self.mask_times.forced_tokens += len(forced)

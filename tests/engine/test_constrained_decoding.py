@@ -198,3 +198,41 @@ def test_forced_runs_whole_where_chunks_are_cut_short_or_preempted(tmp_path, lim
             assert events[-1].error is None and "".join(e.text for e in events) == text
         assert_every_block_back(engine)
     assert preemptions or "kv_tokens" not in limits
+
+
+def test_no_grammar_is_fast_forwarded_while_its_mask_fills(tmp_path, monkeypatch):
+    """llguidance's matcher takes one caller at a time, and a launch fills the masks of grammars that force nothing
+    next while it looks for the others' runs: no grammar whose mask a launch has handed to the masks' thread is
+    fast-forwarded before the next launch (which waits for those masks), over overlapped steps of schema replies
+    and spelled-out ones; and the replies are whole."""
+    handed: set[int] = set()  # the grammars whose masks this launch handed over
+    launch, fill = model_runner.ModelRunner.launch, model_runner.ModelRunner._fill
+    fast_forward = model_runner.GrammarMatcher.fast_forward
+
+    def on_launch(self, *args):
+        handed.clear()
+        return launch(self, *args)
+
+    def on_fill(self, seqs, *args):
+        handed.update(id(seq.grammar) for seq in seqs)
+        return fill(self, seqs, *args)
+
+    def on_fast_forward(self, most):
+        assert id(self) not in handed
+        return fast_forward(self, most)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", on_launch)
+    monkeypatch.setattr(model_runner.ModelRunner, "_fill", on_fill)
+    monkeypatch.setattr(model_runner.GrammarMatcher, "fast_forward", on_fast_forward)
+    model = write_tiny_llama(tmp_path / "tiny.gguf", context_length=512)
+    with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=True)) as engine:
+        spelled = Grammar("regex", re.escape(FORCED))
+        grammars = [PERSON, spelled] * 3
+        handles = [engine.submit("Hi", SamplingParams(grammar=g, seed=s, **SAMPLED)) for s, g in enumerate(grammars)]
+        for grammar, handle in zip(grammars, handles, strict=True):
+            events = list(handle.events())
+            assert events[-1].error is None, events[-1].error
+            text = "".join(e.text for e in events)
+            assert text == FORCED if grammar is spelled else Person.model_validate_json(text)
+        assert engine.runner.mask_times.forced_tokens > 0
+        assert_every_block_back(engine)
