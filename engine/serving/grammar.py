@@ -274,7 +274,7 @@ class GrammarMatcher:
         return False
 
     def forces_next(self) -> bool:
-        """The grammar forces the text that follows (fast_forward may find a run; a tenth of its cost)."""
+        """The grammar forces the text that follows (fast_forward may find a run)."""
         return bool(self._matcher.compute_ff_bytes())
 
     def fast_forward(self, most: int) -> list[int]:

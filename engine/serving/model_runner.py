@@ -20,9 +20,10 @@ queues the sampler that reads them (or `complete`).
 Where a grammar forces the tokens after a sequence's new one (a JSON key and its punctuation), `_take_runs` takes
 them unsampled (fast-forward): they go after that token, or, where the step being launched samples the sequence
 already, that step's mask forces the run's first token and the rest go after its PENDING one; they are handed out with
-the token before them, and the next step computes them in one chunk and samples after them. Finding a run costs the
-engine's thread some 20 us (llguidance tokenizes the forced text), so the masks of the sequences whose grammars force
-nothing next start filling first, and the others' once their runs are found.
+the token before them, and the next step computes them in one chunk and samples after them. Taking a run costs the
+engine's thread some microseconds (finding the forced text, consuming its tokens; GrammarMatcher.fast_forward), so the
+masks of the sequences whose grammars force nothing next start filling first, and the others' once their runs are
+taken.
 
 A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
 samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
