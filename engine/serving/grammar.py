@@ -261,12 +261,14 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, runs: dict[bytes, list[int]]):
         self._matcher = matcher
         self._runs = runs  # forced text -> its tokens, shared by the grammar's sequences
+        self._forced_text: bytes | None = None  # what forces_next found, until the matcher moves
         self.done = False  # the grammar is complete and takes nothing more but an end-of-text token
         self.refusal: str | None = None  # why the grammar refused a token, if it has
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token. False: the grammar refuses it, and from then on every token; error()
         says why."""
+        self._forced_text = None
         if self._matcher.consume_token(token_id):  # (two calls a token: the engine makes 64 of these a step)
             self.done = self._matcher.is_stopped()
             return True
@@ -274,8 +276,9 @@ class GrammarMatcher:
         return False
 
     def forces_next(self) -> bool:
-        """The grammar forces the text that follows (fast_forward may find a run)."""
-        return bool(self._matcher.compute_ff_bytes())
+        """The grammar forces the text that follows (fast_forward may find a run; it takes this text then)."""
+        self._forced_text = self._matcher.compute_ff_bytes()
+        return bool(self._forced_text)
 
     def fast_forward(self, most: int) -> list[int]:
         """Advance past the tokens the grammar forces next (up to `most`: in JSON a key and its punctuation, `",
@@ -285,7 +288,12 @@ class GrammarMatcher:
         they are kept by the text (the same key of a schema recurs in every record and every sequence), since
         llguidance's tokenizing them costs 5x finding the text. (Where the text after differs, so could the last
         token: a run found where less could merge with it keeps that one, still the grammar's text.)"""
-        if most <= 0 or self.done or not (text := self._matcher.compute_ff_bytes()):
+        text, self._forced_text = self._forced_text, None
+        if most <= 0 or self.done:
+            return []
+        if text is None:
+            text = self._matcher.compute_ff_bytes()
+        if not text:
             return []
         if (run := self._runs.get(text)) is None:
             run = self._matcher.compute_ff_tokens()

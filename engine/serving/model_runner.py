@@ -123,10 +123,13 @@ class LaunchedStep:
     def has_drafts(self) -> bool:
         return any(self.drafts)
 
+    def row_starts(self) -> list[int]:
+        """Each sequence's first row (at its last known token, then one a draft), and one past the last row."""
+        return list(itertools.accumulate((1 + len(d) for d in self.drafts), initial=0))
+
     def last_rows(self) -> dict[int, int]:
         """Each sequence's last row (its token after any drafts), by sequence id."""
-        ends = itertools.accumulate(1 + len(d) for d in self.drafts)
-        return {seq.id: end - 1 for seq, end in zip(self.sampling, ends, strict=True)}
+        return {seq.id: end - 1 for seq, end in zip(self.sampling, self.row_starts()[1:], strict=True)}
 
 
 class ModelRunner:
@@ -295,8 +298,8 @@ class ModelRunner:
         span = min(slots), max(slots) + 1
         masks = self._fill([seq for seq in constrained if seq.id not in ahead], bitmask, span)
         if last is not None and last.received is not None:
-            filling = {seq.id for seq in constrained} - ahead
-            self._take_runs(last, {seq.id for seq in constrained}, filling)
+            ids = {seq.id for seq in constrained}
+            self._take_runs(last, ids, ids - ahead)
         times.steps, times.tokens_s = times.steps + 1, times.tokens_s + time.perf_counter() - t
         host_rows = bitmask.numpy()  # (a view: a tensor's row by row writes cost microseconds each)
         rest = []  # a forced run's first token is the only one its row allows
@@ -362,7 +365,7 @@ class ModelRunner:
         tokens, refused = self._receive(step)
         self._take_runs(step)
         logprobs = step.logprobs.read(tokens) if step.logprobs is not None else {}
-        first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))
+        first_rows = step.row_starts()
         step.outcome = []
         for i, (seq, drafts) in enumerate(zip(step.sampling, step.drafts, strict=True)):
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
@@ -400,8 +403,7 @@ class ModelRunner:
                 step.masks.result()
             assert step.tokens is not None
             tokens = step.tokens.wait()
-            first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))[:-1]
-            step.received = tokens, self._advance_grammars(step, [tokens[row] for row in first_rows])
+            step.received = tokens, self._advance_grammars(step, [tokens[row] for row in step.row_starts()[:-1]])
         return step.received
 
     @staticmethod
@@ -433,9 +435,8 @@ class ModelRunner:
         step.runs_taken = True
         assert step.received is not None
         tokens, refused = step.received
-        first_rows = list(itertools.accumulate((1 + len(d) for d in step.drafts), initial=0))[:-1]
         after: dict[int, list[int]] = {}  # runs after this step's tokens, by row
-        for i, (seq, row) in enumerate(zip(step.sampling, first_rows, strict=True)):
+        for i, (seq, row) in enumerate(zip(step.sampling, step.row_starts()[:-1], strict=True)):
             grammar, token = seq.grammar, tokens[row]
             asks_logprobs = seq.params.logprobs is not None
             if grammar is None or token < 0 or i in refused or seq.status is Status.FINISHED or asks_logprobs:
