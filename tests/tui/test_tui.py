@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 from textual import events
@@ -575,8 +576,10 @@ def test_keystrokes_are_handled_fast_while_four_panes_stream():
 
     async def scenario(pilot):
         await engine_ready(pilot)
-        await type_and_send(pilot, "stream")
         panes = app.chat.panes
+        for pane in panes:  # the whole reply (24 s at 250 tokens/s): a loaded CI machine types slowly
+            pane.session.configure(replace(pane.session.settings, max_tokens=len(LONG_REPLY.split())))
+        await type_and_send(pilot, "stream")
         target = panes[0].query_one(".pane-input", Input)
         target.focus()
         await wait_until(pilot, lambda: len(panes[3].session.messages[-1].content) > 500)
