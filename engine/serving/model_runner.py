@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -159,6 +160,8 @@ class ModelRunner:
         # still wait in the stream while the next step's masks fill the other; the step before it has completed
         self._host_bitmasks = [torch.zeros(0, 0, dtype=torch.int32)] * 2
         self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="llamaterm-masks")
+        self._switch_interval = sys.getswitchinterval()  # Python's, which a fill lowers until it starts (_fill)
+        self._fills_lock, self._fills_waiting = threading.Lock(), 0
         self.mask_times = MaskTimes()
         self.fast_forward = fast_forward
         self._forced_next: dict[int, list[int]] = {}  # by sequence id: a run forced after the launching step's token
@@ -296,7 +299,7 @@ class ModelRunner:
         bitmask = self._host_bitmasks[0]
         slots = [cast(int, seq.sampler_slot) for seq in constrained]
         span = min(slots), max(slots) + 1
-        masks = self._fill([seq for seq in constrained if seq.id not in ahead], bitmask, span)
+        masks = self._fill([seq for seq in constrained if seq.id not in ahead], bitmask, span, None)
         if last is not None and last.received is not None:
             ids = {seq.id for seq in constrained}
             self._take_runs(last, ids, ids - ahead)
@@ -308,24 +311,33 @@ class ModelRunner:
                 force_token(host_rows[cast(int, seq.sampler_slot)], forced[0])
             elif seq.id in ahead:
                 rest.append(seq)
-        # after the first (the masks' thread takes one at a time), so this one's future is both's
-        return self._fill(rest, bitmask, span) if rest else masks
+        return self._fill(rest, bitmask, span, masks) if rest else masks
 
-    def _fill(self, seqs: list[Sequence], bitmask: torch.Tensor, span: tuple[int, int]) -> Future[Masks]:
+    def _fill(
+        self, seqs: list[Sequence], bitmask: torch.Tensor, span: tuple[int, int], before: Future[Masks] | None
+    ) -> Future[Masks]:
         """Fill the masks of `seqs` into their sampler slots' rows of `bitmask` on the masks' thread; the future
-        gives `span` (the sampler slots of the step's masks) and the buffer."""
+        gives `span` (the sampler slots of the step's masks) and the buffer, once this fill and the step's fill
+        `before` it (which the masks' thread, one at a time, has done then) are done, or either's failure."""
         matchers = [cast(GrammarMatcher, seq.grammar) for seq in seqs]
         slots = [cast(int, seq.sampler_slot) for seq in seqs]
         times = self.mask_times
         # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
-        # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. Once
-        # started it sets the interval back: at 0.1 ms the engine's thread would hand the GIL to every thread that
-        # waits for it (the engine process's forwarder) in the midst of its own work, which then runs 1.5-2x slower
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(MASK_SWITCH_S)
+        # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. The
+        # last fill waiting to start sets the interval back: at 0.1 ms the engine's thread would hand the GIL to
+        # every thread that waits for it (the engine process's forwarder) in the midst of its own work, which then
+        # runs 1.5-2x slower
+        with self._fills_lock:
+            self._fills_waiting += 1
+            sys.setswitchinterval(MASK_SWITCH_S)
 
         def fill() -> Masks:
-            sys.setswitchinterval(interval)
+            with self._fills_lock:
+                self._fills_waiting -= 1
+                if not self._fills_waiting:
+                    sys.setswitchinterval(self._switch_interval)
+            if before is not None:
+                before.result()  # its failure is this step's
             t = time.perf_counter()
             if matchers:
                 fill_bitmasks(matchers, bitmask, slots)

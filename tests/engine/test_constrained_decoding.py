@@ -6,6 +6,8 @@ grammar forces are taken unsampled, a few steps a run, up to max_tokens, but whe
 
 import json
 import re
+import sys
+import threading
 from typing import Annotated
 
 import pydantic
@@ -107,6 +109,47 @@ def test_masks_that_fail_end_their_steps_requests_and_the_next_ones_are_served(e
     text, reason = reply(engine, PERSON, seed=3)  # the engine still serves, masks and all
     assert reason == "stop" and Person.model_validate_json(text)
     assert reply(engine, None, seed=3)[1] == "length"
+
+
+# the steps overlap: a step's masks are filled as the step before ends, in two parts where runs are taken
+OVERLAPPED = [("cpu", True), pytest.param(("cuda", None), marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("engine", OVERLAPPED, indirect=True, ids=["overlapped", "cuda"])
+def test_a_first_fill_that_fails_ends_its_step_s_requests_too(engine, monkeypatch):
+    """A step's masks may fill in two parts (the rows whose grammars force text next after their runs are taken;
+    a row that asks for log-probabilities takes none): a failure of the first is the step's, not masks left from
+    an earlier step."""
+    fill, asked, failed = model_runner.fill_bitmasks, set(), []
+
+    def first_of_two_fails(matchers, *args):
+        # b's grammar forces text next: it fills second, alone
+        if matchers and asked and not asked & set(map(id, matchers)) and not failed:
+            failed.append(1)
+            raise RuntimeError("the masks broke")
+        fill(matchers, *args)
+
+    monkeypatch.setattr(model_runner, "fill_bitmasks", first_of_two_fails)
+    a = engine.submit("Hi", SamplingParams(grammar=PERSON, seed=3, **SAMPLED))
+    b = engine.submit("Hi", SamplingParams(grammar=PERSON, seed=4, logprobs=0, **SAMPLED))
+    asked.add(id(b.seq.grammar))
+    ends = [list(h.events())[-1] for h in (a, b)]
+    assert failed and all(e.finish_reason == "error" and "the masks broke" in e.error for e in ends), ends
+
+
+def test_python_s_switch_interval_is_its_own_after_a_step_s_two_fills(engine):
+    """A fill lowers Python's switch interval until it starts (model_runner._fill): a step's two fills, both
+    waiting to start, put it back (the second found the lowered one and kept it, for good)."""
+    before, runner, gate = sys.getswitchinterval(), engine.runner, threading.Event()
+    runner._mask_filler.submit(gate.wait)  # the masks' thread busy: neither fill starts before both are queued
+    try:
+        bitmask = torch.zeros(1, 1, dtype=torch.int32)
+        first = runner._fill([], bitmask, (0, 1), None)
+        second = runner._fill([], bitmask, (0, 1), first)
+        assert sys.getswitchinterval() == pytest.approx(model_runner.MASK_SWITCH_S)
+    finally:
+        gate.set()
+    assert second.result()[:2] == (0, 1) and sys.getswitchinterval() == before
 
 
 FORCED = "The answer, in full: forty-two and no other number."
