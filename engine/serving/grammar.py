@@ -15,11 +15,12 @@ max_tokens.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -35,7 +36,8 @@ JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_s
 # Grammars up to this long are cached, compiled (clients repeat their schemas): a cache of larger ones would let
 # clients fill the memory with grammars (a request may carry megabytes)
 CACHED_CHARS = 1 << 16
-RUNS_KEPT = 4096  # forced texts a grammar keeps the tokens of (a schema has a few dozen; enums' endings add more)
+RUNS_KEPT = 4096  # forced texts a vocabulary keeps the runs of (a schema has a few dozen; enums' endings add more)
+LOOKBACK_TOKENS = 4  # a forced text's last tokens whose text a longer piece may begin (llguidance's chop looks as far)
 SPECIAL_MARK = b"\xff"  # llguidance's first byte of a special token's name (a byte UTF-8 never has)
 # What each kind is called in a refusal
 WHAT = {
@@ -227,6 +229,9 @@ class Vocabulary:
             llguidance.TokenizerWrapper(_Pieces(tokenizer, size)), eos_token=stops
         )
         self._cached = functools.lru_cache(maxsize=32)(self._build)
+        known = range(min(size, tokenizer.vocab_size))
+        self._pieces = sorted({p for i in known if (p := tokenizer.token_bytes(i)) and not tokenizer.is_special(i)})
+        self.forced_run = functools.lru_cache(maxsize=RUNS_KEPT)(self._forced_run)
 
     def check(self, grammar: Grammar) -> None:
         """check(grammar), and refuse one that no token of this vocabulary can begin."""
@@ -234,15 +239,32 @@ class Vocabulary:
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A new sequence's matcher (RequestError if the grammar is refused)."""
-        start, runs = self._start(grammar)
-        return GrammarMatcher(start.deep_copy(), runs)
+        return GrammarMatcher(self._start(grammar).deep_copy(), self.forced_run)
 
-    def _start(self, grammar: Grammar) -> tuple[llguidance.LLMatcher, dict[bytes, list[int]]]:
-        """The grammar's matcher at its start, which sequences copy (n samples of one request, a client's repeats),
-        and the forced runs its sequences share (GrammarMatcher.fast_forward)."""
+    def _forced_run(self, text: bytes) -> tuple[int, ...]:
+        """The tokens a grammar's forced `text` is computed in without sampling: its canonical tokens, less the last
+        ones that the token after could merge with (from the first of the last tokens' bytes that a longer piece of
+        the vocabulary begins with: the `" ` of `", "` begins `"name`). llguidance leaves those to the sampler too,
+        where the grammar allows such a piece; this asks the vocabulary alone, so the run is a function of the text:
+        kept by it (a schema's `", "age": ` recurs in every record of every sequence; llguidance's tokenizing it
+        costs 5x finding the text) and the same for every request, whatever came before."""
+        tokens = self._tokenizer.tokenize_bytes(text)
+        tail = [len(self._tokenizer.decode_bytes([t])) for t in tokens[-LOOKBACK_TOKENS:]]
+        ending = text[len(text) - sum(tail) :]
+        for at in range(len(ending)):
+            after = bisect.bisect_right(self._pieces, ending[at:])
+            if after < len(self._pieces) and self._pieces[after].startswith(ending[at:]):
+                chopped, covered = 0, len(ending) - at
+                while covered > 0:  # the last tokens that hold the piece's beginning
+                    chopped, covered = chopped + 1, covered - tail[-1 - chopped]
+                return tuple(tokens[: len(tokens) - chopped])
+        return tuple(tokens)
+
+    def _start(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """The grammar's matcher at its start, which sequences copy (n samples of one request, a client's repeats)."""
         return self._cached(grammar) if len(grammar.text) <= CACHED_CHARS else self._build(grammar)
 
-    def _build(self, grammar: Grammar) -> tuple[llguidance.LLMatcher, dict[bytes, list[int]]]:
+    def _build(self, grammar: Grammar) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer, compiled(grammar), limits=limits(), log_level=0)
         if not matcher.is_error():
             matcher.compute_bitmask()  # where no token can begin the grammar, the matcher fails here
@@ -250,7 +272,7 @@ class Vocabulary:
             raise GrammarError(f"{WHAT[grammar.kind]} cannot be matched: no token of the model's vocabulary begins it")
         if matcher.is_error():
             raise refusal(grammar, matcher.get_error())
-        return matcher, {}
+        return matcher
 
 
 class GrammarMatcher:
@@ -258,9 +280,9 @@ class GrammarMatcher:
     or why it refused) is read out then and kept: the engine asks while the next masks fill on other threads, and
     llguidance's matcher takes one caller at a time."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, runs: dict[bytes, list[int]]):
+    def __init__(self, matcher: llguidance.LLMatcher, forced_run: Callable[[bytes], tuple[int, ...]]):
         self._matcher = matcher
-        self._runs = runs  # forced text -> its tokens, shared by the grammar's sequences
+        self._forced_run = forced_run  # a forced text's tokens (Vocabulary.forced_run)
         self._forced_text: bytes | None = None  # what forces_next found, until the matcher moves
         self.done = False  # the grammar is complete and takes nothing more but an end-of-text token
         self.refusal: str | None = None  # why the grammar refused a token, if it has
@@ -282,12 +304,9 @@ class GrammarMatcher:
 
     def fast_forward(self, most: int) -> list[int]:
         """Advance past the tokens the grammar forces next (up to `most`: in JSON a key and its punctuation, `",
-        "age": `) and return them, less the last where it would end the reply (that one is sampled, where the reply
-        may stop): the engine computes them in one chunk without sampling (what SGLang calls jump-forward).
-        llguidance gives the forced text's canonical tokens, less a last one that the text after could merge with;
-        they are kept by the text (the same key of a schema recurs in every record and every sequence), since
-        llguidance's tokenizing them costs 5x finding the text. (Where the text after differs, so could the last
-        token: a run found where less could merge with it keeps that one, still the grammar's text.)"""
+        "age": `) and return them (Vocabulary.forced_run), less the last where it would end the reply (that one is
+        sampled, where the reply may stop): the engine computes them in one chunk without sampling (what SGLang
+        calls jump-forward)."""
         text, self._forced_text = self._forced_text, None
         if most <= 0 or self.done:
             return []
@@ -295,11 +314,7 @@ class GrammarMatcher:
             text = self._matcher.compute_ff_bytes()
         if not text:
             return []
-        if (run := self._runs.get(text)) is None:
-            run = self._matcher.compute_ff_tokens()
-            if len(self._runs) < RUNS_KEPT:
-                self._runs[text] = run
-        forced = run[:most]
+        forced = list(self._forced_run(text)[:most])
         taken = self._matcher.try_consume_tokens(forced) if forced else 0
         if taken < len(forced):
             self._matcher.rollback(taken)

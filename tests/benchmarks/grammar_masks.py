@@ -8,7 +8,7 @@ same schema (each token drawn uniformly among those the mask allows, what random
 Then the engine's own fill (one thread) alone and beside a thread that runs Python all the while, as the engine's
 thread does: with llguidance's own copy of the tokenizer (grammar.native_tokenizer), and with the Python reader,
 whose every call from a mask waits for the GIL. Last, the forced runs a step finds on the engine's thread
-(GrammarMatcher.fast_forward, which keeps a grammar's runs by their text), beside llguidance computing each.
+(GrammarMatcher.fast_forward: the vocabulary keeps the runs by their text), beside llguidance computing each.
 
     python -m tests.benchmarks.grammar_masks --device cuda
 """

@@ -152,6 +152,25 @@ def test_python_s_switch_interval_is_its_own_after_a_step_s_two_fills(engine):
     assert second.result()[:2] == (0, 1) and sys.getswitchinterval() == before
 
 
+def test_a_seeded_reply_is_the_same_whatever_replies_came_before(engine):
+    """Forced runs are kept by their text and shared (grammar.Vocabulary.forced_run): the text `, ` comes before
+    digits in one branch and before a word in the other, where a piece of the vocabulary that begins with a space
+    may follow; a branch's reply is the same as the first of its grammar and after the other branch's. (The
+    grammar's text differs by its trailing newlines: each is compiled, and its runs were kept, anew.)"""
+
+    def both(n: int) -> Grammar:
+        return Grammar("lark", 'start: "A" ("1" ", " /[0-9]{1,6}/ | "2" ", " /[a-z]{1,6}/)' + "\n" * n)
+
+    branches = {}
+    for seed in range(12):
+        branches.setdefault(reply(engine, both(0), seed=seed, max_tokens=20)[0][:2], seed)
+    assert set(branches) == {"A1", "A2"}, branches
+    for n, (first, second) in enumerate((("A1", "A2"), ("A2", "A1"))):
+        alone = reply(engine, both(2 * n + 1), seed=branches[second], max_tokens=20)
+        reply(engine, both(2 * n + 2), seed=branches[first], max_tokens=20)
+        assert reply(engine, both(2 * n + 2), seed=branches[second], max_tokens=20) == alone
+
+
 FORCED = "The answer, in full: forty-two and no other number."
 
 
