@@ -44,7 +44,7 @@ from llamaterm.app.openai_shapes import Responder
 from llamaterm.engine.api import EngineClient, EngineStats, Event, RequestStream, TokenLogprob
 from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 from llamaterm.engine.errors import LlamatermError, RequestError
-from llamaterm.engine.sampling_params import MAX_BIAS, MAX_LOGPROBS, Grammar, SamplingParams
+from llamaterm.engine.sampling_params import MAX_BIAS, MAX_LOGPROBS, Grammar, SamplingError, SamplingParams
 from llamaterm.engine.serving import grammar
 
 if TYPE_CHECKING:
@@ -421,16 +421,15 @@ def parse_prompt(prompt: object) -> str:
 def parse_params(body: dict, max_context: int, chat: bool, defaults: SamplingDefaults) -> SamplingParams:
     check_fields(body)
     values: dict[str, Any] = numbers(body)
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(field)
     if max_tokens is None:  # OpenAI's: a chat reply runs to the end of the context, a text completion 16 tokens
         max_tokens = max_context if chat else COMPLETION_MAX_TOKENS
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
         raise APIError(
             400,
-            f"max_tokens must be a whole number from 1 to {max_context} (the model's context), not {max_tokens!r}",
-            "max_tokens",
+            f"{field} must be a whole number from 1 to {max_context} (the model's context), not {max_tokens!r}",
+            field,
         )
     values["max_tokens"] = max_tokens
     stop = body.get("stop")
@@ -443,8 +442,8 @@ def parse_params(body: dict, max_context: int, chat: bool, defaults: SamplingDef
     values["logit_bias"] = parse_logit_bias(body.get("logit_bias"))
     try:
         return defaults.params(values | {"stop": tuple(stop), "ignore_eos": body.get("ignore_eos", False)})
-    except RequestError as e:
-        raise APIError(400, str(e)) from None
+    except SamplingError as e:
+        raise APIError(400, str(e), e.field) from None
 
 
 def parse_n(value: object) -> int:

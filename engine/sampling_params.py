@@ -11,6 +11,10 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 256
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs)
 MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range); a token id is checked against the vocabulary at submit
 GRAMMAR_KINDS = ("json", "json_schema", "regex", "lark")
+# The sampler's tables hold the numbers as float32 and int64 (engine/serving/sampling.py): a value past them would
+# fail the step it is written in, and every request in that step
+FLOAT32_MAX, INT64_END = 3.4028234663852886e38, 2**63
+MIN_REPETITION_PENALTY = 1e-30  # a seen token's logit divided by less overflows float32 (and its row samples nothing)
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,14 @@ class Grammar:
     def __post_init__(self):
         if self.kind not in GRAMMAR_KINDS:
             raise RequestError(f"invalid grammar kind {self.kind!r}: one of {', '.join(GRAMMAR_KINDS)}")
+
+
+class SamplingError(RequestError):
+    """An invalid sampling value; `field` names it (a server's 400 names the request's field)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"invalid sampling value: {message}")
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -50,35 +62,39 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (0 <= self.temperature < math.inf, "temperature must be >= 0 and finite"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 turns it off)"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
+            ("max_tokens", self.max_tokens >= 1, "max_tokens must be >= 1"),
+            ("temperature", 0 <= self.temperature <= FLOAT32_MAX, "temperature must be >= 0 and finite (0: greedy)"),
+            ("top_k", 0 <= self.top_k < INT64_END, "top_k must be in [0, 2**63) (0 turns it off)"),
+            ("top_p", 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (
+                "repetition_penalty",
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= FLOAT32_MAX,
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {FLOAT32_MAX:.3g}] (1 turns it off)",
+            ),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            ("stop", all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                "stop",
                 len(self.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in self.stop),
                 f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
             ),
+            ("seed", self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),  # kernels/sampling.py
             (
-                self.seed is None or 0 <= self.seed < 2**64,
-                "seed must be in [0, 2**64)",
-            ),  # 64 bits (kernels/sampling.py)
-            (
+                "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (
+                "logit_bias",
                 all(t >= 0 and math.isfinite(b) and abs(b) <= MAX_BIAS for t, b in self.logit_bias),
                 f"logit_bias takes token ids >= 0 and biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
             ),
         ]
-        for ok, message in checks:
+        for field, ok, message in checks:
             if not ok:
-                raise RequestError(f"invalid sampling value: {message}")
+                raise SamplingError(field, message)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """What the fields can only be checked against: the model's vocabulary."""

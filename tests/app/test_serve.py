@@ -256,6 +256,28 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).choices[0].message.content
 
 
+def test_numbers_past_the_sampler_s_tables_get_a_400_naming_the_field_and_replies_under_way_go_on(
+    server, client, model
+):
+    """The sampler holds a request's numbers as float32 and int64: one past them failed the step it was written in,
+    with every reply in it (top_k 2**63: "Overflow when unpacking long long" for a reply beside it)."""
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=48, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = [next(stream)]  # the reply is under way
+    for field, value in (
+        ("top_k", 2**63),
+        ("temperature", 10**400),
+        ("repetition_penalty", 1e-300),
+        ("max_completion_tokens", 0),
+    ):
+        body = {"model": model, "messages": QUESTION, field: value}
+        reply = httpx2.post(server + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_text_that_is_not_unicode_is_refused_and_the_server_keeps_serving(server, client, model):
     """One message holding a lone surrogate (valid JSON, not Unicode text) ended the engine process: every later
     request got 503 "the engine process has exited"."""
