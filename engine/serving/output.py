@@ -18,13 +18,13 @@ class OutputState:
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Returns (text safe to emit now, hit a stop string). A stop string can only end in the held-back
-        tail, so the search starts at the first unemitted character."""
+        tail, so the search starts at the first unemitted character; the text ends where the first stop string in
+        it begins (a token may hold two: `."` with stop strings `"` and `.`)."""
         self.text += self.detok.push(token_id)
-        for s in self.stop:
-            i = self.text.find(s, self.emitted)
-            if i >= 0:
-                self.text, self.stopped = self.text[:i], True
-                return self._emit(i), True
+        found = [i for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
+        if found:
+            self.text, self.stopped = self.text[: min(found)], True
+            return self._emit(len(self.text)), True
         return self._emit(len(self.text) - self.hold), False
 
     def finish(self) -> str:

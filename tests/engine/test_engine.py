@@ -256,6 +256,16 @@ def test_stop_strings_cut_the_text(tiny, overlap):
         assert list(h.poll()) == []
 
 
+def test_a_token_that_holds_two_stop_strings_ends_the_text_at_the_first(tiny):
+    _, tokenizer = tiny
+    (token,) = tokenizer.encode('."', add_special=False)
+    with make_engine(tiny, overlap=False) as engine:
+        for stop in (('"', "."), (".", '"'), ('"',)):
+            params = SamplingParams(max_tokens=1, logit_bias=((token, 100.0),), stop=stop)
+            expected = '."'[: min('."'.index(s) for s in stop)]
+            assert engine.generate("Hi", params, raw=True)[0] == expected, stop
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_bad_requests_fail_alone(tiny, overlap, monkeypatch):
     with make_engine(tiny, overlap=overlap, kv_tokens=20 * 16) as engine:
