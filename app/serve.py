@@ -147,7 +147,7 @@ class Completion:
     enable_thinking: bool | None = None  # the chat template's thinking switch (None: the template's default)
     grammar_field: str | None = None  # the field that gave params.grammar, which its refusal names
     tools: list[dict] | None = None  # OpenAI's function tools, checked
-    tool_choice: str | None = None  # "none", "auto", "required" or a tool's name (None: no tools)
+    tool_choice: str | NamedTool | None = None  # "none", "auto", "required" or a tool by name (None: no tools)
     parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
     template_tools: list[dict] | None = None  # the tools as its chat template takes them (with_tool_prompt)
     n: int = 1  # choices, each its own request to the engine
@@ -229,7 +229,7 @@ def parse_request(
     reply_grammar, field = parse_grammar(body)
     tools, tool_choice, parallel = parse_tools(body, chat)
     if field is not None and tool_choice not in (None, "none", "auto"):
-        raise APIError(400, f"tool_choice {tool_choice!r} and {field} each constrain the reply: give one", field)
+        raise APIError(400, f"tool_choice and {field} each constrain the reply: give one", field)
     return Completion(
         prompt,
         not chat,
@@ -247,7 +247,14 @@ def parse_request(
     )
 
 
-def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, bool]:
+@dataclass(frozen=True)
+class NamedTool:
+    """A tool_choice that names the function to call (a tool may be called "auto")."""
+
+    name: str
+
+
+def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | NamedTool | None, bool]:
     """tools, tool_choice and parallel_tool_calls: (the tools, checked, the schemas of those a grammar forces a call
     to enforceable (engine/tool_calls.py check_tools); "none", "auto", "required" or a tool's name;
     whether a forced reply may hold several calls). A reply read freely ("auto") may hold several calls whatever
@@ -275,14 +282,15 @@ def parse_tools(body: dict, chat: bool) -> tuple[list[dict] | None, str | None, 
                 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
                 "tool_choice",
             )
-        choice = name
+        choice = NamedTool(name)
     try:  # the schemas a grammar enforces: every tool's where a call is required, the named tool's
-        checked = check_tools(tools, enforced=lambda name: choice in ("required", name))
+        checked = check_tools(tools, enforced=lambda name: choice in ("required", NamedTool(name)))
     except ToolError as e:
         raise APIError(400, str(e), e.param) from None
     names = [t["function"]["name"] for t in checked]
-    if choice not in ("none", "auto", "required", *names):
-        raise APIError(400, f"tool_choice names {choice!r}, which is not in tools ({', '.join(names)})", "tool_choice")
+    if isinstance(choice, NamedTool) and choice.name not in names:
+        message = f"tool_choice names {choice.name!r}, which is not in tools ({', '.join(names)})"
+        raise APIError(400, message, "tool_choice")
     return checked, choice, parallel
 
 
@@ -1027,13 +1035,13 @@ def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Complet
     fmt = tool_calls.tool_format(tokenizer.chat_template)
     assert isinstance(req.prompt, list)  # chat: tools were refused on completions
     messages, tools = tool_calls.for_template(req.prompt, req.tools, fmt)
-    params = req.params
+    req = replace(req, prompt=messages, template_tools=tools)
     if req.tools is not None and req.tool_choice not in ("none", "auto"):
-        name = None if req.tool_choice == "required" else req.tool_choice
+        name = req.tool_choice.name if isinstance(req.tool_choice, NamedTool) else None
         parallel = name is None and req.parallel_tool_calls  # a named function: one call to it, as vLLM forces it
         grammar = tool_calls.call_grammar(fmt, req.tools, name, parallel, tokenizer.token_id)
-        params = replace(params, grammar=grammar)
-    return replace(req, prompt=messages, template_tools=tools, params=params), fmt.family
+        req = replace(req, params=replace(req.params, grammar=grammar), grammar_field="tools")
+    return req, fmt.family
 
 
 def call_reader(family: str | None, req: Completion) -> ToolCallStream | None:

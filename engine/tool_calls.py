@@ -25,6 +25,7 @@ import secrets
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.errors import LlamatermError, RequestError
@@ -37,6 +38,7 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 PROBE_TOOL = "llamaterm_probe_tool"  # a name no template writes unless it renders the tools it is given
 # Compact JSON in forced calls: flexible whitespace would let a weak model write spaces until max_tokens
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+SCHEMA_VALUES = {"const", "enum", "default", "examples"}  # keywords whose values are JSON values, not schemas
 MAX_NESTING = 64  # of a tool's parameters schema or a call's arguments: real ones nest a few levels
 
 
@@ -196,14 +198,15 @@ def call_grammar(
 
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     key = "parameters" if fmt.family == LLAMA3 else "arguments"
+    at = [f"/anyOf/{i}/properties/{key}" if len(chosen) > 1 else f"/properties/{key}" for i in range(len(chosen))]
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}},
+            "properties": {"name": {"const": f["name"]}, key: rebased(f.get("parameters") or {"type": "object"}, base)},
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for f in chosen
+        for f, base in zip(chosen, at, strict=True)
     ]
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     body = "call: %json" + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
@@ -216,6 +219,23 @@ def call_grammar(
     else:
         start = 'start: call ("; " call)*' if parallel else "start: call"
     return Grammar("lark", f"{start}\n{body}\n")
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """A tool's parameters schema to embed at the JSON pointer `base` of a call's schema: its references within
+    itself (`#/$defs/Address`, as pydantic writes a nested model; `#` for itself) point from the new root."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            value = "#" + base + value[1:]
+        elif key not in SCHEMA_VALUES:
+            value = rebased(value, base)
+        out[key] = value
+    return out
 
 
 # ---- parsing: a reply's text -> content and calls ----

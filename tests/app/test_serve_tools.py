@@ -153,6 +153,17 @@ def test_required_and_named_choices_ask_the_engine_for_a_grammar(fake, client, c
     assert ")*" not in fake.submitted[-1][1].grammar.text.splitlines()[0]  # one call unless asked for more
 
 
+@pytest.mark.parametrize("name", ["auto", "none", "required"])
+def test_a_tool_named_like_a_mode_is_chosen_by_its_name(fake, client, name):
+    """A named tool_choice is the function, never the mode its name spells (a tool named "auto" was not forced,
+    one named "none" kept the reply from being read for calls)."""
+    tool = {"type": "function", "function": {**ADD["function"], "name": name}}
+    choice = {"type": "function", "function": {"name": name}}
+    client.chat.completions.create(model="fake-llama", messages=QUESTION, tools=[WEATHER, tool], tool_choice=choice)
+    grammar = fake.submitted[-1][1].grammar
+    assert grammar is not None and f'"const": "{name}"' in grammar.text and '"const": "get_weather"' not in grammar.text
+
+
 def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_the_reply_as_text(fake, client):
     """As vLLM does by default: the model knows the tools; its reply is not read for calls."""
     reply = client.chat.completions.create(model="fake-llama", messages=QUESTION, tools=TOOLS, tool_choice="none")

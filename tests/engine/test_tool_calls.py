@@ -7,6 +7,7 @@ import json
 
 import llguidance
 import llguidance.hf
+import pydantic
 import pytest
 import tokenizers
 import transformers
@@ -258,6 +259,50 @@ def test_required_and_named_grammars_force_a_valid_call(qwen3, name, parallel, t
     assert matches(lltok, grammar.text, text) == ok
     if ok:
         assert [c.name for c in parse_reply(text, HERMES)[1]] == [n for n in ("get_weather", "add") if n in text]
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    city: str
+
+
+class Shipment(pydantic.BaseModel):  # a nested model: pydantic refers to it under $defs
+    to: Address
+    back: Address | None = None
+
+
+class Node(pydantic.BaseModel):  # a recursive one: the schema refers to itself
+    value: int
+    children: list["Node"] = []
+
+
+def function(name: str, model: type[pydantic.BaseModel]) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+
+
+NESTED = [function("ship", Shipment), function("tree", Node)]
+SHIP = HERMES_CALL.format("ship", '{"to": {"street": "1 Rue", "city": "Paris"}}')
+TREE = HERMES_CALL.format("tree", '{"value": 1, "children": [{"value": 2, "children": []}]}')
+
+
+@pytest.mark.parametrize(
+    "name, text, ok",
+    [
+        (None, SHIP, True),
+        (None, TREE, True),
+        (None, SHIP.replace('"street": "1 Rue", ', ""), False),  # the nested model's required field
+        (None, TREE.replace("2", '"two"'), False),  # the recursive model's field, a level down
+        ("ship", SHIP, True),
+        ("tree", TREE, True),
+        ("tree", SHIP, False),
+    ],
+)
+def test_forced_calls_take_tools_whose_parameters_refer_to_their_own_definitions(qwen3, name, text, ok):
+    """A tool's parameters are embedded in the call's schema: the references pydantic writes (`#/$defs/Address`)
+    are rebased to where they now stand (llguidance refused them: "Pointer '/$defs/Address' does not exist")."""
+    ours, lltok = qwen3
+    grammar = call_grammar(ToolFormat(HERMES, True), NESTED, name, False, ours.token_id)
+    assert matches(lltok, grammar.text, text) == ok
 
 
 @pytest.mark.parametrize(
