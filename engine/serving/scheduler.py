@@ -184,9 +184,12 @@ class Scheduler:
 
     def drop_rejected(self, seq: Sequence) -> None:
         """After a step verified a sequence's drafts (its token_ids hold the kept ones and the target's next
-        token): the cache keeps the K/V of the tokens before that next token, and the blocks past them go back."""
+        token): the cache keeps the K/V of the tokens before that next token, and the blocks past them go back; a
+        draft model's cache keeps no more (its K/V of refused drafts is stale, whether or not the next step drafts)."""
         seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
         self.blocks.truncate(seq.table, seq.num_computed)
+        if seq.speculation is not None:
+            seq.speculation.draft_computed = min(seq.speculation.draft_computed, seq.num_computed)
 
     def _make_room(self, seq: Sequence, n: int, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Preempts the newest running sequences until seq's next n tokens fit, or seq itself was the newest;

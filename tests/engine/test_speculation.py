@@ -3,6 +3,7 @@ seeded replies are the same tokens, token for token, alone and in batches beside
 every draft length; sampled verification keeps the target's distribution (a chi-square test); rejected drafts give
 their blocks back; prompt lookup proposes what a plain search of the tokens finds."""
 
+import itertools
 import random
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import scheduler, speculation
 from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.draft_model import DraftModel
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.sampling import as_int64
@@ -408,6 +410,36 @@ def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts,
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], overlap=overlap, max_batch_tokens=64, kv_tokens=20 * 16) as engine:
         assert_preempting_replies(engine, requests, expected)
+
+
+def test_a_draft_model_reads_only_what_it_computed_for_the_tokens_there_now(tiny, drafts, fixed_k, monkeypatch):
+    """The draft's cache keeps its K/V of the tokens the target keeps: after drafts are refused, a step that drafts
+    nothing (every other one here, as when older sequences take a step's draft rows) must not leave the refused
+    drafts' K/V counted as the draft's (it did, where the verification lowered only the target's count)."""
+    written: dict[int, dict[int, int]] = {}  # by sequence: the token at each position of the draft's cache
+    stale: list[tuple[int, int]] = []
+    step, first_computed, draft = DraftModel._step, DraftModel._first_computed, scheduler.Scheduler._draft
+    turns = itertools.count()
+
+    def recording_step(self, chunks):
+        for seq, start, end in chunks:
+            written.setdefault(seq.id, {}).update((q, seq.token_ids[q]) for q in range(start, end))
+        return step(self, chunks)
+
+    def checked_first_computed(seq):
+        first = first_computed(seq)
+        stale.extend((seq.id, q) for q in range(first) if written[seq.id].get(q) != seq.token_ids[q])
+        return first
+
+    monkeypatch.setattr(DraftModel, "_step", recording_step)
+    monkeypatch.setattr(DraftModel, "_first_computed", staticmethod(checked_first_computed))
+    monkeypatch.setattr(scheduler.Scheduler, "_draft", lambda *a: draft(*a) if next(turns) % 2 else 0)
+    fixed_k(4)
+    with draft_engine(tiny, drafts["draft"]) as engine:
+        prompt = repetitive_prompts(1, seed=50)[0]
+        replies(engine, [(prompt, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=1))])
+        assert 0 < engine.stats().kept < engine.stats().drafted
+    assert not stale, stale[:5]
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(drafts):
