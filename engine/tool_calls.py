@@ -318,8 +318,8 @@ def _parse_llama3(text: str, final: bool) -> Parsed:
         start = _skip_ws(text, found[1])
         if start < len(text) and text[start] == ";":
             start = _skip_ws(text, start + 1)
-        elif start < len(text):
-            return Parsed(text.strip())
+        elif start < len(text):  # text after whole calls: the calls stand (a stream has sent them), the rest is text
+            return Parsed(text[start:].strip(), calls)
     return Parsed("", calls)
 
 

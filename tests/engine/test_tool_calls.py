@@ -167,6 +167,12 @@ TOOL_REPLY_CASES = [  # (family, reply, content, [(name, arguments)]) written by
         [("add", '{"a": 1, "b": 2}'), ("get_weather", "{}")],
     ),
     (LLAMA3, "Paris is sunny.", "Paris is sunny.", []),
+    (  # text after a whole call (a stream has sent the call by then): the call, and the text as content
+        LLAMA3,
+        '{"name": "get_weather", "parameters": {"city": "Paris"}} Then I will answer.',
+        "Then I will answer.",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
     (
         MISTRAL,
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 1}}]',
