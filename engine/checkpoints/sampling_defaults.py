@@ -11,13 +11,12 @@ llama.cpp's converter skips a generation_config.json it cannot read.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import FLOAT32_MAX, INT64_END, MIN_REPETITION_PENALTY, SamplingParams
 
 # where a value came from
 GENERATION_CONFIG = "generation_config.json"
@@ -54,12 +53,15 @@ GGUF_KEYS = {  # gguf.constants.Keys.General.SAMPLING_*
 }
 # what each field may hold, as SamplingParams checks it
 VALID: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "temperature": ("a number >= 0", lambda v: 0 <= v < math.inf),
-    "top_k": ("a whole number >= 0", lambda v: isinstance(v, int) and v >= 0),
+    "temperature": ("a number >= 0", lambda v: 0 <= v <= FLOAT32_MAX),
+    "top_k": ("a whole number >= 0", lambda v: isinstance(v, int) and 0 <= v < INT64_END),
     "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1),
     "min_p": ("a number in [0, 1]", lambda v: 0 <= v <= 1),
-    "repetition_penalty": ("a number > 0", lambda v: 0 < v < math.inf),
-}
+    "repetition_penalty": (
+        f"a number in [{MIN_REPETITION_PENALTY:g}, {FLOAT32_MAX:.3g}]",
+        lambda v: MIN_REPETITION_PENALTY <= v <= FLOAT32_MAX,
+    ),
+}  # as SamplingParams bounds them: a default it refuses would fail every request
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,11 @@ def test_bad_values_are_skipped_with_a_warning_naming_the_file_and_key(tmp_path)
     assert len(defaults.warnings) == 4
     for key, warning in zip(("temperature", "top_k", "top_p", "min_p"), defaults.warnings, strict=True):
         assert warning.startswith(f"{path}: {key} = ") and "ignored" in warning
+    # past what the sampler's tables hold: every request would be refused with the model's defaults
+    path.write_text(json.dumps({"temperature": 1e39, "top_k": 2**63, "repetition_penalty": 1e-35}))
+    defaults = from_generation_config(tmp_path)
+    assert shown(defaults) == LLAMA_CPP and len(defaults.warnings) == 3
+    assert defaults.params({}) == SamplingParams(**{k: v for k, (v, _) in LLAMA_CPP.items()})
     path.write_text("{not json")
     (warning,) = from_generation_config(tmp_path).warnings
     assert str(path) in warning and "llama.cpp's defaults" in warning
