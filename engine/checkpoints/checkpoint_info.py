@@ -17,7 +17,7 @@ import numpy as np
 from llamaterm.engine.checkpoints.architectures import family_of
 from llamaterm.engine.checkpoints.fields import reader
 from llamaterm.engine.checkpoints.hf_files import chat_template_source
-from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.errors import ModelFormatError, reading_model
 
 # Arrays longer than this (token lists, merges) are summarised as "[N items]" in `info`.
 MAX_LISTED_ITEMS = 16
@@ -140,6 +140,5 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
 
 def read_checkpoint(path: Path) -> CheckpointInfo:
     """`path` is a .gguf file (the first part of a split one) or a safetensors folder."""
-    if path.is_dir():
-        return read_safetensors(path)
-    return read_gguf(path)
+    with reading_model(path):
+        return read_safetensors(path) if path.is_dir() else read_gguf(path)

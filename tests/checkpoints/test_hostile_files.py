@@ -90,6 +90,10 @@ def test_a_large_numeric_metadata_array_is_not_copied(tmp_path):
         ("num_hidden_layers", 100_000_000, "num_hidden_layers = 100000000, but the checkpoint holds only"),
         ("rms_norm_eps", [1e-6], "rms_norm_eps = an array of 1 (float) is not a positive number"),
         ("rope_scaling", {"rope_type": "llama3", "factor": "8"}, "factor = '8' is not a positive number"),
+        # past the checks, into the reading code: a traceback before (AttributeError, OverflowError)
+        ("quantization_config", "gptq", "values llamaterm cannot read (AttributeError"),
+        pytest.param("rms_norm_eps", 10**400, "values llamaterm cannot read (OverflowError", id="rms_norm_eps-10**400"),
+        ("partial_rotary_factor", 1e308, "values llamaterm cannot read (OverflowError"),
     ],
 )
 def test_config_json_fields_of_the_wrong_type(tmp_path, field, value, words):

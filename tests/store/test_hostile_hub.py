@@ -10,6 +10,7 @@ import pytest
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import MANIFEST
 from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
+from tests.support.safetensors_files import write_dense
 
 pytestmark = pytest.mark.slow  # `llamaterm pull` in subprocesses
 
@@ -129,6 +130,9 @@ def test_damaged_folders_do_not_break_ls_rm_or_info(hub_server, models):
     damaged.mkdir()
     (damaged / "config.json").write_text('{"model_type": "llama"}')
     (damaged / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+    (home() / "bad-config").mkdir()  # JSON nested past Python's recursion limit: its reading failed, and ls with it
+    write_dense(home() / "bad-config")
+    (home() / "bad-config" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     assert [m["name"] for m in ls()] == ["tiny-llama-q4_0"]  # ls and rm broke on each of these
     assert llamaterm("rm", "-y", "tiny-llama-q4_0").returncode == 0
     assert ls() == []
@@ -137,7 +141,7 @@ def test_damaged_folders_do_not_break_ls_rm_or_info(hub_server, models):
 
     # each damaged folder is named, not hidden: ls says so, using one says so, and rm removes it
     told = llamaterm("ls").stderr.splitlines()
-    for name in ("a-list", "bad-header", "empty-object", "escapes"):
+    for name in ("a-list", "bad-config", "bad-header", "empty-object", "escapes"):
         assert any(
             line.startswith(f"llamaterm: {name} is not a model") and f"llamaterm rm {name}" in line for line in told
         ), told
