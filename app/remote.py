@@ -377,11 +377,12 @@ def request_body(
     parse_special: bool = True,
 ) -> tuple[str, dict]:
     """The path and JSON body of a streamed request. Sampling values the user left unset (params.unset) are left
-    out, for the server's defaults; those beyond OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos: vLLM's
-    and SGLang's names) go only when they change something, so strict servers still accept; so do the template's
-    thinking switch (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it) and a raw prompt's
-    literal reading (parse_special, as llama.cpp's server names it). Logprobs go as OpenAI asks for them: chat's
-    logprobs and top_logprobs, a text completion's logprobs (the count)."""
+    out, for the server's defaults, so strict servers see none beyond OpenAI's own (top_k, min_p,
+    repetition_penalty: vLLM's and SGLang's names) unless given; a value given goes, off or not (a top_k of 0: the
+    server's default would filter). ignore_eos goes only where set; so do the template's thinking switch
+    (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it) and a raw prompt's literal reading
+    (parse_special, as llama.cpp's server names it). Logprobs go as OpenAI asks for them: chat's logprobs and
+    top_logprobs, a text completion's logprobs (the count)."""
     body: dict = {
         "model": model,
         "stream": True,
@@ -395,9 +396,9 @@ def request_body(
         "stop": list(params.stop) or None,
         "presence_penalty": params.presence_penalty or None,
         "frequency_penalty": params.frequency_penalty or None,
-        "top_k": params.top_k or None,
-        "min_p": params.min_p or None,
-        "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
         "ignore_eos": params.ignore_eos or None,
     }
     body |= {k: v for k, v in optional.items() if v is not None and k not in params.unset}

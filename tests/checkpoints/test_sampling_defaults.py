@@ -143,3 +143,7 @@ def test_what_the_user_gives_wins_and_a_server_fills_the_rest():
         "prompt": "hi",
     }
     assert [d.source for d in SERVER_DEFAULTS.resolve({"temperature": 0.3}).values()] == ["user"] + ["server"] * 6
+    # filters turned off by the user go as given: left out, the server's defaults would filter (top_k 40, min_p 0.05)
+    off = SERVER_DEFAULTS.params({"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 5})
+    _, body = request_body("m", "hi", off, raw=True)
+    assert (body["top_k"], body["min_p"], body["repetition_penalty"]) == (0, 0.0, 1.0) and "top_p" not in body
