@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
@@ -272,7 +273,8 @@ def run(
         if not file and sys.stdin.isatty():
             fail("--each-line reads its prompts one a line from stdin or --file: pipe them in", 2)
         source = read_file(file) if file else read_prompt("-")
-        prompts = [line for line in source.splitlines() if line.strip()]
+        # lines end at newlines only (splitlines would also cut at a form feed or U+2028 inside a prompt)
+        prompts = [line.removesuffix("\r") for line in source.split("\n") if line.strip()]
         if not prompts:
             fail("no prompts: --each-line reads one prompt per non-empty line", 2)
     else:
@@ -316,9 +318,10 @@ class Reply:
     logprobs: list = field(default_factory=list)  # TokenLogprob of each reply token, when asked for
 
 
-def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
+def collect(handle, echo: bool = False, hide_thinking: bool = False, fatal: bool = True) -> Reply:
     """Read a request's events to the end; with echo, stream the answer to stdout as it arrives, and the
-    thinking (unless hidden) to stderr."""
+    thinking (unless hidden) to stderr. A request that fails exits (fatal), or says so and ends with the
+    finish reason "error" (a chat goes on: a server refuses a prompt over the context in its events)."""
     from llamaterm.engine.thinking import ThinkingSplitter
 
     reply, split = Reply("", [], None), ThinkingSplitter()
@@ -337,8 +340,12 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False) -> Reply:
         reply.text += answer
 
     for event in handle.events():
-        if event.error:
+        if event.error and fatal:
             fail(f"generation failed: {event.error}")
+        if event.error:
+            say(f"llamaterm: generation failed: {event.error}")
+            reply.finish_reason = "error"
+            return reply
         take(*split.push(event.text))
         reply.token_ids += event.token_ids
         reply.logprobs += event.logprobs
@@ -408,6 +415,8 @@ def chat(
     ) as engine:
         params = model_sampling(engine, given)
         say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
+        if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, as in a C.UTF-8 locale,
+            sys.stdin.reconfigure(errors="surrogateescape")  # not a traceback where the locale decodes strictly
         while True:
             try:
                 line = input("> ")
@@ -425,8 +434,10 @@ def chat(
             except RequestError as e:
                 say(f"llamaterm: {e}")
                 continue
-            reply = collect(handle, echo=True).text
-            messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+            reply = collect(handle, echo=True, fatal=False)
+            if reply.finish_reason == "error":
+                continue
+            messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply.text}]
             report(handle)
 
 

@@ -75,6 +75,17 @@ def test_each_line_keeps_input_order(tiny):
     assert [r["token_ids"] for r in rows] == [a["token_ids"] for a in alone]
 
 
+def test_each_line_cuts_at_newlines_only(tiny):
+    """A form feed or U+2028 inside a line is part of its prompt (str.splitlines cut there too)."""
+    stdin = "a\u2028b\r\nc\x0cd\n\n"
+    out = llamaterm("run", "--model", str(tiny), "--raw", "--each-line", "--json", "--max-tokens", "1", stdin=stdin)
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["prompt_tokens"] for line in out.stdout.splitlines()] == [
+        len(json.loads(llamaterm("tokenize", "--model", str(tiny), "--json", p).stdout)["ids"])
+        for p in ("a\u2028b", "c\x0cd")
+    ]
+
+
 def test_plain_chat_keeps_the_conversation():
     out = llamaterm(
         "chat",
@@ -147,13 +158,16 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, stdin, words):
     assert words in stderr
 
 
-def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on():
-    """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat."""
+@pytest.mark.parametrize("strict", [False, True])
+def test_binary_lines_in_the_plain_chat_are_refused_and_the_chat_goes_on(strict):
+    """A line that is not UTF-8 reached the tokenizer as surrogates: a TypeError traceback ended the chat. Where
+    the locale decodes stdin strictly (en_US.UTF-8; C.UTF-8 does not), input() raised a UnicodeDecodeError."""
     out = subprocess.run(
         [LLAMATERM, "chat", "--plain", "--temperature", "0", "--max-tokens", "8"],
         capture_output=True,
         timeout=300,
         input=b"\xff\xfe\x00binary\nWhat is the capital of France?\n",
+        env=os.environ | ({"PYTHONIOENCODING": "utf-8:strict"} if strict else {}),
     )
     stderr = out.stderr.decode()
     assert out.returncode == 0 and "Traceback" not in stderr, stderr

@@ -106,3 +106,11 @@ def startup(stderr: str) -> dict[str, float]:
     (line,) = [line for line in stderr.splitlines() if ": start-up " in line]
     split = line.split(": start-up ", 1)[1].split(" (total")[0]
     return {name: float(s) for name, s in re.findall(r"([^,]+?) (\d+\.\d+) s(?:, |$)", split)}
+
+
+def test_the_plain_chat_goes_on_after_the_server_refuses_a_prompt(server):
+    """A server refuses a prompt over the context in the reply's events: the chat said so and exited, where the
+    engine in this process refuses it at submit and the chat goes on."""
+    out = llamaterm("chat", "--plain", "--max-tokens", "4", stdin="word " * 9000 + "\nWhat is 2+2?\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    assert "context" in out.stderr and out.stderr.count("tok/s") == 1  # the second question answered
