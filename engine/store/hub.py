@@ -36,7 +36,7 @@ from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
-from llamaterm.engine.errors import LlamatermError
+from llamaterm.engine.errors import LlamatermError, ModelFormatError
 from llamaterm.engine.store.model_store import (
     VALID_NAME,
     StoredModel,
@@ -337,7 +337,11 @@ def _download_and_install(plan: PullPlan, say: Callable[[str], None]) -> StoredM
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256 or file_hash(dests[f.path])} for f in plan.files],
         "pulled_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    described = describe_checkpoint(StoredModel(plan.name, staging, manifest).checkpoint)
+    try:
+        described = describe_checkpoint(StoredModel(plan.name, staging, manifest).checkpoint)
+    except ModelFormatError as e:  # the hub's bytes, verified: downloading them again gives the same
+        shutil.rmtree(staging, ignore_errors=True)
+        raise PullError(f"{plan.repo} at {plan.commit[:12]} holds no checkpoint llamaterm can read: {e}") from None
     manifest |= {**described, "quant": plan.quant or described["quant"]}  # the label the user chose wins
     write_manifest(staging, manifest)
     return install(staging, plan.name)

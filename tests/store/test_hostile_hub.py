@@ -103,6 +103,16 @@ def test_more_bytes_than_listed_are_not_written(hub_server, models):
     assert sum(p.stat().st_size for p in kept) <= len(models["Q4_0"])
 
 
+def test_a_download_that_is_no_checkpoint_is_not_kept(hub_server, models):
+    """The hub's bytes are verified, so downloading them again gives the same: a pull whose files llamaterm cannot
+    read says so and keeps nothing (the files stayed in .partial, where neither ls nor rm saw them)."""
+    damaged = models["Q4_0"][:24] + b"\xff" * (len(models["Q4_0"]) - 24)  # the header, then noise
+    hub_server.add_repo(REPO, {"Tiny-Llama-Q4_0.gguf": damaged})
+    assert_user_error(llamaterm("pull", REPO), "holds no checkpoint llamaterm can read")
+    assert_store_empty()
+    assert not [p for p in (home() / ".partial").rglob("*") if p.is_file()]
+
+
 def test_the_path_check_is_the_pull_s_own(hub_server, models, tmp_path):
     """In-process: the same refusal comes from engine.hub.pull, as the TUI or a script would call it."""
     hub_server.add_repo(REPO, {f"{tmp_path}/evil.gguf": models["Q4_0"]})
