@@ -245,6 +245,10 @@ def resolve_model(name: str | None) -> Path:
     candidate = Path(name).expanduser()
     if candidate.exists():
         return candidate
+    if name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf"):  # a path, not a store's name
+        raise ModelNotFound(
+            f"no such file or folder: {name} (a model is a .gguf file, a model folder or a stored name)"
+        )
     return find_model(name).checkpoint
 
 

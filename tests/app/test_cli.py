@@ -116,6 +116,7 @@ def test_tokenize(tiny):
         (["run", ""], 2, "empty"),
         (["run", "--bogus-flag", "hi"], 2, "bogus"),
         (["run", "--model", "no-such-model", "hi"], 1, "no model named"),
+        (["run", "--model", "/no/such/model.gguf", "hi"], 1, "no such file or folder: /no/such/model.gguf"),
         (["run", "--logprobs", "2", "hi"], 2, "--logprobs goes in the JSON output: add --json"),
         (["run", "--json", "--logprobs", "21", "hi"], 2, "--logprobs"),
     ],
