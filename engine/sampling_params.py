@@ -63,7 +63,7 @@ class SamplingParams:
     def __post_init__(self):
         checks = [
             ("max_tokens", self.max_tokens >= 1, "max_tokens must be >= 1"),
-            ("temperature", 0 <= self.temperature <= FLOAT32_MAX, "temperature must be >= 0 and finite (0: greedy)"),
+            ("temperature", 0 <= self.temperature <= FLOAT32_MAX, "temperature must be >= 0 and finite"),
             ("top_k", 0 <= self.top_k < INT64_END, "top_k must be in [0, 2**63) (0 turns it off)"),
             ("top_p", 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
