@@ -334,6 +334,8 @@ def _config(f: GGUFFile) -> ModelConfig:
             "Pick a standard model of the family.",
         )
     n_layers = get("block_count")
+    if n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
+        raise _bad(f.path, f"{arch}.block_count = {n_layers}, but there are {len(f.tensors)} tensors")
     # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
     # and Gemma 3's pattern, left out of its GGUFs, is llama.cpp's: every sixth layer global
     window, sliding_layers = (
@@ -461,8 +463,6 @@ def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[st
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
-    if c.n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
-        raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
     shapes, required = _expected_shapes(c)
     if missing := sorted(required - f.tensors.keys()):
         raise _bad(f.path, f"tensors are missing: {', '.join(missing[:5])}{' ...' if missing[5:] else ''}")

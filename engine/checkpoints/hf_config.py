@@ -20,8 +20,9 @@ field = reader("config.json", MISSING)
 quant_field = reader("config.json quantization_config", MISSING)
 # transformers' config.json spellings of the MLP activations llamaterm runs
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-# Head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
-MAX_HEAD_DIM = 4096
+# Head sizes are 64 to 256 and models have up to 126 layers; far beyond that, a config.json is damaged, not a model
+# to run (checked before tables of a layer or a frequency each are made)
+MAX_HEAD_DIM, MAX_LAYERS = 4096, 4096
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     hidden_size = size("hidden_size")
     context_length = size("max_position_embeddings")
     n_layers = size("num_hidden_layers")
+    if n_layers > MAX_LAYERS:
+        raise ModelFormatError(
+            f"config.json: num_hidden_layers = {n_layers} is beyond any model's (at most {MAX_LAYERS}); "
+            "the file is damaged"
+        )
     gemma = family == "gemma3"
     window, sliding_layers = None, None
     if arch in SLIDING_WINDOW_ARCHITECTURES:  # Llama ignores a sliding_window key; these read it
@@ -162,6 +168,11 @@ def rope_scaling(hf: dict, config: ModelConfig) -> dict:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return {}
+    if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
+        raise ModelFormatError(
+            f"config.json: head_dim {config.head_dim} is beyond any model's "
+            f"(at most {MAX_HEAD_DIM}); the file is damaged"
+        )
     if rope_type in ("longrope", "su"):
         return longrope(hf, params, config)
     if rope_type == "linear":  # positions divided by factor: every frequency is
@@ -169,11 +180,6 @@ def rope_scaling(hf: dict, config: ModelConfig) -> dict:
     if rope_type != "llama3":
         raise ModelFormatError(
             f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3' and 'longrope'"
-        )
-    if config.head_dim > MAX_HEAD_DIM:  # checked before making head_dim / 2 factors
-        raise ModelFormatError(
-            f"config.json: head_dim {config.head_dim} is beyond any model's "
-            f"(at most {MAX_HEAD_DIM}); the file is damaged"
         )
     factor, low, high = (
         field(params, k, float, positive=True) for k in ("factor", "low_freq_factor", "high_freq_factor")

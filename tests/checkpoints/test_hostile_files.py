@@ -87,7 +87,8 @@ def test_a_large_numeric_metadata_array_is_not_copied(tmp_path):
         ("hidden_size", "abc", "hidden_size = 'abc' is not a positive integer"),
         ("num_attention_heads", 0, "num_attention_heads = 0 is not a positive integer"),
         ("num_hidden_layers", 1e8, "num_hidden_layers = 100000000.0 is not a positive integer"),
-        ("num_hidden_layers", 100_000_000, "num_hidden_layers = 100000000, but the checkpoint holds only"),
+        ("num_hidden_layers", 1000, "num_hidden_layers = 1000, but the checkpoint holds only"),
+        ("num_hidden_layers", 100_000_000, "num_hidden_layers = 100000000 is beyond any model's (at most 4096)"),
         ("rms_norm_eps", [1e-6], "rms_norm_eps = an array of 1 (float) is not a positive number"),
         ("rope_scaling", {"rope_type": "llama3", "factor": "8"}, "factor = '8' is not a positive number"),
         # past the checks, into the reading code: a traceback before (AttributeError, OverflowError)
@@ -103,6 +104,23 @@ def test_config_json_fields_of_the_wrong_type(tmp_path, field, value, words):
     out = llamaterm_capped("run", "--model", str(tmp_path), "hi")  # segfaulted at 5 GB for 1e8 layers
     assert out.returncode == 1 and one_line_error(out.stderr), out.stderr
     assert words in out.stderr
+
+
+def test_sizes_past_any_model_s_are_refused_before_their_tables_are_made(tmp_path):
+    """A table of a factor per frequency (linear RoPE) or a flag per layer (a sliding window's pattern) was made
+    before the size was checked: gigabytes, or a MemoryError."""
+    write_dense(tmp_path, head_dim=10**12, rope_scaling={"type": "linear", "factor": 2.0})
+    out = llamaterm_capped("run", "--model", str(tmp_path), "hi")
+    assert out.returncode == 1 and one_line_error(out.stderr), out.stderr
+    assert "head_dim 1000000000000 is beyond any model's" in out.stderr
+    window = {
+        "llama.attention.sliding_window": (512, V.UINT32),
+        "llama.attention.sliding_window_pattern": (2, V.UINT32),
+    }
+    path = write_tiny_llama(tmp_path / "m.gguf", metadata={"llama.block_count": (10**9, V.UINT64), **window})
+    out = llamaterm_capped("run", "--model", str(path), "hi")
+    assert out.returncode == 1 and one_line_error(out.stderr), out.stderr
+    assert "llama.block_count = 1000000000, but there are" in out.stderr
 
 
 def test_an_index_pointing_outside_the_folder_is_refused(tmp_path):
