@@ -6,6 +6,10 @@ import torch
 
 from llamaterm.engine.errors import ModelFormatError
 
+# Models have up to 126 layers: far beyond, a file is damaged, not a model to run (checked before a table of a
+# flag per layer, a sliding window's pattern, is made)
+MAX_LAYERS = 4096
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -27,7 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
+from llamaterm.engine.checkpoints.config import MAX_LAYERS, ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.fields import MISSING, read, reader
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.errors import ModelFormatError
@@ -334,8 +334,8 @@ def _config(f: GGUFFile) -> ModelConfig:
             "Pick a standard model of the family.",
         )
     n_layers = get("block_count")
-    if n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
-        raise _bad(f.path, f"{arch}.block_count = {n_layers}, but there are {len(f.tensors)} tensors")
+    if n_layers > MAX_LAYERS:
+        raise _bad(f.path, f"{arch}.block_count = {n_layers} is beyond any model's (at most {MAX_LAYERS})")
     # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
     # and Gemma 3's pattern, left out of its GGUFs, is llama.cpp's: every sixth layer global
     window, sliding_layers = (
@@ -463,6 +463,8 @@ def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[st
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
+    if c.n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
+        raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
     shapes, required = _expected_shapes(c)
     if missing := sorted(required - f.tensors.keys()):
         raise _bad(f.path, f"tensors are missing: {', '.join(missing[:5])}{' ...' if missing[5:] else ''}")

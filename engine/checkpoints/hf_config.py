@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 
 from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, not_supported
-from llamaterm.engine.checkpoints.config import ModelConfig
+from llamaterm.engine.checkpoints.config import MAX_LAYERS, ModelConfig
 from llamaterm.engine.checkpoints.fields import MISSING, reader
 from llamaterm.engine.errors import ModelFormatError
 
@@ -20,9 +20,8 @@ field = reader("config.json", MISSING)
 quant_field = reader("config.json quantization_config", MISSING)
 # transformers' config.json spellings of the MLP activations llamaterm runs
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-# Head sizes are 64 to 256 and models have up to 126 layers; far beyond that, a config.json is damaged, not a model
-# to run (checked before tables of a layer or a frequency each are made)
-MAX_HEAD_DIM, MAX_LAYERS = 4096, 4096
+# Head sizes are 64 to 256; far beyond that, a config.json is damaged, not a model to run.
+MAX_HEAD_DIM = 4096
 
 
 @dataclass(frozen=True)
