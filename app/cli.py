@@ -340,9 +340,9 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False, fatal: bool
         reply.text += answer
 
     for event in handle.events():
-        if event.error and fatal:
-            fail(f"generation failed: {event.error}")
         if event.error:
+            if fatal:
+                fail(f"generation failed: {event.error}")
             say(f"llamaterm: generation failed: {event.error}")
             reply.finish_reason = "error"
             return reply

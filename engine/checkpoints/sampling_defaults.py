@@ -51,7 +51,7 @@ GGUF_KEYS = {  # gguf.constants.Keys.General.SAMPLING_*
     "min_p": "general.sampling.min_p",
     "repetition_penalty": "general.sampling.penalty_repeat",
 }
-# what each field may hold, as SamplingParams checks it
+# what each field may hold, as SamplingParams bounds it (a default it refused would fail every request)
 VALID: dict[str, tuple[str, Callable[[float], bool]]] = {
     "temperature": ("a number >= 0", lambda v: 0 <= v <= FLOAT32_MAX),
     "top_k": ("a whole number >= 0", lambda v: isinstance(v, int) and 0 <= v < INT64_END),
@@ -61,7 +61,7 @@ VALID: dict[str, tuple[str, Callable[[float], bool]]] = {
         f"a number in [{MIN_REPETITION_PENALTY:g}, {FLOAT32_MAX:.3g}]",
         lambda v: MIN_REPETITION_PENALTY <= v <= FLOAT32_MAX,
     ),
-}  # as SamplingParams bounds them: a default it refuses would fail every request
+}
 
 
 @dataclass(frozen=True)
