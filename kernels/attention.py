@@ -7,6 +7,8 @@ Prefill chunks and decode steps (one query token) share this one description, so
 With a sliding window W, the query at position p sees keys p - W + 1 .. p only (as transformers' Mistral), and the
 kernels read no key before the window of a sequence's first query in the step: the engine may have freed those
 blocks (engine/serving/block_manager.py), and their block-table entries are then stale.
+Attention sinks (gpt-oss): a learned logit per query head joins each row's softmax as one more key with no value,
+so a row may give part of its weight to nothing: out = sum_j p_j v_j with p_j = exp(s_j) / (exp(sink) + sum exp(s)).
 """
 
 import torch
@@ -33,20 +35,22 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window=None):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window=None, sinks=None):
     """q [T, Hq, D] -> out [T, Hq, D], causal within each sequence (within `window` keys, if given), grouped-query
-    aware."""
-    args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window)
+    aware; sinks: fp32 [Hq], a sink logit per head (None: no sinks)."""
+    args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, sinks)
     if use_triton(q):
         from llamaterm.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(*args)
-    if (lib := native_lib(q)) and k_cache.dtype == torch.float32:
-        return paged_attention_cpu(*args, lib)
+    if sinks is None and (lib := native_lib(q)) and k_cache.dtype == torch.float32:
+        return paged_attention_cpu(*args[:-1], lib)
     return paged_attention_ref(*args)
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window=None):
+def paged_attention_ref(
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window=None, sinks=None
+):
     out = torch.empty_like(q)
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // n_kv
@@ -70,6 +74,21 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
             mask = key_pos <= q_pos
             if window is not None:
                 mask &= key_pos > q_pos - window
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        else:
+            o = attention_with_sinks(qb, k, v, mask, scale, sinks)
         out[s:e] = o.transpose(0, 1)
     return out
+
+
+def attention_with_sinks(q, k, v, mask, scale, sinks):
+    """q [Hq, n, D], k and v [Hk, keys, D], mask [n, keys] or None; each head's sink logit joins the softmax."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = (q.float() @ k.float().transpose(1, 2)) * scale  # [Hq, n, keys]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (p @ v.float()).to(q.dtype)

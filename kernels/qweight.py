@@ -8,6 +8,9 @@ for 576-wide layers), with one scale per group and, for affine sources, one offs
     w = scale * (q - 2**(bits - 1))   (offsets None: Q4_0, Q8_0, Q6_K, symmetric GPTQ; stores no offset bytes)
 
 Values narrower than the container are re-centred at load so the formula holds (Q5_0: q + 112 in 8 bits).
+A 4-bit weight with a codebook maps q through a fixed table instead of centring it: "e2m1" is MXFP4's
+(OCP microscaling FP4: sign, two exponent bits, one mantissa bit), w = scale * E2M1[q], with the block's E8M0
+scale 2**(e - 127) stored exactly in bf16 (a power of two; E8M0 and bf16 share fp32's exponent range).
 An optional input permutation `perm` (GPTQ act-order) means y = x[:, perm] @ w.T.
 4-bit values are packed two per byte along K: byte j of a row holds q[2j] in its low and q[2j+1] in its high
 nibble. Scales and offsets are fp16 (fp32 where a source needs more precision to stay exact).
@@ -29,6 +32,7 @@ class QuantWeight:
     group_size: int
     shape: tuple[int, int]  # (N, K)
     perm: torch.Tensor | None = None  # int64 [K]
+    codebook: str | None = None  # None: integers (see above); "e2m1": MXFP4's values, w = scale * E2M1[q]
     _dense: dict = field(default_factory=dict, repr=False, compare=False)
     _prepared: dict = field(default_factory=dict, repr=False, compare=False)  # kernel layouts, made on first use
 
@@ -40,10 +44,13 @@ class QuantWeight:
         bits: int,
         group_size: int,
         perm: torch.Tensor | None = None,
+        codebook: str | None = None,
     ) -> QuantWeight:
         """Build from unpacked integer values q [N, K] (any integer dtype, 0 <= q < 2**bits)."""
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if codebook is not None and (codebook not in CODEBOOKS or bits != 4 or offsets is not None):
+            raise ValueError(f"codebook {codebook!r}: known ones are {list(CODEBOOKS)}, 4-bit and without offsets")
         n, k = q.shape
         groups = -(-k // group_size)
         if bits == 4 and k % 2:
@@ -55,7 +62,7 @@ class QuantWeight:
             pairs = q.view(torch.int16)
             q = ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
         packed = q
-        return QuantWeight(packed.contiguous(), scales, offsets, bits, group_size, (n, k), perm)
+        return QuantWeight(packed.contiguous(), scales, offsets, bits, group_size, (n, k), perm, codebook)
 
     def values(self) -> torch.Tensor:
         """The unpacked integer values q as uint8 [N, K]."""
@@ -66,7 +73,9 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """w [N, K] in `dtype`, computed in fp32 (exact for fp16 scales and offsets)."""
-        return dequantize_rows(self.values(), self.scales, self.offsets, self.bits, self.group_size).to(dtype)
+        return dequantize_rows(self.values(), self.scales, self.offsets, self.bits, self.group_size, self.codebook).to(
+            dtype
+        )
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized copy, made once and kept: the CPU reference path multiplies with it."""
@@ -86,30 +95,36 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (embedding lookup) without dequantizing the whole matrix."""
-        offsets = None if self.offsets is None else self.offsets[ids]
-        q = QuantWeight(
-            self.packed[ids], self.scales[ids], offsets, self.bits, self.group_size, (ids.numel(), self.shape[1])
-        ).values()
-        return dequantize_rows(q, self.scales[ids], offsets, self.bits, self.group_size).to(dtype)
+        return self.take_rows(ids.reshape(-1)).dequantize(dtype)
 
-    def take_rows(self, index: torch.Tensor) -> QuantWeight:
-        """Rows `index`, in that order, still quantized (exact: each row is stored whole)."""
+    def take_rows(self, index: torch.Tensor | slice) -> QuantWeight:
+        """Rows `index` (a tensor of row ids, in that order, or a slice: views, no copy), still quantized (exact:
+        each row is stored whole). An expert of a stack of experts is a slice of its rows."""
         offsets = None if self.offsets is None else self.offsets[index]
+        packed = self.packed[index]
         return QuantWeight(
-            self.packed[index],
+            packed,
             self.scales[index],
             offsets,
             self.bits,
             self.group_size,
-            (index.numel(), self.shape[1]),
+            (packed.shape[0], self.shape[1]),
             self.perm,
+            self.codebook,
         )
 
     def to(self, device: torch.device | str) -> QuantWeight:
         offsets = None if self.offsets is None else self.offsets.to(device)
         perm = None if self.perm is None else self.perm.to(device)
         return QuantWeight(
-            self.packed.to(device), self.scales.to(device), offsets, self.bits, self.group_size, self.shape, perm
+            self.packed.to(device),
+            self.scales.to(device),
+            offsets,
+            self.bits,
+            self.group_size,
+            self.shape,
+            perm,
+            self.codebook,
         )
 
     @staticmethod
@@ -117,8 +132,16 @@ class QuantWeight:
         """Stack along N (fuses q/k/v or gate/up into one matmul). All parts must share the format."""
         first = weights[0]
         same = all(
-            (w.bits, w.group_size, w.shape[1], w.offsets is None, w.perm is None, w.scales.dtype)
-            == (first.bits, first.group_size, first.shape[1], first.offsets is None, True, first.scales.dtype)
+            (w.bits, w.group_size, w.shape[1], w.offsets is None, w.perm is None, w.scales.dtype, w.codebook)
+            == (
+                first.bits,
+                first.group_size,
+                first.shape[1],
+                first.offsets is None,
+                True,
+                first.scales.dtype,
+                first.codebook,
+            )
             for w in weights
         )
         if not same:
@@ -133,15 +156,26 @@ class QuantWeight:
             first.bits,
             first.group_size,
             (sum(w.shape[0] for w in weights), first.shape[1]),
+            codebook=first.codebook,
         )
 
 
-def dequantize_rows(q, scales, offsets, bits, group_size) -> torch.Tensor:
+# The value of each 4-bit code under a codebook: MXFP4's E2M1 (bit 3 the sign; then +-0, 0.5, 1, 1.5, 2, 3, 4, 6)
+CODEBOOKS = {"e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)}
+
+
+def dequantize_rows(q, scales, offsets, bits, group_size, codebook: str | None = None) -> torch.Tensor:
     n, k = q.shape
     groups = scales.shape[1]  # a short last group is padded to a whole one, then cut off
-    qf = torch.nn.functional.pad(q.to(torch.float32), (0, groups * group_size - k)).view(n, groups, group_size)
+    if codebook is not None:
+        qf = torch.tensor(CODEBOOKS[codebook], device=q.device)[q.long()]
+    else:
+        qf = q.to(torch.float32)
+    qf = torch.nn.functional.pad(qf, (0, groups * group_size - k)).view(n, groups, group_size)
     s = scales.to(torch.float32).unsqueeze(-1)
-    if offsets is None:
+    if codebook is not None:
+        w = s * qf
+    elif offsets is None:
         w = s * (qf - 2 ** (bits - 1))
     else:
         w = s * qf + offsets.to(torch.float32).unsqueeze(-1)
