@@ -182,6 +182,8 @@ def info(
         "architecture": ci.architecture,
         "family": ci.family,
         "parameters": ci.parameters,
+        "active_parameters": ci.active_parameters,
+        "experts": None if ci.experts is None else {"total": ci.experts[0], "active": ci.experts[1]},
         "context_length": ci.context_length,
         "size": size,
         "repo": manifest.get("repo"),
@@ -207,6 +209,9 @@ def info(
         "context": str(ci.context_length or "-"),
         "size": format_size(size),
     }
+    if ci.experts is not None:  # a mixture: how many experts, how many a token takes, and the weights it reads
+        summary["experts"] = f"{ci.experts[0]}, {ci.experts[1]} active a token"
+        summary["parameters"] += f" ({format_count(ci.active_parameters)} active)"
     if data["repo"]:
         summary["repo"] = f"{data['repo']} @ {data['revision'][:12]}, pulled {data['pulled_at']}"
     summary["tensor types"] = ", ".join(f"{t} x{n}" for t, n in ci.tensor_types.items())

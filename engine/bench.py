@@ -22,7 +22,7 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine, Sink, triton_cache_key_beside
-from llamaterm.engine.serving.model import Model, Weight
+from llamaterm.engine.serving.model import Model, MoE, Weight
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
 from llamaterm.kernels.qweight import QuantWeight
@@ -181,8 +181,16 @@ def weight_bytes(model: Model) -> int:
     prefill are not read by decode steps); the dense copies the CPU reference path multiplies with."""
     parts = [model.lm_head, model.output_norm]
     for layer in model.layers:
-        parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
-    return sum(read_bytes(w) for w in parts)
+        parts += [*layer.matrices(), layer.attn_norm, layer.ffn_norm]
+    experts = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    return sum(read_bytes(w) for w in parts) + sum(expert_read_bytes(moe) for moe in experts)
+
+
+def expert_read_bytes(moe: MoE) -> int:
+    """A mixture's layer at one session reads its router and the top-k experts of the one row."""
+    e = moe.experts
+    routed = sum(read_bytes(w) for w in (*e.gate_up, e.down)) * moe.top_k // e.n_experts
+    return read_bytes(moe.router) + routed
 
 
 def read_bytes(w: Weight) -> int:
@@ -546,7 +554,10 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
 def linear_params(model: Model) -> tuple[int, int]:
     """Weights multiplied per token by the blocks, and by the lm_head (sampled tokens only)."""
     size = lambda w: w.shape[0] * w.shape[1]
-    blocks = sum(size(w) for layer in model.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
+    blocks = sum(size(w) for layer in model.layers for w in layer.matrices())
+    for moe in (layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)):
+        e = moe.experts
+        blocks += size(moe.router) + sum(size(w) for w in (*e.gate_up, e.down)) * moe.top_k // e.n_experts
     return blocks, size(model.lm_head)
 
 

@@ -34,6 +34,15 @@ class CheckpointInfo:
     chat_template: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # GGUF key-values or config.json
     family: str | None = None  # the family llamaterm runs it as (architectures.py); None: not supported
+    experts: tuple[int, int] | None = None  # a mixture of experts: (experts a layer, experts a token takes)
+    active_parameters: int | None = None  # the weights a token multiplies with (ModelConfig.active_parameters)
+
+
+def active(parameters: int, expert_params: int, embedding_params: int, experts: tuple[int, int] | None) -> int:
+    """All parameters but the input embedding (a lookup, unless tied to the lm_head) and the routed experts a token
+    does not take."""
+    unused = 0 if experts is None else expert_params - expert_params * experts[1] // experts[0]
+    return parameters - embedding_params - unused
 
 
 def read_gguf(first: Path) -> CheckpointInfo:
@@ -49,11 +58,15 @@ def read_gguf(first: Path) -> CheckpointInfo:
         quant = file_type.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         quant = None
+    n_experts, used = get(meta, f"{arch}.expert_count", int), get(meta, f"{arch}.expert_used_count", int)
+    experts = (n_experts, used) if n_experts and used else None
     return CheckpointInfo(
         format="gguf",
         quant=quant,
         architecture=arch,
         parameters=info["n_params"],
+        experts=experts,
+        active_parameters=active(info["n_params"], info["n_expert_params"], info["n_embedding_params"], experts),
         context_length=get(meta, f"{arch}.context_length", int),
         tensor_types=info["tensor_types"],
         chat_template=get(meta, "tokenizer.chat_template", str),
@@ -112,30 +125,43 @@ def read_safetensors(folder: Path) -> CheckpointInfo:
         dtype = get(config, "torch_dtype", str) or get(config, "dtype", str)
         quant = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dtype)
     types: Counter[str] = Counter()
-    parameters = 0
+    parameters = expert_params = embedding = 0
     for header in headers:
         for name, t in header.items():
             if name == "__metadata__":
                 continue
             types[t["dtype"]] += 1
-            numel = math.prod(t["shape"])
-            if name.endswith((".qweight", ".weight_packed")) and bits and 0 < bits <= 32:
-                parameters += numel * (32 // bits)  # GPTQ / AWQ / compressed-tensors: 32 // bits weights an int32
-            elif not name.endswith(
-                (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape")
-            ):  # quantization bookkeeping, not weights
-                parameters += numel
+            n = weights_in(name, math.prod(t["shape"]), bits)
+            parameters += n
+            expert_params += n if ".experts." in name and not name.endswith("_bias") else 0
+            embedding += n if name == "model.embed_tokens.weight" else 0
+    n_experts = get(config, "num_experts", int) or get(config, "num_local_experts", int)
+    used = get(config, "num_experts_per_tok", int)
+    experts = (n_experts, used) if n_experts and used else None
+    tied = get(config, "tie_word_embeddings", bool)
     return CheckpointInfo(
         format="safetensors",
         quant=quant,
         architecture=get(config, "model_type", str),
         parameters=parameters,
+        experts=experts,
+        active_parameters=active(parameters, expert_params, 0 if tied else embedding, experts),
         context_length=get(config, "max_position_embeddings", int),
         tensor_types=dict(types),
         chat_template=chat_template_source(folder),
         metadata=config,
         family=family_of((get(config, "architectures", "strings") or [None])[0] or get(config, "model_type", str)),
     )
+
+
+def weights_in(name: str, numel: int, bits: int | None) -> int:
+    """The weights a safetensors tensor of `numel` elements holds: quantization bookkeeping holds none."""
+    if name.endswith((".qweight", ".weight_packed")) and bits and 0 < bits <= 32:
+        return numel * (32 // bits)  # GPTQ / AWQ / compressed-tensors: 32 // bits weights an int32
+    if name.endswith("_blocks"):  # MXFP4 (gpt-oss): two 4-bit values a byte
+        return 2 * numel
+    bookkeeping = (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape", "_scales")
+    return 0 if name.endswith(bookkeeping) else numel
 
 
 def read_checkpoint(path: Path) -> CheckpointInfo:

@@ -27,7 +27,14 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from llamaterm.engine.checkpoints.architectures import GGUF_ARCHITECTURES, not_supported
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import MAX_LAYERS, ModelConfig, tensor_shapes
+from llamaterm.engine.checkpoints.config import (
+    EXPERT_TENSORS,
+    MAX_LAYERS,
+    MERGED_GATE_UP,
+    ModelConfig,
+    tensor_shapes,
+    yarn_fields,
+)
 from llamaterm.engine.checkpoints.fields import MISSING, read, reader
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.errors import ModelFormatError
@@ -302,6 +309,12 @@ def read_gguf_info(path: str | Path) -> dict:
         "metadata": f.metadata,
         "n_tensors": len(f.tensors),
         "n_params": sum(math.prod(t.shape) for t in f.tensors.values()),
+        # a mixture's routed experts, and the input embedding when it is not the lm_head: what `info`'s count of
+        # active parameters leaves out (ModelConfig.active_parameters)
+        "n_expert_params": sum(math.prod(t.shape) for name, t in f.tensors.items() if "_exps." in name),
+        "n_embedding_params": math.prod(f.tensors["token_embd.weight"].shape)
+        if "token_embd.weight" in f.tensors and "output.weight" in f.tensors
+        else 0,
         "n_bytes": sum(t.data.nbytes for t in f.tensors.values()),
         "tensor_types": dict(Counter(t.type.name for t in f.tensors.values()).most_common()),
     }
@@ -336,10 +349,11 @@ def _config(f: GGUFFile) -> ModelConfig:
     n_layers = get("block_count")
     if n_layers > MAX_LAYERS:
         raise _bad(f.path, f"{arch}.block_count = {n_layers} is beyond any model's (at most {MAX_LAYERS})")
-    # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there)
-    # and Gemma 3's pattern, left out of its GGUFs, is llama.cpp's: every sixth layer global
+    # llama.cpp disables Phi-3's window (its GGUFs carry the config's, which the models were not run with there);
+    # Gemma 3's and gpt-oss's patterns, left out of their GGUFs, are llama.cpp's: every sixth layer global, every
+    # other layer sliding
     window, sliding_layers = (
-        (None, None) if arch == "phi3" else _sliding_window(f, arch, n_layers, 6 if arch == "gemma3" else None)
+        (None, None) if arch == "phi3" else _sliding_window(f, arch, n_layers, SLIDING_PERIODS.get(arch))
     )
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else required)
@@ -360,11 +374,16 @@ def _config(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         # Qwen2 always has them; a Llama has them when it was trained with attention_bias
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         fused_projections=arch == "phi3",
         sliding_window=window,
         sliding_layers=sliding_layers,
+        **_experts(f, arch),
     )
+    if arch == "gpt-oss":
+        fields |= dict(
+            o_bias=True, attention_sinks=True, moe_biases=True, activation="swiglu_oai", expert_weights_norm=True
+        )
     if arch == "gemma3":  # the converter stores its norms as 1 + weight already; the rest as llama.cpp defaults it
         fields |= dict(
             post_norms=True,
@@ -381,6 +400,47 @@ def _config(f: GGUFFile) -> ModelConfig:
         return ModelConfig(**fields)
     except ModelFormatError as e:  # the checks every reader shares
         raise _bad(path, str(e)) from None
+
+
+# The period of a family's sliding-window layers where its GGUFs leave the pattern out (llama.cpp's set_swa_pattern)
+SLIDING_PERIODS = {"gemma3": 6, "gpt-oss": 2}
+# Whether the router's weights are renormalised over the chosen experts, where a GGUF does not say
+# (llama.cpp's build_moe_ffn calls: Qwen3-MoE, Mixtral and gpt-oss do, Qwen2-MoE does not)
+EXPERT_WEIGHTS_NORM = {"qwen2moe": False}
+
+
+def _experts(f: GGUFFile, arch: str) -> dict:
+    """The ModelConfig fields of a mixture of experts ({arch}.expert_count and its kin); none for a dense model. A
+    file with expert tensors and no expert count, or with an old Mixtral's tensor per expert, is named as such."""
+
+    def get(key: str, default: object = MISSING, kind: type = int):
+        return read(f.metadata, f"{arch}.{key}", kind, default, where=str(f.path), positive=kind is int)
+
+    n_experts = get("expert_count", 0)
+    if not n_experts:
+        if "blk.0.ffn_gate_exps.weight" in f.tensors or "blk.0.ffn_gate_inp.weight" in f.tensors:
+            raise _bad(f.path, f"it holds experts (blk.0.ffn_gate_exps) but no {arch}.expert_count")
+        if "blk.0.ffn_gate.0.weight" in f.tensors:
+            raise _bad(
+                f.path,
+                "it stores each expert as a tensor of its own, the layout of llama.cpp's Mixtral GGUFs before "
+                "March 2024",
+                "Download a GGUF converted since (experts in one tensor per layer: ffn_gate_exps).",
+            )
+        return {}
+    shared = get("expert_shared_feed_forward_length", None)
+    return dict(
+        n_experts=n_experts,
+        n_experts_used=get("expert_used_count"),
+        # Mixtral's files give the experts' size as the feed-forward length
+        expert_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),
+        shared_expert_intermediate_size=shared,
+        expert_weights_norm=bool(
+            read(
+                f.metadata, f"{arch}.expert_weights_norm", bool, EXPERT_WEIGHTS_NORM.get(arch, True), where=str(f.path)
+            )
+        ),
+    )
 
 
 def _sliding_window(
@@ -446,26 +506,51 @@ def _rope_scaling(f: GGUFFile, c: ModelConfig) -> dict:
         if factor is None:
             raise _bad(f.path, f"{arch}.rope.scaling.factor is missing for linear RoPE scaling")
         freqs = [x * factor for x in (freqs or [1.0] * half)]
+    elif scaling == "yarn":
+        return yarn_fields(
+            c,
+            factor=get(meta, f"{arch}.rope.scaling.factor", float, MISSING, positive=True),
+            original=get(meta, f"{arch}.rope.scaling.original_context_length", int, c.context_length, positive=True),
+            beta_fast=get(meta, f"{arch}.rope.scaling.yarn_beta_fast", float, 32.0, positive=True),
+            beta_slow=get(meta, f"{arch}.rope.scaling.yarn_beta_slow", float, 1.0, positive=True),
+            # gpt-oss's own RoPE (and transformers') does not round YaRN's correction range; others' configs do
+            truncate=arch != "gpt-oss",
+        )
     elif scaling != "none":
         raise _bad(
             f.path,
-            f"RoPE scaling {scaling!r} is not supported (only linear, Llama-3 and LongRoPE are)",
+            f"RoPE scaling {scaling!r} is not supported (only linear, Llama-3, YaRN and LongRoPE are)",
             "Pick a model without that context extension.",
         )
     return dict(rope_freq_factors=None if freqs is None else tuple(freqs))
 
 
-def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """Every tensor the GGUF may hold, with its numpy shape; and the names that must be there."""
+def _expected_shapes(c: ModelConfig, merged: bool) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Every tensor the GGUF may hold, with its numpy shape; and the names that must be there. merged: the experts'
+    gate and up come as one tensor a layer (MERGED_GATE_UP)."""
     shapes = tensor_shapes(c)
+    if merged:
+        gate, up = EXPERT_TENSORS[:2]
+        for i in range(c.n_layers):
+            for part in ("weight", "bias"):
+                names = [f"blk.{i}.{t}.{part}" for t in (gate, up)]
+                if names[0] in shapes:
+                    e, n, *k = shapes[names[0]]
+                    shapes[f"blk.{i}.{MERGED_GATE_UP}.{part}"] = (e, 2 * n, *k)
+                    del shapes[names[0]], shapes[names[1]]
     required = set(shapes) - {"output.weight"}  # no output: tied to the embedding
     return shapes | {name: (c.rotary_dim // 2,) for name in ROPE_FACTORS}, required
+
+
+# gpt-oss's GGUFs name the norm before the MLP as the one after attention (transformers' post_attention_layernorm,
+# which the other families' files call ffn_norm)
+NORM_NAMES = {"gpt-oss": (".post_attention_norm.", ".ffn_norm.")}
 
 
 def _check_tensors(f: GGUFFile, c: ModelConfig) -> None:
     if c.n_layers * 6 > len(f.tensors):  # a block has at least 6 tensors; checked before per-layer tables
         raise _bad(f.path, f"{c.arch}.block_count = {c.n_layers}, but there are {len(f.tensors)} tensors")
-    shapes, required = _expected_shapes(c)
+    shapes, required = _expected_shapes(c, f"blk.0.{MERGED_GATE_UP}.weight" in f.tensors)
     if missing := sorted(required - f.tensors.keys()):
         raise _bad(f.path, f"tensors are missing: {', '.join(missing[:5])}{' ...' if missing[5:] else ''}")
     for name, t in f.tensors.items():
@@ -594,7 +679,18 @@ _UNPACK = {
     ),
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
+    # MXFP4: w = E2M1[q] * 2**(e - 127), an E8M0 exponent byte e and 16 bytes of codes a block
+    GGMLQuantizationType.MXFP4: lambda b: (_packed_halves(b[..., 1:17]), _e8m0(b[..., 0]), None, 4, 32),
 }
+CODEBOOKS = {GGMLQuantizationType.MXFP4: "e2m1"}
+
+
+def _e8m0(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponents -> the fp32 powers of two 2**(e - 127) they stand for; 255 is NaN (caught as corrupt)."""
+    bits = e.astype(np.uint32) << 23  # e as an fp32 exponent field, mantissa 0: 2**(e - 127) for e >= 1
+    bits[e == 0] = 0x00400000  # 2**-127, an fp32 subnormal
+    bits[e == 255] = 0x7FC00000
+    return bits.view(np.float32)
 
 
 def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
@@ -603,12 +699,20 @@ def convert_tensor(t: RawTensor) -> torch.Tensor | QuantWeight:
     if t.type in _DENSE:
         # copied: the mapping is read-only (a private writable one would be charged as committed memory)
         return torch.from_numpy(np.array(t.data)).view(_DENSE[t.type]).view(t.shape)
-    rows, cols = t.shape
+    *outer, cols = t.shape  # a stack of experts [E, N, K] is the matrix [E * N, K]
+    rows = math.prod(outer)
     block_size, type_size = GGML_QUANT_SIZES[t.type]
     q, scales, offsets, bits, group = _UNPACK[t.type](t.data.reshape(rows, cols // block_size, type_size))
     as_rows = lambda x: torch.from_numpy(np.ascontiguousarray(x).reshape(rows, -1))
+    codebook = CODEBOOKS.get(t.type)
     return QuantWeight(
-        as_rows(q), as_rows(scales), None if offsets is None else as_rows(offsets), bits, group, (rows, cols)
+        as_rows(q),
+        as_rows(scales).to(torch.bfloat16) if codebook else as_rows(scales),  # powers of two: exact in bf16
+        None if offsets is None else as_rows(offsets),
+        bits,
+        group,
+        (rows, cols),
+        codebook=codebook,
     )
 
 
@@ -633,6 +737,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
     file raises ModelFormatError."""
     f = read_gguf_parts(Path(path))
     config = _config(f)
+    if config.arch in NORM_NAMES:
+        old, new = NORM_NAMES[config.arch]
+        f.tensors = {name.replace(old, new): t for name, t in f.tensors.items()}
     _check_tensors(f, config)
     scaling = _rope_scaling(f, config)
     try:
@@ -647,5 +754,6 @@ def load_gguf(path: str | Path) -> Checkpoint:
             t = _unpermute(t, config.n_heads if ".attn_q." in name else config.n_kv_heads)
         tensors[name] = w = convert_tensor(t)
         if isinstance(w, QuantWeight) and not all(x.isfinite().all() for x in (w.scales, w.offsets) if x is not None):
-            raise _bad(f.path, f"tensor {name!r} has scales that are NaN or beyond the fp16 range (corrupt)")
+            what = "an MXFP4 scale byte of 255 (NaN)" if w.codebook else "scales that are NaN or beyond the fp16 range"
+            raise _bad(f.path, f"tensor {name!r} has {what} (corrupt)")
     return Checkpoint(config=config, tensors=tensors, metadata=f.metadata, path=f.path)

@@ -7,12 +7,21 @@ import math
 from dataclasses import dataclass, replace
 
 from llamaterm.engine.checkpoints.architectures import HF_ARCHITECTURES, not_supported
-from llamaterm.engine.checkpoints.config import MAX_LAYERS, ModelConfig
+from llamaterm.engine.checkpoints.config import MAX_LAYERS, ModelConfig, yarn_fields
 from llamaterm.engine.checkpoints.fields import MISSING, reader
 from llamaterm.engine.errors import ModelFormatError
+from llamaterm.kernels.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
 # Families whose config.json sliding_window applies (transformers' Llama ignores the key)
-SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM")
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+# Mixtures of experts by class: whether the router's weights are renormalised over the chosen experts where the
+# config does not say (norm_topk_prob), and the key of the experts' size
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": (True, "intermediate_size"),
+    "Qwen2MoeForCausalLM": (False, "moe_intermediate_size"),
+    "Qwen3MoeForCausalLM": (False, "moe_intermediate_size"),
+    "GptOssForCausalLM": (True, "intermediate_size"),
+}
 
 # A config.json value checked to be of a kind (checkpoints/fields.py): field(data, key, kind[, default], positive=);
 # required unless a default is given. quant_field: the same in its quantization_config.
@@ -26,7 +35,7 @@ MAX_HEAD_DIM = 4096
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "gptq", "awq" or "compressed-tensors"
+    method: str  # "gptq", "awq", "compressed-tensors" or "mxfp4"
     bits: int
     group_size: int  # -1: one group spanning the whole input dimension
     zero_shift: int  # added to stored zeros: GPTQ v1 stores zero - 1 (AutoGPTQ's pack), v2 and AWQ store zero
@@ -72,7 +81,7 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     if family in ("qwen2", "qwen3") and field(hf, "use_sliding_window", bool, False):
         raise ModelFormatError("config.json: use_sliding_window (Qwen's window on its upper layers) is not supported")
     act = field(hf, "hidden_activation" if gemma else "hidden_act", str, "gelu_pytorch_tanh" if gemma else "silu")
-    if ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
+    if arch != "GptOssForCausalLM" and ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
         raise ModelFormatError(
             f"unsupported activation {act!r} for {arch} (llamaterm runs {', '.join(ACTIVATIONS)}, "
             "each where its family uses it)"
@@ -80,7 +89,9 @@ def model_config(hf: dict, name: str) -> ModelConfig:
     if field(hf, "attn_logit_softcapping", float, None) is not None:
         raise ModelFormatError("config.json: attn_logit_softcapping (Gemma 2's) is not supported")
     # Qwen3's and Gemma 3's config defaults differ from hidden / heads (transformers: 128, 256); their files say
-    head_dim = size("head_dim", MISSING if family in ("qwen3", "gemma3") else max(hidden_size // n_heads, 1))
+    head_dim = size(
+        "head_dim", MISSING if family in ("qwen3", "gemma3", "qwen3moe") else max(hidden_size // n_heads, 1)
+    )
     partial = field(
         rope_params(hf), "partial_rotary_factor", float, field(hf, "partial_rotary_factor", float, 1.0), positive=True
     )
@@ -101,11 +112,12 @@ def model_config(hf: dict, name: str) -> ModelConfig:
             field(rope_params(hf), "rope_theta", float, field(hf, "rope_theta", float, 10000.0), positive=True)
         ),
         tie_word_embeddings=bool(field(hf, "tie_word_embeddings", bool, gemma)),  # transformers' defaults
-        qkv_bias=family == "qwen2" or bool(field(hf, "attention_bias", bool, False)),
-        qk_norm=family in ("qwen3", "gemma3"),
+        qkv_bias=family in ("qwen2", "qwen2moe") or bool(field(hf, "attention_bias", bool, False)),
+        qk_norm=family in ("qwen3", "gemma3", "qwen3moe"),
         fused_projections=family == "phi3",
         sliding_window=window,
         sliding_layers=sliding_layers,
+        **experts(hf, arch),
     )
     if gemma:
         config = replace(
@@ -126,6 +138,39 @@ def model_config(hf: dict, name: str) -> ModelConfig:
             final_logit_softcap=field(hf, "final_logit_softcapping", float, None, positive=True),
         )
     return replace(config, **rope_scaling(hf, config))
+
+
+def experts(hf: dict, arch: str) -> dict:
+    """The ModelConfig fields of a mixture of experts (none for a dense class), refusing the variants that are not
+    one: dense layers among the sparse ones (Qwen's mlp_only_layers, decoder_sparse_step)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    norm, size_key = MOE_ARCHITECTURES[arch]
+    if field(hf, "mlp_only_layers", "ints", []) or field(hf, "decoder_sparse_step", int, 1) != 1:
+        raise ModelFormatError(
+            "config.json: dense MLP layers among the experts' (mlp_only_layers, decoder_sparse_step) are not supported"
+        )
+    n_experts = field(hf, "num_experts" if "num_experts" in hf else "num_local_experts", int, positive=True)
+    shared = field(hf, "shared_expert_intermediate_size", int, None, positive=True)
+    fields = dict(
+        n_experts=n_experts,
+        n_experts_used=field(hf, "num_experts_per_tok", int, positive=True),
+        expert_intermediate_size=field(hf, size_key, int, positive=True),
+        shared_expert_intermediate_size=shared,
+        expert_weights_norm=bool(field(hf, "norm_topk_prob", bool, norm)),
+    )
+    if arch == "GptOssForCausalLM":
+        swiglu = (
+            field(hf, "swiglu_alpha", float, SWIGLU_OAI_ALPHA),
+            field(hf, "swiglu_limit", float, SWIGLU_OAI_LIMIT),
+        )
+        if swiglu != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
+            raise ModelFormatError(
+                f"config.json: gpt-oss's SwiGLU with alpha {swiglu[0]} and limit {swiglu[1]} is not supported "
+                f"(llamaterm runs gpt-oss's own, {SWIGLU_OAI_ALPHA} and {SWIGLU_OAI_LIMIT})"
+            )
+        fields |= dict(activation="swiglu_oai", moe_biases=True, o_bias=True, attention_sinks=True)
+    return fields
 
 
 def sliding_window(hf: dict, n_layers: int, pattern: int | None = None) -> tuple[int | None, tuple[bool, ...] | None]:
@@ -174,11 +219,21 @@ def rope_scaling(hf: dict, config: ModelConfig) -> dict:
         )
     if rope_type in ("longrope", "su"):
         return longrope(hf, params, config)
+    if rope_type == "yarn":
+        return yarn_fields(
+            config,
+            factor=field(params, "factor", float, positive=True),
+            original=field(params, "original_max_position_embeddings", int, config.context_length, positive=True),
+            beta_fast=field(params, "beta_fast", float, 32.0, positive=True),
+            beta_slow=field(params, "beta_slow", float, 1.0, positive=True),
+            truncate=bool(field(params, "truncate", bool, True)),
+            attention_factor=field(params, "attention_factor", float, None, positive=True),
+        )
     if rope_type == "linear":  # positions divided by factor: every frequency is
         return {"rope_freq_factors": (float(field(params, "factor", float, positive=True)),) * (config.rotary_dim // 2)}
     if rope_type != "llama3":
         raise ModelFormatError(
-            f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3' and 'longrope'"
+            f"unsupported rope scaling {rope_type!r}: llamaterm runs 'linear', 'llama3', 'yarn' and 'longrope'"
         )
     factor, low, high = (
         field(params, k, float, positive=True) for k in ("factor", "low_freq_factor", "high_freq_factor")
@@ -225,11 +280,13 @@ def quant_scheme(qc: dict | None) -> QuantScheme | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return compressed_tensors_scheme(qc)
+    if method == "mxfp4":  # gpt-oss's: the experts in MXFP4 (blocks of 32 with an E8M0 scale), the rest dense
+        return QuantScheme("mxfp4", 4, 32, 0, True)
     bits = qc.get("bits", qc.get("w_bit"))  # AutoAWQ spells them w_bit and q_group_size
     group_size = qc.get("group_size", qc.get("q_group_size"))
     if method not in ("gptq", "awq"):
         raise ModelFormatError(
-            f"unsupported quantization method {method!r}: llamaterm reads GPTQ, AWQ and compressed-tensors"
+            f"unsupported quantization method {method!r}: llamaterm reads GPTQ, AWQ, compressed-tensors and MXFP4"
         )
     if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ModelFormatError(f"{method} quantization_config has an invalid group_size {group_size!r}")

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from llamaterm.engine.checkpoints.checkpoint import Checkpoint
-from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
+from llamaterm.engine.checkpoints.config import EXPERT_TENSORS, ModelConfig, tensor_shapes
 from llamaterm.engine.checkpoints.hf_config import QuantScheme, model_config, quant_scheme
 from llamaterm.engine.checkpoints.hf_files import read_json
 from llamaterm.engine.errors import ModelFormatError, ModelNotFound
@@ -40,6 +40,16 @@ LAYER_MODULES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused gate and up, as llama.cpp names it
     "mlp.down_proj": "ffn_down",
+    # mixtures of experts: the router (Qwen's gate, Mixtral's, gpt-oss's router), Qwen2-MoE's shared expert and its
+    # gate, gpt-oss's attention sinks (a parameter of its own: named here as a module's weight)
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.router": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.sinks": "attn_sinks",
 }
 # Gemma 3 norms each block's input, its attention's output, the MLP's input and its output
 GEMMA_LAYER_MODULES = LAYER_MODULES | {
@@ -63,8 +73,10 @@ def load_safetensors(model_dir: Path) -> Checkpoint:
     hf = read_json(model_dir / "config.json")
     config = model_config(hf, model_dir.name)
     scheme = quant_scheme(hf.get("quantization_config"))
-    tensors = convert_tensors(read_tensors(model_dir), config, scheme)
-    return Checkpoint(config, tensors, hf, model_dir)
+    raw = read_tensors(model_dir)
+    experts = expert_stacks(raw, config, scheme) if config.is_moe else {}
+    tensors = convert_tensors(raw, config, scheme, set(experts))
+    return Checkpoint(config, tensors | experts, hf, model_dir)
 
 
 # --- safetensors files -----------------------------------------------------------------------------------
@@ -149,10 +161,14 @@ def gguf_module(hf_module: str, family: str) -> str | None:
 
 
 def convert_tensors(
-    raw: dict[str, torch.Tensor], config: ModelConfig, scheme: QuantScheme | None
+    raw: dict[str, torch.Tensor],
+    config: ModelConfig,
+    scheme: QuantScheme | None,
+    done: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, torch.Tensor | QuantWeight]:
+    """Every tensor but those already converted (`done`: the experts, by their GGUF names)."""
     modules = group_modules(raw, config)
-    shapes = tensor_shapes(config)
+    shapes = {name: shape for name, shape in tensor_shapes(config).items() if name not in done}
     if config.tie_word_embeddings:
         modules.pop("output", None)  # transformers ignores a stored lm_head when the embedding is tied
         del shapes["output.weight"]
@@ -175,6 +191,8 @@ def group_modules(raw: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
     for name, tensor in raw.items():
         if IGNORED_TENSOR.fullmatch(name):
             continue
+        if name.endswith(".self_attn.sinks"):  # gpt-oss's sinks: a parameter, not a module's weight
+            name += ".weight"
         hf_module, _, part = name.rpartition(".")
         module = gguf_module(hf_module, config.arch)
         if module is None:
@@ -200,7 +218,7 @@ def convert_module(
     if "bias" in parts and not has_bias:
         raise ModelFormatError(
             f"{hf_module}.bias is not part of a {config.arch} model as config.json describes "
-            "it (llamaterm runs biases of q/k/v only: Qwen2's, or Llama's attention_bias)"
+            "it (llamaterm runs the biases of q/k/v, Qwen2's or Llama's attention_bias, and gpt-oss's)"
         )
     if "bias" not in parts and has_bias:
         raise ModelFormatError(f"{hf_module}.bias is missing: the checkpoint is incomplete")
@@ -232,6 +250,125 @@ def dense(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
 def check_shape(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ModelFormatError(f"{name} has shape {list(t.shape)}, expected {list(shape)} from config.json")
+
+
+# --- mixtures of experts -----------------------------------------------------------------------------------
+
+# An expert's matrix in a file of one module per expert: Qwen-MoE's mlp.experts.E.gate_proj, Mixtral's
+# block_sparse_moe.experts.E.w1 (gate), w3 (up) and w2 (down)
+EXPERT_MODULE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(\w+)"
+)
+EXPERT_KINDS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}  # EXPERT_TENSORS' order
+# gpt-oss's experts, one tensor a layer: gate and up interleaved (gate rows even, up rows odd), dense [E, in, out]
+# (x @ w) or MXFP4 blocks [E, out, in / 32, 16] with E8M0 scales [E, out, in / 32]; and their biases
+FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
+
+
+def expert_stacks(
+    raw: dict[str, torch.Tensor], config: ModelConfig, scheme: QuantScheme | None
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """The routed experts of every layer, each kind stacked in one tensor by its GGUF name (dense [E, out, in], or
+    a QuantWeight [E * out, in]); their tensors are taken out of `raw`."""
+    per_expert: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = {}
+    fused: dict[int, dict[str, torch.Tensor]] = {}
+    for name in list(raw):
+        if m := EXPERT_MODULE.fullmatch(name):
+            layer, expert, kind = int(m[1]), int(m[2]), EXPERT_KINDS[m[3]]
+            per_expert.setdefault((layer, kind), {}).setdefault(expert, {})[m[4]] = raw.pop(name)
+        elif m := FUSED_EXPERTS.fullmatch(name):
+            fused.setdefault(int(m[1]), {})[m[2] + (m[3] or "")] = raw.pop(name)
+    shapes = tensor_shapes(config)
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    for (layer, kind), experts in per_expert.items():
+        name = f"blk.{layer}.{EXPERT_TENSORS[kind]}.weight"
+        out[name] = stack_experts(experts, shapes.get(name), config, scheme, name)
+    for layer, parts in fused.items():
+        out |= gpt_oss_experts(layer, parts, shapes, scheme)
+    return out
+
+
+def stack_experts(
+    experts: dict[int, dict[str, torch.Tensor]],
+    shape: tuple[int, ...] | None,
+    config: ModelConfig,
+    scheme: QuantScheme | None,
+    name: str,
+) -> torch.Tensor | QuantWeight:
+    """One layer's experts of one kind, from a module per expert, stacked."""
+    if shape is None:
+        raise ModelFormatError(f"unexpected expert tensors for {name} (more layers than config.json has)")
+    n_experts, n, k = shape
+    if sorted(experts) != list(range(n_experts)):
+        raise ModelFormatError(
+            f"{name}: the checkpoint holds experts {sorted(experts)[:8]}..., config.json says {n_experts} experts"
+        )
+    one: dict[str, tuple[int, ...]] = {"expert.weight": (n, k)}
+    weights = [
+        convert_module("expert", f"{name} (expert {e})", experts[e], one, config, scheme)["expert.weight"]
+        for e in range(n_experts)
+    ]
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.stack(weights)  # type: ignore[arg-type]
+    if not all(isinstance(w, QuantWeight) and w.perm is None for w in weights):
+        raise ModelFormatError(
+            f"{name}: experts quantized with act-order (GPTQ desc_act) or partly dense are not supported"
+        )
+    try:
+        return QuantWeight.cat(weights)  # type: ignore[arg-type]
+    except ValueError:
+        raise ModelFormatError(f"{name}: its experts are quantized in different formats") from None
+
+
+def gpt_oss_experts(
+    layer: int, parts: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], scheme: QuantScheme | None
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """gpt-oss's experts of one layer (FUSED_EXPERTS), de-interleaved into gate and up as llama.cpp's converter
+    does: dense weights transposed to [E, out, in], MXFP4 blocks repacked into QuantWeight (their nibble order,
+    value 2j low and 2j + 1 high, is QuantWeight's)."""
+    gate, up, down = (f"blk.{layer}.{t}" for t in EXPERT_TENSORS)
+    if f"{gate}.weight" not in shapes:
+        raise ModelFormatError(f"unexpected expert tensors of layer {layer} (more layers than config.json has)")
+    where = f"model.layers.{layer}.mlp.experts"
+    mxfp4 = scheme is not None and scheme.method == "mxfp4"
+    wanted = {"gate_up_proj", "down_proj"}
+    wanted = {f"{w}_{p}" for w in wanted for p in ("blocks", "scales")} if mxfp4 else wanted
+    wanted |= {"gate_up_proj_bias", "down_proj_bias"}
+    if set(parts) != wanted:
+        raise ModelFormatError(f"{where} has tensors {sorted(parts)}; a gpt-oss layer has {sorted(wanted)}")
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    for name, t, rows in ((gate, parts["gate_up_proj_bias"], 0), (up, parts["gate_up_proj_bias"], 1)):
+        out[f"{name}.bias"] = dense(t[:, rows::2], shapes[f"{name}.bias"], f"{where}.gate_up_proj_bias")
+    out[f"{down}.bias"] = dense(parts["down_proj_bias"], shapes[f"{down}.bias"], f"{where}.down_proj_bias")
+    if not mxfp4:
+        gate_up = parts["gate_up_proj"].transpose(1, 2)
+        out[f"{gate}.weight"] = dense(gate_up[:, 0::2], shapes[f"{gate}.weight"], f"{where}.gate_up_proj")
+        out[f"{up}.weight"] = dense(gate_up[:, 1::2], shapes[f"{up}.weight"], f"{where}.gate_up_proj")
+        out[f"{down}.weight"] = dense(
+            parts["down_proj"].transpose(1, 2), shapes[f"{down}.weight"], f"{where}.down_proj"
+        )
+        return out
+    blocks, scales = parts["gate_up_proj_blocks"], parts["gate_up_proj_scales"]
+    for name, rows in ((gate, 0), (up, 1)):
+        out[f"{name}.weight"] = mxfp4_weight(blocks[:, rows::2], scales[:, rows::2], shapes[f"{name}.weight"], where)
+    out[f"{down}.weight"] = mxfp4_weight(
+        parts["down_proj_blocks"], parts["down_proj_scales"], shapes[f"{down}.weight"], where
+    )
+    return out
+
+
+def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...], where: str) -> QuantWeight:
+    """MXFP4 blocks uint8 [E, N, K / 32, 16] and E8M0 exponents uint8 [E, N, K / 32] -> QuantWeight [E * N, K]:
+    w = E2M1[code] * 2**(e - 127)."""
+    e, n, k = shape
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelFormatError(f"{where}: MXFP4 blocks and scales must be uint8, not {blocks.dtype} and {scales.dtype}")
+    check_shape(blocks, (e, n, k // 32, 16), f"{where} blocks")
+    check_shape(scales, (e, n, k // 32), f"{where} scales")
+    if (scales == 255).any():
+        raise ModelFormatError(f"{where}: an MXFP4 scale byte is 255 (NaN): the file is damaged; download it again")
+    powers = torch.ldexp(torch.ones(()), scales.reshape(e * n, -1).int() - 127).to(torch.bfloat16)  # exact
+    return QuantWeight(blocks.reshape(e * n, k // 2).contiguous(), powers, None, 4, 32, (e * n, k), codebook="e2m1")
 
 
 # --- GPTQ and AWQ ----------------------------------------------------------------------------------------

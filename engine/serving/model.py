@@ -17,6 +17,7 @@ from llamaterm.kernels.activation import act_and_mul
 from llamaterm.kernels.attention import paged_attention
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear, linear_act
+from llamaterm.kernels.moe import Experts, moe, route
 from llamaterm.kernels.norm import rms_norm
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.rope import rope_write_kv
@@ -140,28 +141,114 @@ def to_device(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     return w.to(device) if isinstance(w, QuantWeight) else w.to(device, dtype)
 
 
+class GatedMLP:
+    """down(act(gate x) * up x): a dense layer's MLP, or a mixture's shared expert."""
+
+    def __init__(self, gate_up: list[Weight], down: Weight, activation: str):
+        self.gate_up, self.down, self.activation = gate_up, down, activation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(gated_parts(x, self.gate_up, self.activation), self.down)
+
+    def matrices(self) -> list[Weight]:
+        return [*self.gate_up, self.down]
+
+
+class MoE:
+    """A mixture of experts: the router's top-k experts of each row, summed by its weights (kernels/moe.py), and a
+    shared expert every row takes, gated by a sigmoid of its own logit (Qwen2-MoE)."""
+
+    def __init__(self, c: ModelConfig, get, vector, device: torch.device):
+        assert c.n_experts is not None and c.n_experts_used is not None
+        self.top_k, self.renormalize = c.n_experts_used, c.expert_weights_norm
+        self.router = get("ffn_gate_inp")
+        self.router_bias = vector("ffn_gate_inp", "bias").float() if c.moe_biases else None
+        if gate_up := get("ffn_gate_up_exps", optional=True):  # merged by the file: each expert's gate rows first
+            parts = [as_matrix(gate_up)]
+        else:
+            parts = expert_gate_up(as_matrix(get("ffn_gate_exps")), as_matrix(get("ffn_up_exps")), c.n_experts)
+        gate_up_bias = None
+        if c.moe_biases:
+            gate_up_bias = get("ffn_gate_up_exps", "bias", optional=True)
+            if gate_up_bias is None:
+                gate_up_bias = torch.cat([vector("ffn_gate_exps", "bias"), vector("ffn_up_exps", "bias")], dim=1)
+        self.experts = Experts(
+            c.n_experts,
+            parts,
+            as_matrix(get("ffn_down_exps")),
+            c.activation,
+            None if gate_up_bias is None else gate_up_bias.float(),
+            vector("ffn_down_exps", "bias").float() if c.moe_biases else None,
+        )
+        self.shared: GatedMLP | None = None
+        if c.shared_expert_intermediate_size is not None:
+            self.shared = GatedMLP(fuse([get("ffn_gate_shexp"), get("ffn_up_shexp")]), get("ffn_down_shexp"), "silu")
+            self.shared_gate = vector("ffn_gate_inp_shexp")  # [1, hidden]: one logit a row
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = linear(x, self.router).float()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        y = moe(x, weights, ids, self.experts)
+        if self.shared is not None:
+            y = y + self.shared(x) * torch.sigmoid(linear(x, self.shared_gate))
+        return y
+
+    def matrices(self) -> list[Weight]:
+        """The matrices every row multiplies with (the routed experts are not among them)."""
+        return [] if self.shared is None else self.shared.matrices()
+
+
+def as_matrix(w: Weight) -> Weight:
+    """A stack of experts [E, N, K] as the matrix [E * N, K] (QuantWeight stacks already are)."""
+    return w.reshape(-1, w.shape[-1]) if isinstance(w, torch.Tensor) else w
+
+
+def expert_gate_up(gate: Weight, up: Weight, n_experts: int) -> list[Weight]:
+    """Stacked gate and up [E * I, H] -> one matrix with each expert's gate rows, then its up rows, so one grouped
+    matmul with the activation in its epilogue serves both (kernels/moe.py); two parts where their formats
+    differ."""
+    fused = fuse([gate, up])
+    if len(fused) == 2:
+        return fused
+    i = gate.shape[0] // n_experts
+    rows = torch.arange(2 * i * n_experts).view(2, n_experts, i).transpose(0, 1).reshape(-1)  # expert-major
+    return take_rows(fused, rows)
+
+
 class Layer:
     def __init__(self, c: ModelConfig, t: dict[str, Weight], i: int, device, dtype):
-        get = lambda name, part="weight": to_device(t[f"blk.{i}.{name}.{part}"], device, dtype)
+        def get(name: str, part: str = "weight", optional: bool = False):
+            key = f"blk.{i}.{name}.{part}"
+            return None if optional and key not in t else to_device(t[key], device, dtype)
+
         vector = lambda name, part="weight": dense_only(get(name, part))  # a norm or a bias
         self.window = c.layer_window(i)  # sliding-window attention's keys per query; None: the whole context
         self.sliding_rope = c.rope_theta_sliding is not None and c.is_sliding(i)  # Gemma 3's local RoPE base
         self.attn_norm = vector("attn_norm")
         self.ffn_norm = vector("ffn_norm")
-        if c.fused_projections:
-            self.qkv, self.gate_up = [get("attn_qkv")], [get("ffn_up")]
-        else:
-            self.qkv = fuse([get("attn_q"), get("attn_k"), get("attn_v")])
-            self.gate_up = fuse([get("ffn_gate"), get("ffn_up")])
+        self.qkv = [get("attn_qkv")] if c.fused_projections else fuse([get("attn_q"), get("attn_k"), get("attn_v")])
         self.qkv_bias = torch.cat([vector(f"attn_{p}", "bias") for p in "qkv"]) if c.qkv_bias else None
         if c.rotary_order() is not None:
             self.qkv = take_rows(self.qkv, rotary_rows(c))
             self.qkv_bias = None if self.qkv_bias is None else self.qkv_bias[rotary_rows(c).to(self.qkv_bias.device)]
         self.qk_norm = (vector("attn_q_norm"), vector("attn_k_norm")) if c.qk_norm else None
         self.o = get("attn_output")
-        self.down = get("ffn_down")
+        self.o_bias = vector("attn_output", "bias") if c.o_bias else None
+        self.sinks = vector("attn_sinks").float() if c.attention_sinks else None  # gpt-oss's, a logit per head
+        self.mlp: GatedMLP | MoE
+        if c.is_moe:
+            self.mlp = MoE(c, get, vector, device)
+        else:
+            gate_up = [get("ffn_up")] if c.fused_projections else fuse([get("ffn_gate"), get("ffn_up")])
+            self.mlp = GatedMLP(gate_up, get("ffn_down"), c.activation)
         self.post_attn_norm: torch.Tensor | None = vector("post_attention_norm") if c.post_norms else None
         self.post_ffn_norm: torch.Tensor | None = vector("post_ffw_norm") if c.post_norms else None
+
+    def matrices(self) -> list[Weight]:
+        """The matrices every row of a step multiplies with (a mixture's routed experts are not among them)."""
+        return [*self.qkv, self.o, *self.mlp.matrices()]
 
 
 class Model:
@@ -187,12 +274,7 @@ class Model:
         """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized
         steps run cuBLAS on them instead of dequantizing every weight in every step (kernels/linear_triton.py).
         Returns the bytes kept (0: none, the budget is too small)."""
-        weights = [
-            w
-            for layer in self.layers
-            for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
-            if isinstance(w, QuantWeight)
-        ]
+        weights = [w for layer in self.layers for w in layer.matrices() if isinstance(w, QuantWeight)]
         need = sum(w.shape[0] * w.shape[1] for w in weights) * torch.finfo(self.dtype).bits // 8
         if not weights or need > budget:
             return 0
@@ -256,11 +338,14 @@ class Model:
                 step.query_start_loc,
                 self.scale,
                 layer.window,
+                layer.sinks,
             )
             h = linear(o.view(n_tokens, q_size), layer.o)
+            if layer.o_bias is not None:
+                h = h + layer.o_bias
             yield  # half a layer a piece: a capture's pieces then sit within half a small model's step
             x, residual = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, residual, layer.post_attn_norm)
-            h = linear(gated_parts(x, layer.gate_up, c.activation), layer.down)
+            h = layer.mlp(x)
             post_norm = layer.post_ffn_norm
             yield
         last = step.logits_indices

@@ -103,7 +103,7 @@ def main() -> None:
     layer = engine.model.layers[0]
     linears = [
         (name, wl.read_bytes(w))
-        for name, ws in (("qkv", layer.qkv), ("o", [layer.o]), ("gate_up", layer.gate_up), ("down", [layer.down]))
+        for name, ws in (("qkv", layer.qkv), ("o", [layer.o]), ("mlp", layer.mlp.matrices()))
         for w in ws
     ]
     sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)

@@ -77,8 +77,9 @@ class Sweep:
 def shapes(model) -> Iterator[tuple[str, Shape, int]]:
     """(name, (N, K), steps of K) of a layer's quantized matmuls and the lm_head."""
     layer = model.layers[0]
-    named = [("qkv", w) for w in layer.qkv] + [("o", layer.o)] + [("gate_up", w) for w in layer.gate_up]
-    named += [("down", layer.down), ("lm_head", model.lm_head)]
+    mlp = layer.mlp  # a dense layer's (GatedMLP)
+    named = [("qkv", w) for w in layer.qkv] + [("o", layer.o)] + [("gate_up", w) for w in mlp.gate_up]
+    named += [("down", mlp.down), ("lm_head", model.lm_head)]
     for name, w in named:
         if isinstance(w, QuantWeight):
             yield name, (w.shape[0], w.shape[1]), gpu_layout(w).values.shape[0]

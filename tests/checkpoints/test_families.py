@@ -24,11 +24,13 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import ModelFormatError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.kernels.qweight import QuantWeight
 from tests.support.cli import llamaterm
 from tests.support.engine_checks import assert_greedy_choices, assert_same_until_near_tie, greedy, our_last_logits
 from tests.support.family_oracle import (
     byte_level_bpe,
     convert_to_gguf,
+    gpt_oss_mxfp4,
     hf_greedy,
     hf_logits,
     rewrite_gguf,
@@ -91,6 +93,8 @@ GPT4O_SPLIT = (  # Phi-4-mini's tokenizer.json (o200k)
 
 # transformers' GGUF loader maps no LongRoPE keys or factor tensors for phi3: it rebuilds the model with plain RoPE
 PHI3_GGUF_IN_TRANSFORMERS = "transformers reads phi3 GGUFs without their rope_factors_long/short (plain RoPE)"
+# nor the experts' sizes and counts of a mixture: it rebuilds the model with its config class's defaults
+MOE_GGUF_IN_TRANSFORMERS = "transformers reads MoE GGUFs with its config's default expert sizes and counts"
 
 FAMILIES = {
     "llama": Family(
@@ -203,6 +207,64 @@ FAMILIES = {
         LLAMA3_SPLIT,
         gguf_window=True,
     ),
+    # Mixtures of experts, 8 experts (4 for Mixtral) of which 2 a token. Qwen3-MoE (Qwen3-30B-A3B's kind): q/k norms,
+    # the chosen weights renormalised (norm_topk_prob, as every Qwen3-MoE has it)
+    "qwen3moe": Family(
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig(
+            **small(tie_word_embeddings=False, rope_theta=1e6)
+            | dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        ),
+        "qwen2",
+        QWEN2_SPLIT,
+        needs_tensor="blk.1.ffn_down_exps.weight",
+        needs_key="num_experts_per_tok",
+        hf_misreads_gguf=MOE_GGUF_IN_TRANSFORMERS,
+    ),
+    # Qwen2-MoE (Qwen1.5-MoE): q/k/v biases, the chosen weights as the softmax gives them, and a shared expert with
+    # its own sigmoid gate
+    "qwen2moe": Family(
+        transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen2MoeConfig(
+            **small(tie_word_embeddings=False)
+            | dict(
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                norm_topk_prob=False,
+            )
+        ),
+        "qwen2",
+        QWEN2_SPLIT,
+        needs_tensor="blk.0.ffn_gate_inp_shexp.weight",
+        needs_key="moe_intermediate_size",
+        hf_misreads_gguf=MOE_GGUF_IN_TRANSFORMERS,
+    ),
+    # Mixtral: a Llama with experts (llama.cpp's GGUFs call it "llama")
+    "mixtral": Family(
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig(**small() | dict(num_local_experts=4, num_experts_per_tok=2)),
+        "llama-bpe",
+        LLAMA3_SPLIT,
+        needs_tensor="blk.1.ffn_gate_inp.weight",
+        needs_key="num_local_experts",
+        hf_misreads_gguf=MOE_GGUF_IN_TRANSFORMERS,
+    ),
+    # gpt-oss: sliding (window 8) and full layers in turn, attention sinks, YaRN RoPE (its own settings: x32 of
+    # 4096), biases on the attention and the experts, its clamped SwiGLU, the router's top-k then softmax; o200k's
+    # tokenizer split
+    "gpt-oss": Family(
+        transformers.GptOssForCausalLM,
+        transformers.GptOssConfig(
+            **small(tie_word_embeddings=False, sliding_window=8) | dict(num_local_experts=4, num_experts_per_tok=2)
+        ),
+        "gpt-4o",
+        GPT4O_SPLIT,
+        needs_tensor="blk.0.attn_sinks.weight",
+        needs_key="num_experts_per_tok",
+        hf_misreads_gguf="transformers' GGUF reader fails on gpt-oss's metadata (a TypeError in its reader)",
+    ),
 }
 
 
@@ -300,6 +362,51 @@ def test_longrope_past_the_original_context(longrope_model):
         engine.shutdown()
 
 
+# --- MXFP4: gpt-oss's experts as OpenAI ships them ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4_model(tmp_path_factory) -> tuple[torch.nn.Module, Path, Path]:
+    """(transformers' gpt-oss on its experts' MXFP4 values, the MXFP4 safetensors folder, llama.cpp's GGUF of it)."""
+    fam, root = FAMILIES["gpt-oss"], tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    model = save_tiny_model(fam.model_cls, fam.config, root / "hf")
+    byte_level_bpe(root / "hf", VOCAB, ["<|im_start|>", "<|im_end|>"], fam.pre_split, fam.tokenizer_class)
+    gpt_oss_mxfp4(model, root / "hf", root / "mxfp4")
+    return model, root / "mxfp4", convert_to_gguf(root / "mxfp4", root / "mxfp4.gguf", pre=fam.pre)
+
+
+def test_gpt_oss_mxfp4_experts_match_transformers(gpt_oss_mxfp4_model):
+    """The MXFP4 safetensors (blocks and E8M0 scales, repacked at load) and llama.cpp's GGUF of them (its MXFP4
+    blocks) give transformers' logits and greedy tokens on the same values."""
+    model, folder, gguf = gpt_oss_mxfp4_model
+    want = hf_logits(model, PROMPT)[-1]
+    for path in (folder, gguf):
+        engine = ours(path)
+        try:
+            got = our_last_logits(engine, PROMPT)
+            assert (got - want).abs().max() <= 1e-4 * (want.max() - want.min()), path
+            assert greedy(engine, PROMPT, GREEDY_STEPS) == hf_greedy(model, PROMPT, GREEDY_STEPS), path
+        finally:
+            engine.shutdown()
+
+
+def test_mxfp4_dequantizes_as_llama_cpp(gpt_oss_mxfp4_model):
+    """Every MXFP4 tensor llama.cpp's converter wrote, read by llamaterm, equals gguf-py's own dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from llamaterm.engine.checkpoints.gguf import convert_tensor
+
+    raw = read_gguf_file(gpt_oss_mxfp4_model[2]).tensors
+    mxfp4 = [t for t in raw.values() if t.type == GGMLQuantizationType.MXFP4]
+    assert {t.name for t in mxfp4} == {f"blk.{i}.ffn_{k}_exps.weight" for i in range(2) for k in ("gate", "up", "down")}
+    for t in mxfp4:
+        want = torch.from_numpy(dequantize(t.data, t.type).reshape(-1, t.shape[-1]))
+        got = convert_tensor(t)
+        assert isinstance(got, QuantWeight) and got.codebook == "e2m1"
+        assert torch.equal(got.dequantize(), want), t.name
+
+
 # --- sliding windows beyond the FAMILIES harness ------------------------------------------------------------
 
 
@@ -391,9 +498,9 @@ def test_variants_are_refused_by_name_with_what_runs(tmp_path, name):
     message = str(err.value)
     assert f"{REFUSED[name]}, '{name}', is not supported" in message
     assert all(f"{f.models} ({f.arch})" in message for f in SUPPORTED)
-    if name == "qwen3moe":  # and from the command line: `info` says so, `run` fails in one line
+    if name == "phimoe":  # and from the command line: `info` says so, `run` fails in one line
         info = llamaterm("info", str(tmp_path / "v.gguf"))
-        assert info.returncode == 0 and f"architecture  qwen3moe: {REFUSED[name]}" in info.stdout
+        assert info.returncode == 0 and f"architecture  phimoe: {REFUSED[name]}" in info.stdout
         run = llamaterm("run", "--model", str(tmp_path / "v.gguf"), "hi")
         assert run.returncode == 1 and run.stderr.count("\n") == 1 and "is not supported" in run.stderr
 

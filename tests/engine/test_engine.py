@@ -330,7 +330,7 @@ def test_dense_prefill_weights_only_within_budget():
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     need = 4 * c.n_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
     model = synthetic_model("tiny", True, torch.device("cpu"))  # fp32 activations on the CPU: 4 bytes a weight
-    linears = [w for layer in model.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)]
+    linears = [w for layer in model.layers for w in layer.matrices()]
     assert all(isinstance(w, QuantWeight) for w in linears)
     assert model.keep_dense_weights(need - 1) == 0
     assert all(w.kept_dense(torch.float32) is None for w in linears)

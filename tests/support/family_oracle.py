@@ -184,9 +184,13 @@ def convert_to_gguf(
     return out
 
 
-def rewrite_gguf(src: Path, dst: Path, keys: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """src written afresh with gguf-py: metadata `keys` set (name -> (value, GGUFValueType)) and the tensors in
-    `drop` left out. For files that contradict themselves (the converter's output is f32 throughout)."""
+def rewrite_gguf(
+    src: Path, dst: Path, keys: dict | None = None, drop: tuple[str, ...] = (), tensors: dict | None = None
+) -> Path:
+    """src written afresh with gguf-py: metadata `keys` set (name -> (value, GGUFValueType); value None: left out),
+    the tensors in `drop` left out, and those in `tensors` replaced (name -> (raw blocks uint8 [..., bytes a row],
+    its GGMLQuantizationType)). For files that contradict themselves or hold other formats (the converter's output
+    is f32 throughout)."""
     import numpy as np
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
@@ -198,9 +202,13 @@ def rewrite_gguf(src: Path, dst: Path, keys: dict | None = None, drop: tuple[str
             sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
             writer.add_key_value(name, f.contents(), f.types[0], sub)
     for name, (value, vtype) in keys.items():
-        writer.add_key_value(name, value, vtype)
+        if value is not None:  # None: the key left out
+            writer.add_key_value(name, value, vtype)
     for t in reader.tensors:
-        if t.name not in drop:
+        if t.name in (tensors or {}):
+            data, qtype = tensors[t.name]  # type: ignore[index]
+            writer.add_tensor(t.name, data, raw_dtype=qtype)
+        elif t.name not in drop:
             writer.add_tensor(t.name, np.array(t.data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -262,3 +270,51 @@ def save_tiny_qwen3(folder: Path, specials: list[str], context: int) -> Path:
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": template}))
     return folder
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # MXFP4's magnitudes (OCP microscaling spec)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., K] -> (blocks uint8 [..., K / 32, 16], E8M0 scales uint8 [..., K / 32], the values they stand for), as
+    gpt-oss's checkpoints store experts: each block of 32 takes the power of two that brings its largest magnitude
+    to at most 6, each value the nearest E2M1 code, value 2j in byte j's low nibble and 2j + 1 in its high one."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = blocks / torch.exp2(exponent)
+    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0) & (magnitude > 0)).to(torch.int64) << 3).to(torch.uint8)
+    values = torch.where(codes >= 8, -E2M1[codes.long() & 7], E2M1[codes.long() & 7]) * torch.exp2(exponent)
+    packed = codes[..., 0::2] | codes[..., 1::2] << 4
+    scales = (exponent[..., 0] + 127).to(torch.uint8)
+    return packed, scales, values.reshape(w.shape)
+
+
+def gpt_oss_mxfp4(model: torch.nn.Module, folder: Path, mxfp4_folder: Path) -> None:
+    """gpt-oss's experts in MXFP4, as OpenAI ships them: each expert matrix is replaced in `model` by the values of
+    its MXFP4 form (so transformers runs exactly those), the model saved to `folder` in full precision, and to
+    `mxfp4_folder` with the experts as *_blocks / *_scales and quantization_config {"quant_method": "mxfp4"}."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, name)  # [E, in, out]: x @ w
+                blocks, scales, values = mxfp4_quantize(param.transpose(1, 2))  # per output row, along the input
+                param.copy_(values.transpose(1, 2))
+                tensors[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+                tensors[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+    model.save_pretrained(folder, safe_serialization=True)
+    mxfp4_folder.mkdir(parents=True, exist_ok=True)
+    full = load_file(folder / "model.safetensors")
+    kept = {k: v for k, v in full.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file(kept | tensors, mxfp4_folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (mxfp4_folder / "config.json").write_text(json.dumps(config))
+    for f in folder.iterdir():
+        if f.name.startswith("tokenizer"):
+            (mxfp4_folder / f.name).write_bytes(f.read_bytes())
