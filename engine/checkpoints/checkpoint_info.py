@@ -164,6 +164,25 @@ def weights_in(name: str, numel: int, bits: int | None) -> int:
     return 0 if name.endswith(bookkeeping) else numel
 
 
+def weight_bytes(path: Path) -> tuple[int, int]:
+    """(bytes of all tensors, bytes of a mixture's routed experts) as the checkpoint stores them, from its headers
+    alone: the least the weights take in memory (llamaterm's formats take as much or a little more)."""
+    with reading_model(path):
+        if not path.is_dir():
+            from llamaterm.engine.checkpoints.gguf import read_gguf_info
+
+            info = read_gguf_info(path)
+            return info["n_bytes"], info["n_expert_bytes"]
+        total = experts = 0
+        for header in map(safetensors_header, sorted(path.glob("*.safetensors"))):
+            for name, t in header.items():
+                offsets = t.get("data_offsets") if name != "__metadata__" else None
+                size = offsets[1] - offsets[0] if isinstance(offsets, list) and len(offsets) == 2 else 0
+                total += size
+                experts += size if ".experts." in name else 0
+        return total, experts
+
+
 def read_checkpoint(path: Path) -> CheckpointInfo:
     """`path` is a .gguf file (the first part of a split one) or a safetensors folder."""
     with reading_model(path):

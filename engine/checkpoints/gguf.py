@@ -316,6 +316,7 @@ def read_gguf_info(path: str | Path) -> dict:
         if "token_embd.weight" in f.tensors and "output.weight" in f.tensors
         else 0,
         "n_bytes": sum(t.data.nbytes for t in f.tensors.values()),
+        "n_expert_bytes": sum(t.data.nbytes for name, t in f.tensors.items() if "_exps." in name),
         "tensor_types": dict(Counter(t.type.name for t in f.tensors.values()).most_common()),
     }
 

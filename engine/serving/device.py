@@ -27,6 +27,19 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def check_weights_fit(name: str, weights: tuple[int, int], free: int) -> None:
+    """A model whose weights (bytes in all, bytes of them experts: checkpoint_info.weight_bytes) cannot fit the GPU's
+    `free` bytes is refused before any of it is read, with the sizes."""
+    total, experts = weights
+    if total <= free:
+        return
+    of_them = f", {experts / 2**30:.1f} GiB of them its experts" if experts else ""
+    raise LlamatermError(
+        f"{name} does not fit the GPU: its weights take {total / 2**30:.1f} GiB{of_them}, and {free / 2**30:.1f} GiB "
+        "are free. Pick a smaller quant or model, free the GPU, or run it with --device cpu."
+    )
+
+
 def free_memory(device: torch.device) -> int:
     """Bytes free for the KV cache: the GPU's free memory, or the host memory available without swapping
     (Linux's MemAvailable, which counts the page cache the kernel can drop; free pages elsewhere)."""

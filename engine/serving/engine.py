@@ -39,7 +39,7 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
-from llamaterm.engine.serving.device import free_memory, resolve_device
+from llamaterm.engine.serving.device import check_weights_fit, free_memory, resolve_device
 from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
 from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
 from llamaterm.engine.serving.model import Model
@@ -208,12 +208,17 @@ class Engine:
     @classmethod
     def from_model(cls, config: EngineConfig = EngineConfig(), sink: Sink | None = None) -> Engine:
         """Load config.model (a store name or a path; None: the default model) onto config.device."""
+        from llamaterm.engine.checkpoints.checkpoint_info import weight_bytes
         from llamaterm.engine.store.loader import load_checkpoint
+        from llamaterm.engine.store.model_store import resolve_model
 
         name = config.model
         dev = resolve_device(config.device)
         with triton_cache_key_beside(dev):
             t0 = time.perf_counter()
+            if dev.type == "cuda":
+                path = resolve_model(name)
+                check_weights_fit(path.name, weight_bytes(path), free_memory(dev))
             ckpt, tokenizer, path = load_checkpoint(name)
             t1 = time.perf_counter()
             dtype = torch.float32 if dev.type == "cpu" else torch.float16

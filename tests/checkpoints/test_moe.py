@@ -206,3 +206,22 @@ def test_experts_without_an_expert_count(qwen3moe, tmp_path):
     """A file whose metadata lost its expert count: named as such, not as tensors a dense model lacks."""
     path = rewrite_gguf(qwen3moe[1], tmp_path / "x.gguf", keys={"qwen3moe.expert_count": (None, None)})
     assert "it holds experts (blk.0.ffn_gate_exps) but no qwen3moe.expert_count" in load_error(path)
+
+
+def test_a_model_larger_than_the_gpu_is_refused_with_its_sizes(qwen3moe):
+    """Before any weight is read: the bytes the file's tensors take, and of them the experts', against what the GPU
+    has free (Engine.from_model asks this with the GPU's free memory)."""
+    from llamaterm.engine.checkpoints.checkpoint_info import weight_bytes
+    from llamaterm.engine.errors import LlamatermError
+    from llamaterm.engine.serving.device import check_weights_fit
+
+    path = qwen3moe[1]
+    total, experts = weight_bytes(path)
+    tensors = read_gguf_file(path).tensors.values()
+    assert total == sum(t.data.nbytes for t in tensors) and experts == 2 * 3 * N_EXPERTS * HIDDEN * EXPERT_FF * 4
+    check_weights_fit(path.name, (total, experts), total)
+    with pytest.raises(LlamatermError) as err:
+        check_weights_fit(path.name, (total, experts), total - 1)
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    assert f"its weights take {gib(total)}, {gib(experts)} of them its experts, and {gib(total - 1)}" in str(err.value)
+    assert "--device cpu" in str(err.value)

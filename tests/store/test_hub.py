@@ -217,6 +217,24 @@ def test_quant_labels_of_real_file_names(filename, label):
     assert hub.quant_label(m["prefix"] if m else filename.removesuffix(".gguf")) == label
 
 
+def test_mixture_of_experts_repos_pick_as_their_users_name_them():
+    """The files of the MoE repos people pull (unsloth's Qwen3-30B-A3B quants, split BF16 in a folder; ggml-org's
+    one gpt-oss file): no quant picks Q4_K_M, and the one MXFP4 file; each by its label too."""
+    qwen = [
+        *(f"Qwen3-30B-A3B-{q}.gguf" for q in ("IQ4_XS", "Q3_K_M", "Q4_K_M", "Q6_K", "Q8_0", "UD-Q4_K_XL")),
+        "BF16/Qwen3-30B-A3B-BF16-00001-of-00002.gguf",
+        "BF16/Qwen3-30B-A3B-BF16-00002-of-00002.gguf",
+    ]
+    units = hub.gguf_units(qwen)
+    repo = "unsloth/Qwen3-30B-A3B-GGUF"
+    assert hub.pick_gguf(repo, units, None) == ("Q4_K_M", ["Qwen3-30B-A3B-Q4_K_M.gguf"])
+    assert hub.pick_gguf(repo, units, "Q4_K_XL") == ("Q4_K_XL", ["Qwen3-30B-A3B-UD-Q4_K_XL.gguf"])
+    assert hub.pick_gguf(repo, units, "bf16")[1] == qwen[-2:]
+    units = hub.gguf_units(["gpt-oss-20b-mxfp4.gguf"])
+    for quant in (None, "MXFP4", "mxfp4"):
+        assert hub.pick_gguf("ggml-org/gpt-oss-20b-GGUF", units, quant) == ("MXFP4", ["gpt-oss-20b-mxfp4.gguf"])
+
+
 # --- pull: safetensors -------------------------------------------------------------------------------------
 
 
