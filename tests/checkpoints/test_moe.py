@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.gguf import load_gguf, read_gguf_file
 from llamaterm.engine.errors import ModelFormatError
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from tests.support.cli import llamaterm
 from tests.support.engine_checks import greedy, our_last_logits
@@ -225,3 +225,23 @@ def test_a_model_larger_than_the_gpu_is_refused_with_its_sizes(qwen3moe):
     gib = lambda n: f"{n / 2**30:.1f} GiB"
     assert f"its weights take {gib(total)}, {gib(experts)} of them its experts, and {gib(total - 1)}" in str(err.value)
     assert "--device cpu" in str(err.value)
+
+
+def test_the_engine_around_experts_works_unchanged(qwen3moe):
+    """Speculation, prefix caching, grammars and sampling, on a mixture: ngram drafts verified by the experts give
+    the tokens of plain decoding, a repeated prompt is served from the prefix cache, a grammar holds."""
+    _, path = qwen3moe
+    plain = Engine.from_model(EngineConfig(model=str(path), device="cpu", kv_tokens=1024, speculate="off"))
+    drafted = Engine.from_model(EngineConfig(model=str(path), device="cpu", kv_tokens=1024, speculate="ngram"))
+    try:
+        prompt = PROMPT * 3  # repeats for the drafts to find
+        assert greedy(drafted, prompt, 32) == greedy(plain, prompt, 32)
+        handle = drafted.submit(None, SamplingParams(max_tokens=4, temperature=0.0), prompt_ids=prompt)
+        list(handle.events())
+        assert handle.stats().cached_tokens >= len(prompt) // 16 * 16 - 16
+        params = SamplingParams(max_tokens=8, temperature=0.9, seed=3, grammar=Grammar("regex", "[0-9]{5}"))
+        text = "".join(event.text for event in drafted.submit(None, params, prompt_ids=PROMPT).events())
+        assert re.fullmatch("[0-9]{5}", text), text
+    finally:
+        plain.shutdown()
+        drafted.shutdown()
