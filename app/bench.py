@@ -67,7 +67,8 @@ def bench(
             "-m",
             help=(
                 "Model name in the store, a path, or synthetic:NAME, random 4-bit weights in a model's shapes (NAME: "
-                "llama3-8b, llama2-7b, smollm2-135m, qwen2.5-7b, gemma3-4b, gemma3-12b, tiny; add :fp16 for fp16)."
+                "llama3-8b, llama2-7b, smollm2-135m, qwen2.5-7b, gemma3-4b, gemma3-12b, tiny, and the mixtures "
+                "qwen3-30b-a3b, gpt-oss-20b (MXFP4 experts), tiny-moe; add :fp16 for fp16)."
             ),
         ),
     ] = None,

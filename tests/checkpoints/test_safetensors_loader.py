@@ -339,12 +339,12 @@ def test_missing_config_json(tmp_path):
     "extra, message",
     [
         (
-            {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
-            r"Qwen2 MoE .*'Qwen2MoeForCausalLM'.* is "
+            {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"},
+            r"Qwen3-Next .*'Qwen3NextForCausalLM'.* is "
             r"not supported \(llamaterm runs: .*\(qwen2\)",
         ),
         ({"architectures": ["MambaForCausalLM"]}, "the architecture 'MambaForCausalLM' is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes"),
         (
             {
