@@ -3,8 +3,9 @@
  * Each weight row is expanded into fp32 values exactly as the torch reference does it (one rounding for the scale
  * product, one for the offset add: never fused into an FMA), then dotted with the activations, so the result is
  * fp32 math on the dequantized weights; only the order of the sums differs from a dense matmul.
- * K and the group size must be multiples of 16 (the last group may be shorter). The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
- * attention) follow at the end. Built at first use by kernels/cpu_native.py and called through ctypes.
+ * K and the group size must be multiples of 16 (the last group may be shorter). The decode step's small ops
+ * (RMSNorm, RoPE, the gated activations, paged attention) follow at the end. Built at first use by
+ * kernels/cpu_native.py and called through ctypes.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -331,6 +332,16 @@ void silu_and_mul(const float *gate_up, long T, long I, float *out) {
         for (long i = 0; i < I; i++) {
             float g = gate_up[t * 2 * I + i];
             out[t * I + i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * I + I + i];
+        }
+}
+
+/* out [T, I] = (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7): gpt-oss's clamped SwiGLU, as
+   kernels/activation.py. */
+void swiglu_oai_and_mul(const float *gate_up, long T, long I, float *out) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i++) {
+            float g = fminf(gate_up[t * 2 * I + i], 7.0f), u = fmaxf(fminf(gate_up[t * 2 * I + I + i], 7.0f), -7.0f);
+            out[t * I + i] = g / (1.0f + expf(-1.702f * g)) * (u + 1.0f);
         }
 }
 

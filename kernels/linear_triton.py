@@ -97,7 +97,7 @@ def _qmatmul_kernel(
     ASM: tl.constexpr,
     STAGES: tl.constexpr,
     GATED: tl.constexpr,
-    GELU: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -152,7 +152,7 @@ def _qmatmul_kernel(
     part_ptrs = part_ptr + m[:, None] * N + rows[None, :]
     mask = m_mask[:, None] & row_mask[None, :]
     if not SPLIT:
-        _write(tl.trans(acc), y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
+        _write(tl.trans(acc), y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, ACTIVATION)
     else:  # through the fp32 partials (see the docstring), split s's at part_ptrs + s * M * N
         tl.store(part_ptrs + pid_k * M * N, tl.trans(acc), mask=mask)
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
@@ -160,7 +160,7 @@ def _qmatmul_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split_k):
                 total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _write(total, y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
+            _write(total, y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, ACTIVATION)
             tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
@@ -177,7 +177,7 @@ def _write(
     N,
     BLOCK_N: tl.constexpr,
     GATED: tl.constexpr,
-    GELU: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
     """Stores the tile acc [BLOCK_M, BLOCK_N] to y; GATED: act(gate) * up of its column pairs, each rounded to y's
     dtype first as the unfused activation reads them."""
@@ -186,7 +186,7 @@ def _write(
         gate, up = tl.split(tl.reshape(acc.to(dt).to(tl.float32), [acc.shape[0], BLOCK_N // 2, 2]))
         features = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         mask = m_mask[:, None] & (features < N // 2)[None, :]
-        tl.store(y_ptr + m[:, None] * stride_ym + features[None, :], gated(gate, up, GELU).to(dt), mask=mask)
+        tl.store(y_ptr + m[:, None] * stride_ym + features[None, :], gated(gate, up, ACTIVATION).to(dt), mask=mask)
     else:
         tl.store(y_ptr + m[:, None] * stride_ym + rows[None, :], acc.to(dt), mask=m_mask[:, None] & row_mask[None, :])
 
@@ -217,8 +217,8 @@ def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) ->
 def qmatmul_triton(
     x: torch.Tensor, w: QuantWeight, config: Config | None = None, activation: str | None = None
 ) -> torch.Tensor:
-    """x @ w^T; with an activation ("silu", "gelu_tanh"), act(gate) * up of its halves [..., N / 2] (w stacks the
-    gate and up projections), in the same kernel."""
+    """x @ w^T; with an activation (kernels/activation.py's ACTIVATIONS), act(gate) * up of its halves [..., N / 2]
+    (w stacks the gate and up projections), in the same kernel."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if w.perm is not None:  # GPTQ act-order: y = x[:, perm] @ W^T; gather the (small) activations once
@@ -273,7 +273,7 @@ def qmatmul_triton(
         num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
         GATED=activation is not None,
-        GELU=activation == "gelu_tanh",
+        ACTIVATION=activation,
         **pdl_launch(x.device),
     )
     return y.view(*x.shape[:-1], n_out)

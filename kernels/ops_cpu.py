@@ -90,7 +90,7 @@ def rope_cpu(q, k, positions, inv_freq, lib):
 
 
 def act_and_mul_cpu(gate_up, activation, lib):
-    """activation: "silu" or "gelu_tanh" (the C functions silu_and_mul, gelu_tanh_and_mul)."""
+    """activation: one of kernels/activation.py's ACTIVATIONS (the C function {activation}_and_mul)."""
     gate_up = gate_up.contiguous()
     i = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], i)
