@@ -47,6 +47,19 @@ def test_linear_formats(bits, group, offsets, perm, dtype, m):
     assert rel_err(linear(x, w), linear_ref(x.float(), w)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 300])
+def test_linear_mxfp4(dtype, m):
+    """gpt-oss-20b's expert gate_up shape in MXFP4 (the PTX unpack of E2M1 codes; 300 rows: dequantize + cuBLAS)."""
+    q = torch.randint(0, 16, (5760, 2880), dtype=torch.uint8, device="cuda")
+    scales = torch.exp2(torch.randint(-12, -4, (5760, 90), device="cuda").float()).to(torch.bfloat16)
+    w = QuantWeight.from_values(q, scales, None, 4, 32, codebook="e2m1")
+    x = torch.randn(m, 2880, device="cuda", dtype=dtype)
+    assert rel_err(linear(x, w), linear_ref(x.float(), w)) < TOL[dtype]
+    ids = torch.randint(0, 5760, (5, 7), device="cuda")
+    assert torch.equal(embedding(ids, w, dtype), w.rows(ids.flatten(), dtype).view(5, 7, -1))
+
+
 def test_embedding_rows():
     table = random_qweight(128256, 4096, 4, 32, offsets=True)
     ids = torch.randint(0, 128256, (5, 7), device="cuda")

@@ -21,6 +21,7 @@ from llamaterm.kernels.linear import linear_ref  # noqa: E402
 from llamaterm.kernels.linear_triton import DENSE_M, DENSE_M_KEPT_SMALL, Config, qmatmul_triton  # noqa: E402
 from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
 from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
+from llamaterm.kernels.qweight import QuantWeight  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
 from llamaterm.kernels.rope_triton import rope_write_kv_triton  # noqa: E402
@@ -29,6 +30,7 @@ from tests.support.kernel_cases import (  # noqa: E402
     FORMATS,
     SHORT_GROUPS,
     free_outside_window,
+    random_mxfp4,
     random_paged_cache,
     random_qweight,
     rel_err,
@@ -60,6 +62,41 @@ def test_dequantize_rows(bits, group, offsets, perm, dtype):
     assert rel_err(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_rows_mxfp4(dtype):
+    """MXFP4 values times power-of-two scales are exact in fp32: the kernel's rows equal the reference's."""
+    w = random_mxfp4(19, 96)  # a step and a half
+    ids = torch.tensor([3, 0, 18, 3, 7], device=DEVICE)
+    assert torch.equal(dequantize_rows_triton(w, ids, dtype), w.rows(ids, dtype))
+    assert torch.equal(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype))
+
+
+def test_mxfp4_is_ggufs_mxfp4():
+    """GGUF's MXFP4 blocks (an E8M0 exponent byte, then 16 bytes: element j in byte j's low nibble, element j + 16
+    in its high nibble) read as QuantWeight codes and bf16 scales: the reference dequantizes them to exactly what
+    gguf-py's own MXFP4 dequantizer gives, for every code and exponents 0 (a subnormal scale) to 250; the kernels
+    to the same for weights' exponents (the last 12 rows)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 24, 128
+    exponents = torch.randint(0, 251, (n, k // 32), dtype=torch.uint8)
+    exponents[0, :3] = torch.tensor([0, 1, 250], dtype=torch.uint8)
+    exponents[12:] = torch.randint(110, 135, (12, k // 32), dtype=torch.uint8)
+    qs = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8)
+    raw = torch.cat([exponents[..., None], qs], dim=-1)  # [n, blocks, 17]
+    want = torch.from_numpy(dequantize(raw.numpy().reshape(n, -1), GGMLQuantizationType.MXFP4).copy())
+
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # element j, then element j + 16, of each block
+    scales = torch.ldexp(torch.ones(n, k // 32), exponents.int() - 127).to(torch.bfloat16)
+    w = QuantWeight.from_values(codes, scales, None, 4, 32, codebook="e2m1")
+    assert torch.equal(w.dequantize(), want)
+    rows = w.take_rows(slice(12, n)).to(DEVICE)
+    assert torch.equal(dequantize_rows_triton(rows, None, torch.float32).cpu(), want[12:])
+    x = torch.randn(3, k, device=DEVICE).half()
+    assert rel_err(qmatmul_triton(x, rows, CONFIGS[4]), x.float() @ want[12:].T.to(DEVICE)) < TOL[torch.float16]
+
+
 # Tile configs that exercise a split K with a partial last split, uneven N, full tiles, the 8-token tile and two
 # M tiles
 CONFIGS = [
@@ -83,6 +120,17 @@ def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
     ref = linear_ref(x.float(), w)
     assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]
     assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]  # split counters were reset
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [96, 128])  # a step and a half, two steps
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (70, CONFIGS[2]), (3, CONFIGS[4])])
+def test_qmatmul_mxfp4(dtype, k, m, config):
+    w = random_mxfp4(40, k)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    ref = linear_ref(x.float(), w)
+    assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]
+    assert rel_err(qmatmul_triton(x, w, None, "swiglu_oai"), act_and_mul_refs["swiglu_oai"](ref)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS[:2])

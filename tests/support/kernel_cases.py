@@ -1,5 +1,6 @@
 """Shared inputs of the kernel tests (tests/kernels/test_kernels_triton.py, tests/kernels/test_kernels_cpu.py):
-random quantized weights in every format and paged KV caches with NaN wherever no sequence owns a slot."""
+random quantized weights in every format (MXFP4 too) and paged KV caches with NaN wherever no sequence owns a
+slot."""
 
 import torch
 
@@ -22,6 +23,14 @@ def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16, 
     scales = (torch.rand(n, groups) * 0.02 + 0.002).to(scale_dtype)
     offs = (torch.randn(n, groups) * 0.02).to(scale_dtype) if offsets else None
     return QuantWeight.from_values(q, scales, offs, bits, group, torch.randperm(k) if perm else None).to(device)
+
+
+def random_mxfp4(n, k, device=DEVICE) -> QuantWeight:
+    """MXFP4 (codebook "e2m1", group 32): random codes, and scales 2**(e - 127) in bf16 with e from a range of 25
+    (the E8M0 exponents of weights between about 1e-4 and 600)."""
+    q = torch.randint(0, 16, (n, k))
+    scales = torch.exp2(torch.randint(-15, 10, (n, -(-k // 32))).float()).to(torch.bfloat16)
+    return QuantWeight.from_values(q, scales, None, 4, 32, codebook="e2m1").to(device)
 
 
 # (bits, k, group, offsets, perm) whose last group is short: SmolLM2's 576 in groups of 128 (4.5), and smaller
