@@ -102,7 +102,7 @@ def qdot(
     GPS: tl.constexpr = 8 // BITS  # groups per step
     PACK: tl.constexpr = 4 if acc.shape[1] <= 8 else 2  # bytes a thread holds (centred_values)
     j = tl.arange(0, GROUP)
-    byte_ptrs = w_ptr + s_lo.to(tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
+    byte_ptrs = w_ptr + tl.cast(s_lo, tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
     # num_stages on the loop (not only on the launch) makes Triton pipeline every load in it, the scales too
     for s in tl.range(s_lo, s_hi, num_stages=STAGES):
         if MASK_N:

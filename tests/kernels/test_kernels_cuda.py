@@ -1,6 +1,8 @@
 """The Triton path at real Llama-3-8B shapes, through the public dispatch functions, against the torch references
 (computed in fp32 on the GPU). Skipped without CUDA; the small odd-shape tests are in test_kernels_triton.py."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from llamaterm.kernels.activation import ACTIVATIONS, REFERENCES, act_and_mul
 from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv_ref
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear, linear_ref
+from llamaterm.kernels.moe import Experts, moe, moe_ref, route, route_ref
 from llamaterm.kernels.norm import rms_norm, rms_norm_ref
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.rope import rope_ref, rope_write_kv
@@ -139,3 +142,75 @@ def test_rope_write_kv_real_shapes(dtype, n_q, n_kv, head_dim, qk_norm):
     write_kv_ref(k_rot, v, k_ref, v_ref, slots)
     assert rel_err(q_out, q_rot) < TOL[dtype] and rel_err(k_cache, k_ref) < TOL[dtype]
     assert torch.equal(v_cache, v_ref)
+
+
+def expert_weight(n, k, bits, group, codebook=None) -> QuantWeight:
+    """Random codes with scales that keep the products of N(0, 1) inputs near 1: 4-bit with offsets (Q4_K), 8-bit
+    symmetric (Q6_K's values in 8 bits), or MXFP4."""
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, device="cuda")
+    if codebook == "e2m1":  # E2M1 codes have a spread of about 2.9
+        scales = torch.full((n, k // group), 2.0 ** round(-0.5 * math.log2(k) - 1.5), device="cuda")
+        return QuantWeight.from_values(q, scales.to(torch.bfloat16), None, bits, group, codebook=codebook)
+    spread = 4.6 if bits == 4 else 74.0  # of uniform 4-bit and 8-bit codes
+    scales = (torch.rand(n, k // group, device="cuda") + 0.5) / (spread * k**0.5)
+    offsets = -scales * 8 if bits == 4 else None
+    return QuantWeight.from_values(
+        q, scales.half(), None if offsets is None else offsets.half(), bits, group, codebook=codebook
+    )
+
+
+def moe_layer(model: str) -> tuple[Experts, int]:
+    """(a layer's experts, top-k): Qwen3-30B-A3B's (128 experts, H 2048, I 768; Q4_K-like gate_up, 8-bit group-16
+    down) or gpt-oss-20b's (32 experts, H = I = 2880, MXFP4 with biases, the clamped SwiGLU)."""
+    if model == "qwen3":
+        e, h, i = 128, 2048, 768
+        gate_up, down = expert_weight(e * 2 * i, h, 4, 32), expert_weight(e * h, i, 8, 16)
+        return Experts(e, [gate_up], down, "silu"), 8
+    e, h, i = 32, 2880, 2880
+    gate_up, down = expert_weight(e * 2 * i, h, 4, 32, "e2m1"), expert_weight(e * h, i, 4, 32, "e2m1")
+    biases = torch.randn(e, 2 * i, device="cuda") * 0.1, torch.randn(e, h, device="cuda") * 0.1
+    return Experts(e, [gate_up], down, "swiglu_oai", *biases), 4
+
+
+def dense_fp32(experts: Experts) -> Experts:
+    """The same experts dequantized to fp32 (the oracle multiplies them with F.linear)."""
+    return Experts(
+        experts.n_experts,
+        [w.dequantize() for w in experts.gate_up],
+        experts.down.dequantize(),
+        experts.activation,
+        experts.gate_up_bias,
+        experts.down_bias,
+    )
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gpt-oss"])
+def test_moe_real_shapes(model):
+    experts, top_k = moe_layer(model)
+    oracle = dense_fp32(experts)
+    for m in (1, 4, 8, 64, 300):
+        logits = torch.randn(m, experts.n_experts, device="cuda")
+        weights, ids = route(logits, top_k, True)
+        want_weights, want_ids = route_ref(logits, top_k, True)
+        assert torch.equal(ids, want_ids) and rel_err(weights, want_weights) < 1e-6
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(m, experts.down.shape[0] // experts.n_experts, device="cuda", dtype=dtype)
+            assert rel_err(moe(x, weights, ids, experts), moe_ref(x.float(), weights, ids, oracle)) < TOL[dtype]
+
+
+def test_moe_in_a_cuda_graph():
+    """Routing and experts captured once (no host sync: the capture would fail on one) replay on new inputs as they
+    run eagerly."""
+    experts, top_k = moe_layer("qwen3")
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(4, experts.n_experts, device="cuda")
+    layer = lambda: moe(x, *route(logits, top_k, True), experts)  # noqa: E731
+    layer()  # compile, and the layouts and counters exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        assert torch.equal(out, layer())

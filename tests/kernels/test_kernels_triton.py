@@ -3,8 +3,8 @@
 Without CUDA the kernels run under TRITON_INTERPRET=1, which tests/conftest.py sets before any test module is
 imported (a module that imports transformers decorates triton kernels of torch's own, after which a kernel of ours
 decorated under the interpreter calls helpers that were not). With CUDA the same tests run the compiled kernels.
-Inputs are fresh random draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten
-element fails the test.
+Inputs are fresh random draws; every buffer the kernels allocate starts as NaN (tests/kernels/conftest.py's
+`poisoned`), so an unwritten element fails the test.
 """
 
 import pytest
@@ -36,21 +36,10 @@ from tests.support.kernel_cases import (  # noqa: E402
     rel_err,
 )
 
-pytestmark = pytest.mark.slow  # on the CPU, the Triton interpreter: seconds for some cases, a minute in all
+# on the CPU, the Triton interpreter: seconds for some cases, a minute in all
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned")]
 
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """torch.empty / empty_like return NaN-filled (float) or 0x7F..-filled (int) memory while a test runs."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        return t.fill_(float("nan") if t.is_floating_point() else 0x7F) if t.numel() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)

@@ -25,11 +25,11 @@ def random_qweight(n, k, bits, group, offsets, perm, scale_dtype=torch.float16, 
     return QuantWeight.from_values(q, scales, offs, bits, group, torch.randperm(k) if perm else None).to(device)
 
 
-def random_mxfp4(n, k, device=DEVICE) -> QuantWeight:
-    """MXFP4 (codebook "e2m1", group 32): random codes, and scales 2**(e - 127) in bf16 with e from a range of 25
-    (the E8M0 exponents of weights between about 1e-4 and 600)."""
+def random_mxfp4(n, k, exponents=(-15, 10), device=DEVICE) -> QuantWeight:
+    """MXFP4 (codebook "e2m1", group 32): random codes, and scales 2**e in bf16 with e in [exponents) (by default
+    the E8M0 scales of weights between about 1e-4 and 600)."""
     q = torch.randint(0, 16, (n, k))
-    scales = torch.exp2(torch.randint(-15, 10, (n, -(-k // 32))).float()).to(torch.bfloat16)
+    scales = torch.exp2(torch.randint(*exponents, (n, -(-k // 32))).float()).to(torch.bfloat16)
     return QuantWeight.from_values(q, scales, None, 4, 32, codebook="e2m1").to(device)
 
 
