@@ -194,7 +194,7 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
         max_tiles,
         BLOCK_M=block_m,
         BLOCK_E=triton.next_power_of_2(n_experts),
-        CHUNK=1024,
+        CHUNK=min(1024, max(16, triton.next_power_of_2(p))),  # a decode step's few pairs: one short chunk
         num_warps=4,
         **pdl_launch(ids.device),
     )

@@ -87,10 +87,12 @@ def test_route(n_experts, top_k, renormalize, m):
     assert rel_err(weights, want_weights) < 1e-6
 
 
-@pytest.mark.parametrize("m,top_k,n_experts,block_m", [(1, 2, 6, 8), (33, 3, 6, 8), (33, 2, 6, 16), (40, 4, 32, 8)])
+@pytest.mark.parametrize(
+    "m,top_k,n_experts,block_m", [(1, 2, 6, 8), (33, 3, 6, 8), (33, 2, 6, 16), (40, 4, 32, 8), (300, 4, 32, 64)]
+)
 def test_align(m, top_k, n_experts, block_m):
     """Each expert's pairs in order, at whole tiles in expert order, the rest of its last tile padded with P (no
-    pair); every tile's expert, -1 past the last (the grid is fixed by M, k and E)."""
+    pair); every tile's expert, -1 past the last (the grid is fixed by M, k and E). 1200 pairs: two chunks."""
     ids = route_ref(torch.randn(m, n_experts, device=DEVICE), top_k, True)[1]
     pairs, tile_expert = align(ids, n_experts, block_m)
     p = ids.numel()
