@@ -347,10 +347,11 @@ void swiglu_oai_and_mul(const float *gate_up, long T, long I, float *out) {
 
 /* Causal attention over the paged cache, as kernels/attention.py: q [T, Hq, D] -> out [T, Hq, D]; caches
  * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens.
- * window > 0: each query sees its last `window` keys only (blocks before them may be freed: never read). */
+ * window > 0: each query sees its last `window` keys only (blocks before them may be freed: never read).
+ * sinks [Hq] (or NULL): each head's sink logit joins the softmax as a key with no value. */
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      long max_blocks, const int64_t *context_lens, const int64_t *query_start_loc, long B, long Hq,
-                     long Hk, long D, long block_size, float scale, long window, float *out) {
+                     long Hk, long D, long block_size, float scale, long window, const float *sinks, float *out) {
     long group = Hq / Hk, longest = 0;
     for (long b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     float *p = malloc((longest > 0 ? longest : 1) * sizeof(float));
@@ -371,6 +372,10 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                     for (long e = 0; e < D; e++) d += qh[e] * kj[e];
                     p[j] = d * scale;
                     top = p[j] > top ? p[j] : top;
+                }
+                if (sinks) {
+                    top = sinks[h] > top ? sinks[h] : top;
+                    total = expf(sinks[h] - top);
                 }
                 for (long j = first; j < seen; j++) total += (p[j] = expf(p[j] - top));
                 float *oh = out + ((s + i) * Hq + h) * D;

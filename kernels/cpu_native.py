@@ -39,7 +39,7 @@ SIGNATURES = {
     "silu_and_mul": "p l l p",
     "gelu_tanh_and_mul": "p l l p",
     "swiglu_oai_and_mul": "p l l p",
-    "paged_attention": "p p p p l p p l l l l l f l p",
+    "paged_attention": "p p p p l p p l l l l l f l p p",
     "write_kv": "p p p p p l l",
 }
 

@@ -107,8 +107,9 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib):
     )
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, lib):
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, sinks, lib):
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
     out = torch.empty_like(q)
     lib.paged_attention(
         ptr(q),
@@ -125,6 +126,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_s
         k_cache.shape[1],
         scale,
         window or 0,
+        ptr(sinks),
         ptr(out),
     )
     return out

@@ -125,15 +125,17 @@ def test_act_and_mul(lib, activation):
     ],
 )
 @pytest.mark.parametrize("window", [None, 1, 6, 21])  # sliding windows: itself only, under a page, across pages
-def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page, window):
+@pytest.mark.parametrize("with_sinks", [False, True])  # gpt-oss's sink logits, some below the scores, some above
+def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page, window, with_sinks):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, torch.float32, device="cpu")
     if window is not None:
         free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
     lens = torch.tensor(ctxs)
     q = torch.randn(int(qsl[-1]), n_q, head_dim)
-    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, lib)
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window)
+    sinks = 3 * torch.randn(n_q) if with_sinks else None
+    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks, lib)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks)
     assert rel_err(out, ref) < FP32_TOL
 
 

@@ -104,6 +104,24 @@ def test_paged_attention_llama(qlens, ctxs, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize(
+    "qlens,ctxs",
+    [([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]), ([1], [32768]), ([512, 1, 300, 1], [2048, 900, 300, 5000])],
+)
+@pytest.mark.parametrize("window", [None, 128])
+def test_paged_attention_gpt_oss(qlens, ctxs, window):
+    """gpt-oss-20b's attention: 64 query heads over 8 KV heads of 64, a sink logit per head, full or banded
+    (a 128-token window) layers."""
+    k_cache, v_cache, tables = paged(ctxs, n_kv=8, head_dim=64, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+    q = torch.randn(int(qsl[-1]), 64, 64, device="cuda", dtype=torch.bfloat16)
+    sinks = 3 * torch.randn(64, device="cuda")
+    out = paged_attention(q, k_cache, v_cache, tables, lens, qsl, 64**-0.5, window, sinks)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, 64**-0.5, window, sinks)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_small_ops_llama(dtype):
     t = 77

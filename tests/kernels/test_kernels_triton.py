@@ -203,15 +203,22 @@ ATTENTION_CASES = [
 ]
 
 
+def random_sinks(with_sinks: bool, n_q: int) -> torch.Tensor | None:
+    """gpt-oss's sink logits, one per query head (or None): some below the scores, some above."""
+    return 3 * torch.randn(n_q, device=DEVICE) if with_sinks else None
+
+
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,config", ATTENTION_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype, with_sinks):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, config=config)
-    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
+    sinks = random_sinks(with_sinks, n_q)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, sinks=sinks, config=config)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, sinks=sinks)
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -227,15 +234,17 @@ WINDOW_CASES = [
 
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,config,window", WINDOW_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention_sliding_window(qlens, ctxs, n_q, n_kv, head_dim, page, config, window, dtype):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention_sliding_window(qlens, ctxs, n_q, n_kv, head_dim, page, config, window, dtype, with_sinks):
     """With the blocks outside every window freed (NaN, garbage ids in the table), as the engine leaves them."""
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
     free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, config)
-    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window)
+    sinks = random_sinks(with_sinks, n_q)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks, config)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks)
     assert rel_err(out, ref) < TOL[dtype]
 
 
