@@ -1,8 +1,6 @@
 """The Triton path at real Llama-3-8B shapes, through the public dispatch functions, against the torch references
 (computed in fp32 on the GPU). Skipped without CUDA; the small odd-shape tests are in test_kernels_triton.py."""
 
-import math
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from llamaterm.kernels.moe import Experts, moe, moe_ref, route, route_ref
 from llamaterm.kernels.norm import rms_norm, rms_norm_ref
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.rope import rope_ref, rope_write_kv
+from tests.support.kernel_cases import moe_layer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -160,34 +159,6 @@ def test_rope_write_kv_real_shapes(dtype, n_q, n_kv, head_dim, qk_norm):
     write_kv_ref(k_rot, v, k_ref, v_ref, slots)
     assert rel_err(q_out, q_rot) < TOL[dtype] and rel_err(k_cache, k_ref) < TOL[dtype]
     assert torch.equal(v_cache, v_ref)
-
-
-def expert_weight(n, k, bits, group, codebook=None) -> QuantWeight:
-    """Random codes with scales that keep the products of N(0, 1) inputs near 1: 4-bit with offsets (Q4_K), 8-bit
-    symmetric (Q6_K's values in 8 bits), or MXFP4."""
-    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, device="cuda")
-    if codebook == "e2m1":  # E2M1 codes have a spread of about 2.9
-        scales = torch.full((n, k // group), 2.0 ** round(-0.5 * math.log2(k) - 1.5), device="cuda")
-        return QuantWeight.from_values(q, scales.to(torch.bfloat16), None, bits, group, codebook=codebook)
-    spread = 4.6 if bits == 4 else 74.0  # of uniform 4-bit and 8-bit codes
-    scales = (torch.rand(n, k // group, device="cuda") + 0.5) / (spread * k**0.5)
-    offsets = -scales * 8 if bits == 4 else None
-    return QuantWeight.from_values(
-        q, scales.half(), None if offsets is None else offsets.half(), bits, group, codebook=codebook
-    )
-
-
-def moe_layer(model: str) -> tuple[Experts, int]:
-    """(a layer's experts, top-k): Qwen3-30B-A3B's (128 experts, H 2048, I 768; Q4_K-like gate_up, 8-bit group-16
-    down) or gpt-oss-20b's (32 experts, H = I = 2880, MXFP4 with biases, the clamped SwiGLU)."""
-    if model == "qwen3":
-        e, h, i = 128, 2048, 768
-        gate_up, down = expert_weight(e * 2 * i, h, 4, 32), expert_weight(e * h, i, 8, 16)
-        return Experts(e, [gate_up], down, "silu"), 8
-    e, h, i = 32, 2880, 2880
-    gate_up, down = expert_weight(e * 2 * i, h, 4, 32, "e2m1"), expert_weight(e * h, i, 4, 32, "e2m1")
-    biases = torch.randn(e, 2 * i, device="cuda") * 0.1, torch.randn(e, h, device="cuda") * 0.1
-    return Experts(e, [gate_up], down, "swiglu_oai", *biases), 4
 
 
 def dense_fp32(experts: Experts) -> Experts:
