@@ -33,14 +33,16 @@ def cpu_params(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def qmatmul_cpu(x: torch.Tensor, w: QuantWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16 (the last group may be short)."""
+    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16 (the last group may be short); MXFP4
+    too."""
     n, k = w.shape
     if w.perm is not None:
         x = x[..., w.perm]
     rows = x.reshape(-1, k).contiguous()
     scales, offsets = w.prepared("cpu", cpu_params)
     packed = w.packed.contiguous()
-    args = (ptr(packed), ptr(scales), ptr(offsets), int(scales.dtype == torch.float16), w.bits, w.group_size)
+    f16, e2m1 = int(scales.dtype == torch.float16), int(w.codebook == "e2m1")
+    args = (ptr(packed), ptr(scales), ptr(offsets), f16, w.bits, e2m1, w.group_size)
     if rows.shape[0] >= DENSE_FROM_ROWS:
         dense = torch.empty(n, k)
         lib.dequantize(*args, k, n, ptr(dense), threads())

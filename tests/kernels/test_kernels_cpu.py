@@ -20,6 +20,7 @@ from tests.support.kernel_cases import (
     FORMATS,
     SHORT_GROUPS,
     free_outside_window,
+    random_mxfp4,
     random_paged_cache,
     random_qweight,
     rel_err,
@@ -35,26 +36,34 @@ def lib():
     return lib
 
 
+def native_dequantize(w, lib) -> torch.Tensor:
+    scales, offsets = ops_cpu.cpu_params(w)
+    out = torch.full(w.shape, float("nan"))
+    f16, e2m1 = int(scales.dtype == torch.float16), int(w.codebook == "e2m1")
+    args = (ops_cpu.ptr(offsets), f16, w.bits, e2m1, w.group_size, w.shape[1], w.shape[0], out.data_ptr(), 2)
+    lib.dequantize(w.packed.data_ptr(), scales.data_ptr(), *args)
+    return out
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
 def test_dequantize_is_exact(lib, bits, group, offsets, perm, scale_dtype):
     """The expansion of the packed values is bit for bit the reference's fp32 dequantization."""
     w = random_qweight(37, 3 * group, bits, group, offsets, perm, scale_dtype, device="cpu")
-    scales, offs = ops_cpu.cpu_params(w)
-    out = torch.full(w.shape, float("nan"))
-    lib.dequantize(
-        w.packed.data_ptr(),
-        scales.data_ptr(),
-        ops_cpu.ptr(offs),
-        int(scales.dtype == torch.float16),
-        bits,
-        group,
-        w.shape[1],
-        w.shape[0],
-        out.data_ptr(),
-        2,
-    )
-    assert torch.equal(out, w.dequantize())
+    assert torch.equal(native_dequantize(w, lib), w.dequantize())
+
+
+def test_mxfp4_dequantize_is_exact(lib):
+    """MXFP4: bf16 power-of-two scales times E2M1 values, every code, bit for bit the reference's."""
+    w = random_mxfp4(37, 96, device="cpu")
+    assert torch.equal(native_dequantize(w, lib), w.dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
+def test_mxfp4_qmatmul(lib, rows):
+    w = random_mxfp4(45, 160, exponents=(-8, -3), device="cpu")
+    x = torch.randn(rows, w.shape[1])
+    assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
 
 
 @pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
