@@ -409,7 +409,9 @@ def _moe_kernel(
 @triton.jit
 def _sum_slots(y_ptr, out_ptr, route_w_ptr, count_ptr, pairs, m_mask, f, f_mask, pid_n, N, TOP_K: tl.constexpr):
     """After a tile's y is stored: each row's arrival at its counter for this feature tile; the rows whose k-th
-    pair this was get out = sum_j w_j y_j over their slots in order (y of other programs: loads that bypass L1)."""
+    pair this was get out = sum_j w_j y_j over their slots in order (y of other programs: loads that bypass L1).
+    Every thread reads the atomic's old values: Triton broadcasts a tensor atomic's results from 3.5 on
+    (triton-lang/triton#7460; before, threads holding a copy of an element got 0)."""
     row = pairs // TOP_K
     counters = count_ptr + row * tl.num_programs(0) + pid_n
     tl.debug_barrier()  # every thread's y is stored before the counters' release
