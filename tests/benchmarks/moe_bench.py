@@ -27,7 +27,7 @@ from llamaterm.kernels.moe import Experts, moe_ref, route, route_ref
 from llamaterm.kernels.moe_triton import MoeConfig, moe_triton, pick_config
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.qweight_triton import gpu_layout
-from tests.benchmarks.kernels_bench import measure_limits, timed
+from tests.benchmarks.kernels_bench import said_limits, timed
 from tests.support.kernel_cases import moe_layer
 
 MODELS = ["qwen3", "gpt-oss"]
@@ -153,11 +153,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile configs at each M")
     args = parser.parse_args()
     torch.manual_seed(0)
-    bw, peak = measure_limits()
-    print(
-        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write), "
-        f"bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s; torch {torch.__version__}"
-    )
+    bw, peak = said_limits()
     tables = [layer_rows(model, args.m, bw, peak, args.sweep) for model in args.model or MODELS]
     print()
     for table in tables:
