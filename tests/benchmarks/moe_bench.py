@@ -133,9 +133,7 @@ def sweep_configs(experts: Experts, top_k: int, x: torch.Tensor, logits: torch.T
     weights, ids = route(logits, top_k, True)
     results = [(timed(lambda: moe_triton(x, weights, ids, experts, default)), "default", default)]
     block_ms = sorted({default.block_m, 8, 16} if m * top_k <= 4 * experts.n_experts else {default.block_m, 32, 64})
-    for bm, bn_gu, bn_down, warps, stages in itertools.product(
-        block_ms, (16, 32, 64), (32, 64, 128), (4, 8), (3, 4, 6)
-    ):
+    for bm, bn_gu, bn_down, warps, stages in itertools.product(block_ms, (32, 64), (64, 128), (2, 4, 8), (3, 5)):
         cfg = MoeConfig(bm, bn_gu, bn_down, warps, stages)
         try:
             results.append((timed(lambda: moe_triton(x, weights, ids, experts, cfg)), "", cfg))  # noqa: B023
