@@ -196,7 +196,9 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
         max_tiles,
         BLOCK_M=block_m,
         BLOCK_E=triton.next_power_of_2(n_experts),
-        CHUNK=min(1024, max(16, triton.next_power_of_2(p))),  # a decode step's few pairs: one short chunk
+        # a decode step's few pairs: one short chunk, but one element a thread of the 4 warps (older Tritons'
+        # histogram counts an element once for each thread that holds a copy)
+        CHUNK=min(1024, max(128, triton.next_power_of_2(p))),
         num_warps=4,
         **pdl_launch(ids.device),
     )
