@@ -472,8 +472,8 @@ def moe_triton(
         return out
     cfg = config or pick_config(m * top_k, n_experts)
     step = _Step(
-        *align(ids.contiguous(), n_experts, cfg.block_m),
-        weights.contiguous(),
+        *align(ids.to(torch.int32).contiguous(), n_experts, cfg.block_m),
+        weights.to(torch.float32).contiguous(),
         out,
         split_counters(x.device, m * triton.cdiv(hidden, cfg.block_n_down), "moe"),
         cfg,
