@@ -15,7 +15,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
         from llamaterm.kernels.activation_triton import act_and_mul_triton
 
         return act_and_mul_triton(gate_up, activation)
-    if activation != "swiglu_oai" and (lib := native_lib(gate_up)):
+    if lib := native_lib(gate_up):
         return act_and_mul_cpu(gate_up, activation, lib)
     return REFERENCES[activation](gate_up)
 

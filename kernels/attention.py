@@ -43,8 +43,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         from llamaterm.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(*args)
-    if sinks is None and (lib := native_lib(q)) and k_cache.dtype == torch.float32:
-        return paged_attention_cpu(*args[:-1], lib)
+    if (lib := native_lib(q)) and k_cache.dtype == torch.float32:
+        return paged_attention_cpu(*args, lib)
     return paged_attention_ref(*args)
 
 

@@ -15,6 +15,8 @@ an upper bound on context length known on the host; each sequence's keys are sha
 kernel, so a batch of short sequences (or a CUDA graph captured for the longest context) splits their real length.
 With a sliding window (SLIDING) a program's keys start at its first query's window, so a long context costs
 only the window, and blocks before it (possibly freed) are never read.
+Attention sinks (SINKS): a row's online softmax starts from its head's sink, a key of logit `sink` and no value
+(running max = sink, sum = 1, output 0), in split 0 only, so it is counted once and the merge is unchanged.
 """
 
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from llamaterm.kernels.triton_util import (
     wait_previous,
 )
 
-_LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a compiled kernel reads only constexpr globals
 
 
 @triton.jit
@@ -44,6 +46,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     context_lens_ptr,
     query_start_ptr,
+    sinks_ptr,
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
@@ -69,6 +72,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
+    SINKS: tl.constexpr,
     DT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -122,6 +126,10 @@ def _paged_attention_kernel(
         n_used = tl.cdiv(kv_end - kv_start, per_split)  # splits with keys (every row sees each of their keys)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if SINKS:  # the sink as the row's first key (log2 domain), in split 0 only
+            sink = tl.load(sinks_ptr + head, mask=row_mask, other=float("-inf")) * LOG2E
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where(split == 0, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # tl.cast, not seq.to(): mypy takes seq for an int (from lo = 0), where Triton traces a tensor
         table = block_tables_ptr + tl.cast(seq, tl.int64) * stride_bt
@@ -222,8 +230,10 @@ def paged_attention_triton(
     query_start_loc,
     scale,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
 ):
+    """kernels/attention.py's paged_attention; sinks: fp32 [Hq] or None."""
     num_tokens, n_heads, head_dim = q.shape
     num_seqs = context_lens.numel()
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -251,11 +261,12 @@ def paged_attention_triton(
         block_tables,
         context_lens,
         query_start_loc,
+        out if sinks is None else sinks,
         out,
         part_o,
         part_lse,
         split_counters(q.device, n_blocks * n_kv, "paged_attention"),
-        scale * _LOG2E,
+        scale * LOG2E.value,
         window or 0,
         num_seqs,
         num_tokens,
@@ -276,6 +287,7 @@ def paged_attention_triton(
         BLOCK_N=cfg.block_n,
         SPLIT=splits > 1,
         SLIDING=window is not None,
+        SINKS=sinks is not None,
         DT=arith_dtype(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

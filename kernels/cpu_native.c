@@ -1,10 +1,12 @@
-/* y = x @ W^T on the CPU with W kept packed (kernels/qweight.py's QuantWeight layout), in fp32, with AVX2.
+/* y = x @ W^T on the CPU with W kept packed (kernels/qweight.py's QuantWeight layout, MXFP4's E2M1 codebook too),
+ * in fp32, with AVX2.
  *
  * Each weight row is expanded into fp32 values exactly as the torch reference does it (one rounding for the scale
  * product, one for the offset add: never fused into an FMA), then dotted with the activations, so the result is
  * fp32 math on the dequantized weights; only the order of the sums differs from a dense matmul.
- * K and the group size must be multiples of 16 (the last group may be shorter). The decode step's small ops (RMSNorm, RoPE, SiLU-and-mul, paged
- * attention) follow at the end. Built at first use by kernels/cpu_native.py and called through ctypes.
+ * K and the group size must be multiples of 16 (the last group may be shorter). The decode step's small ops
+ * (RMSNorm, RoPE, the gated activations, paged attention) follow at the end. Built at first use by
+ * kernels/cpu_native.py and called through ctypes.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,6 +39,10 @@ static inline __m128i bytes16(const uint8_t *p, long c, int bits, int affine) {
     return affine ? q : _mm_sub_epi8(q, _mm_set1_epi8((char)(1 << (bits - 1))));
 }
 
+/* MXFP4's E2M1 value of each 4-bit code (kernels/qweight.py's CODEBOOKS) */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 #ifdef __AVX512F__
 typedef __m512 vec16;  /* 16 fp32 values: one AVX-512 register, or two AVX2 ones */
 static inline vec16 expand16(__m128i q, float s, float o, int affine) {
@@ -68,6 +74,11 @@ static inline void store16(float *w, vec16 v) {
     _mm256_storeu_ps(w + 8, v.hi);
 }
 static inline vec16 zero16(void) { return (vec16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+/* E2M1 codes q (8 as epi32) -> table8[q & 7] (s * the magnitudes), with q's sign bit (8) moved to the float's */
+static inline __m256 e2m1_8(__m256i q, __m256 table8) {
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(8)), 28);
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(table8, q), _mm256_castsi256_ps(sign));
+}
 #endif
 
 static inline float hsum(__m256 acc) {
@@ -84,7 +95,7 @@ static inline float sum16(vec16 v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
 static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *packed, const void *scales,
                                                                  const void *offsets, int f16, int bits, int gs,
                                                                  long K, long n, float *w, const float *x,
-                                                                 const int affine) {
+                                                                 const int affine, const int e2m1) {
     const long groups = (K + gs - 1) / gs;  /* the last one short when gs does not divide K */
     const uint8_t *p = packed + n * (K * bits / 8);
     vec16 acc = zero16(), acc1 = zero16();  /* two sums: consecutive FMAs do not wait on each other */
@@ -96,8 +107,11 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
          * for 16 values instead of four */
         const __m128i values = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const vec16 table = bits != 4 ? zero16()
+                            : e2m1    ? _mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(E2M1))
                             : affine  ? expand16(values, s, o, 1)
                                       : expand16(_mm_sub_epi8(values, _mm_set1_epi8(8)), s, o, 0);
+#else
+        const __m256 table8 = e2m1 ? _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(E2M1)) : _mm256_setzero_ps();
 #endif
         const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
         for (long c = g * gs; c < end; c += 16) {
@@ -105,7 +119,10 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
             vec16 v = bits == 4 ? _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes16(p, c, 4, 1)), table)
                                 : expand16(bytes16(p, c, bits, affine), s, o, affine);
 #else
-            vec16 v = expand16(bytes16(p, c, bits, affine), s, o, affine);
+            __m128i q = bytes16(p, c, bits, affine | e2m1);
+            vec16 v = e2m1 ? (vec16){e2m1_8(_mm256_cvtepu8_epi32(q), table8),
+                                     e2m1_8(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)), table8)}
+                           : expand16(q, s, o, affine);
 #endif
             if (w) {
                 store16(w + c, v);
@@ -120,11 +137,12 @@ static inline __attribute__((always_inline)) float expand_row_as(const uint8_t *
 }
 
 /* expand_row_as compiled once for each format, so its inner loop holds no test of the format. */
-static float expand_row(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs,
-                        long K, long n, float *w, const float *x) {
-#define ROW(BITS, AFFINE) expand_row_as(packed, scales, offsets, f16, BITS, gs, K, n, w, x, AFFINE)
-    if (bits == 4) return offsets ? ROW(4, 1) : ROW(4, 0);
-    return offsets ? ROW(8, 1) : ROW(8, 0);
+static float expand_row(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int e2m1,
+                        int gs, long K, long n, float *w, const float *x) {
+#define ROW(BITS, AFFINE, E2M1) expand_row_as(packed, scales, offsets, f16, BITS, gs, K, n, w, x, AFFINE, E2M1)
+    if (e2m1) return ROW(4, 0, 1);
+    if (bits == 4) return offsets ? ROW(4, 1, 0) : ROW(4, 0, 0);
+    return offsets ? ROW(8, 1, 0) : ROW(8, 0, 0);
 #undef ROW
 }
 #pragma GCC pop_options
@@ -228,7 +246,7 @@ struct matmul_args {
     long T, K, N;
     const uint8_t *packed;
     const void *scales, *offsets;
-    int f16, bits, gs;
+    int f16, bits, e2m1, gs;
     float *y;
 };
 
@@ -240,19 +258,19 @@ static void matmul_chunk(const void *args, long chunk) {
     float *w = a->T > 1 ? malloc(a->K * sizeof(float)) : 0;
     for (long n = chunk * ROWS_PER_CHUNK; n < end; n++) {
         if (a->T == 1) {
-            a->y[n] = expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->gs, a->K, n, 0, a->x);
+            a->y[n] = expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->e2m1, a->gs, a->K, n, 0, a->x);
             continue;
         }
-        expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->gs, a->K, n, w, 0);
+        expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->e2m1, a->gs, a->K, n, w, 0);
         for (long t = 0; t < a->T; t++) a->y[t * a->N + n] = dot(a->x + t * a->K, w, a->K);
     }
     free(w);
 }
 
-/* x [T, K], y [T, N] = x @ W^T. */
+/* x [T, K], y [T, N] = x @ W^T; e2m1: W's 4-bit codes are MXFP4's (w = scale * E2M1[q]). */
 void qmatmul(const float *x, long T, long K, const uint8_t *packed, const void *scales, const void *offsets,
-             int f16, int bits, int gs, long N, float *y, int threads) {
-    struct matmul_args a = {x, T, K, N, packed, scales, offsets, f16, bits, gs, y};
+             int f16, int bits, int e2m1, int gs, long N, float *y, int threads) {
+    struct matmul_args a = {x, T, K, N, packed, scales, offsets, f16, bits, e2m1, gs, y};
     parallel(matmul_chunk, &a, (N + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
 }
 
@@ -260,13 +278,13 @@ static void dequantize_chunk(const void *args, long chunk) {
     const struct matmul_args *a = args;
     long end = (chunk + 1) * ROWS_PER_CHUNK < a->N ? (chunk + 1) * ROWS_PER_CHUNK : a->N;
     for (long n = chunk * ROWS_PER_CHUNK; n < end; n++)
-        expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->gs, a->K, n, a->y + n * a->K, 0);
+        expand_row(a->packed, a->scales, a->offsets, a->f16, a->bits, a->e2m1, a->gs, a->K, n, a->y + n * a->K, 0);
 }
 
 /* y [N, K]: the whole weight in fp32, for long prefill chunks (a dense matmul then beats T dot products). */
-void dequantize(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int gs, long K,
-                long N, float *y, int threads) {
-    struct matmul_args a = {0, 0, K, N, packed, scales, offsets, f16, bits, gs, y};
+void dequantize(const uint8_t *packed, const void *scales, const void *offsets, int f16, int bits, int e2m1, int gs,
+                long K, long N, float *y, int threads) {
+    struct matmul_args a = {0, 0, K, N, packed, scales, offsets, f16, bits, e2m1, gs, y};
     parallel(dequantize_chunk, &a, (N + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
 }
 
@@ -334,12 +352,23 @@ void silu_and_mul(const float *gate_up, long T, long I, float *out) {
         }
 }
 
+/* out [T, I] = (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7): gpt-oss's clamped SwiGLU, as
+   kernels/activation.py. */
+void swiglu_oai_and_mul(const float *gate_up, long T, long I, float *out) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i++) {
+            float g = fminf(gate_up[t * 2 * I + i], 7.0f), u = fmaxf(fminf(gate_up[t * 2 * I + I + i], 7.0f), -7.0f);
+            out[t * I + i] = g / (1.0f + expf(-1.702f * g)) * (u + 1.0f);
+        }
+}
+
 /* Causal attention over the paged cache, as kernels/attention.py: q [T, Hq, D] -> out [T, Hq, D]; caches
  * [blocks, block_size, Hk, D]; sequence b owns queries qsl[b] .. qsl[b + 1] - 1, the last of its ctx[b] tokens.
- * window > 0: each query sees its last `window` keys only (blocks before them may be freed: never read). */
+ * window > 0: each query sees its last `window` keys only (blocks before them may be freed: never read).
+ * sinks [Hq] (or NULL): each head's sink logit joins the softmax as a key with no value. */
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      long max_blocks, const int64_t *context_lens, const int64_t *query_start_loc, long B, long Hq,
-                     long Hk, long D, long block_size, float scale, long window, float *out) {
+                     long Hk, long D, long block_size, float scale, long window, const float *sinks, float *out) {
     long group = Hq / Hk, longest = 0;
     for (long b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     float *p = malloc((longest > 0 ? longest : 1) * sizeof(float));
@@ -360,6 +389,10 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                     for (long e = 0; e < D; e++) d += qh[e] * kj[e];
                     p[j] = d * scale;
                     top = p[j] > top ? p[j] : top;
+                }
+                if (sinks) {
+                    top = sinks[h] > top ? sinks[h] : top;
+                    total = expf(sinks[h] - top);
                 }
                 for (long j = first; j < seen; j++) total += (p[j] = expf(p[j] - top));
                 float *oh = out + ((s + i) * Hq + h) * D;

@@ -32,13 +32,14 @@ NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # The C functions' arguments: p a pointer (a tensor's data_ptr), l a C long, i an int, f a float
 ARG_TYPES = {"p": ctypes.c_void_p, "l": ctypes.c_long, "i": ctypes.c_int, "f": ctypes.c_float}
 SIGNATURES = {
-    "qmatmul": "p l l p p p i i i l p i",
-    "dequantize": "p p p i i i l l p i",
+    "qmatmul": "p l l p p p i i i i l p i",
+    "dequantize": "p p p i i i i l l p i",
     "rms_norm": "p p p f l l p p",
     "rope": "p p p p p p l l l l l",
     "silu_and_mul": "p l l p",
     "gelu_tanh_and_mul": "p l l p",
-    "paged_attention": "p p p p l p p l l l l l f l p",
+    "swiglu_oai_and_mul": "p l l p",
+    "paged_attention": "p p p p l p p l l l l l f l p p",
     "write_kv": "p p p p p l l",
 }
 

@@ -16,7 +16,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
         from llamaterm.kernels.linear_triton import qmatmul_triton
 
         return qmatmul_triton(x, w)
-    if w.codebook is None and w.group_size % 16 == 0 and w.shape[1] % 16 == 0 and (lib := native_lib(x)):
+    if w.group_size % 16 == 0 and w.shape[1] % 16 == 0 and (lib := native_lib(x)):
         return qmatmul_cpu(x, w, lib)
     return linear_ref(x, w)
 

@@ -4,9 +4,10 @@ Up to DENSE_M rows, one fused kernel: each program owns BLOCK_N output features 
 share of K in steps (kernels/qweight_triton.py: one step = GROUP bytes of each row = two 4-bit groups). The
 weights are tl.dot's left operand, y^T = W x^T, so the dequantized values are made in registers in the MMA operand
 layout (wgmma from BLOCK_N = 64 on Hopper; mma.sync for BLOCK_M = 8) while the activations wait in shared memory.
-Each group's dot is on the centred integers, exact in fp16/bf16, and its scale multiplies the fp32 partial; offsets
-add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two groups), wide enough for
-cp.async, so the pipelined loop prefetches them with the bytes.
+Each group's dot is on the centred integers (or MXFP4's E2M1 values), exact in fp16/bf16, and its scale multiplies
+the fp32 partial; offsets add offset * sum(x over the group). Scales come as one 32-bit word per row and step (two
+groups), wide enough for cp.async, so the pipelined loop prefetches them with the bytes. That loop, `qdot`, is
+shared with the experts' grouped matmul (kernels/moe_triton.py).
 With an activation (the gated MLP's gate_up projection), a tile's rows alternate gate and up rows of the same
 features, and the epilogue writes act(gate) * up: one launch fewer per layer.
 Above DENSE_M rows: dequantize to a dense copy, then cuBLAS; with a dense copy kept (QuantWeight.kept_dense), cuBLAS
@@ -70,6 +71,63 @@ class Config:
 
 
 @triton.jit
+def qdot(
+    acc,
+    x_ptr,
+    x_rows,
+    m_mask,
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    rows,
+    row_mask,
+    n_pad,
+    K,
+    s_lo,
+    s_hi,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
+    MASK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DT: tl.constexpr,
+    ASM: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] plus W[rows] x^T over the steps s_lo .. s_hi - 1 of a weight in the GPU layout (bytes
+    at w_ptr, scales and offsets at s_ptr and o_ptr, n_pad rows a step). The tokens are the rows of x at offsets
+    x_rows [BLOCK_M] (masked by m_mask: a masked token reads zeros); MASK_N: weight rows under row_mask only (else
+    every row is below n_pad)."""
+    GPS: tl.constexpr = 8 // BITS  # groups per step
+    PACK: tl.constexpr = 4 if acc.shape[1] <= 8 else 2  # bytes a thread holds (centred_values)
+    j = tl.arange(0, GROUP)
+    byte_ptrs = w_ptr + tl.cast(s_lo, tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
+    # num_stages on the loop (not only on the launch) makes Triton pipeline every load in it, the scales too
+    for s in tl.range(s_lo, s_hi, num_stages=STAGES):
+        if MASK_N:
+            b = tl.load(byte_ptrs, mask=row_mask[:, None], other=0, eviction_policy="evict_first")
+        else:
+            b = tl.load(byte_ptrs, eviction_policy="evict_first")  # read once: leave L2 to the activations
+        byte_ptrs += n_pad * GROUP
+        values = centred_values(b, BITS, HAS_OFFSET, CODEBOOK, DT, ASM, PACK)
+        scales = step_params(s_ptr, s, n_pad, rows, row_mask, GPS)
+        if HAS_OFFSET:
+            offsets = step_params(o_ptr, s, n_pad, rows, row_mask, GPS)
+        for h in tl.static_range(GPS):
+            k = (s * GPS + h) * GROUP + j
+            if EVEN_K:
+                x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            p = tl.dot(values[h], tl.trans(x.to(DT)))
+            acc += p * scales[h][:, None]
+            if HAS_OFFSET:
+                acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
+    return acc
+
+
+@triton.jit
 def _qmatmul_kernel(
     x_ptr,
     w_ptr,
@@ -88,6 +146,7 @@ def _qmatmul_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -97,15 +156,14 @@ def _qmatmul_kernel(
     ASM: tl.constexpr,
     STAGES: tl.constexpr,
     GATED: tl.constexpr,
-    GELU: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    GPS: tl.constexpr = 8 // BITS  # groups per step
-    n_steps = tl.cdiv(K, GROUP * GPS)
+    n_steps = tl.cdiv(K, GROUP * (8 // BITS))
     n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
     if GATED:  # the tile's rows alternate gate and up rows of the same BLOCK_N // 2 features
         features = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
@@ -116,43 +174,40 @@ def _qmatmul_kernel(
         row_mask = rows < N
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
-    j = tl.arange(0, GROUP)
     pad_mask = row_mask if GATED else rows < n_pad
     s_lo = pid_k * steps_per_split
     s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
-    byte_ptrs = w_ptr + s_lo.to(tl.int64) * n_pad * GROUP + rows[:, None] * GROUP + j[None, :]
-
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # num_stages on the loop (not only on the launch) makes Triton pipeline every load in it, the scales too
-    for s in tl.range(s_lo, s_hi, num_stages=STAGES):
-        if EVEN_N:
-            b = tl.load(byte_ptrs, eviction_policy="evict_first")  # read once: leave L2 to the activations
-        else:
-            b = tl.load(byte_ptrs, mask=pad_mask[:, None], other=0, eviction_policy="evict_first")
-        byte_ptrs += n_pad * GROUP
-        values = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4 if BLOCK_M <= 8 else 2)
-        scales = step_params(s_ptr, s, n_pad, rows, pad_mask, GPS)
-        if HAS_OFFSET:
-            offsets = step_params(o_ptr, s, n_pad, rows, pad_mask, GPS)
-        for h in tl.static_range(GPS):
-            g = s * GPS + h
-            k = g * GROUP + j
-            if EVEN_K:
-                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
-            else:
-                x = tl.load(
-                    x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0
-                )
-            p = tl.dot(values[h], tl.trans(x.to(DT)))
-            acc += p * scales[h][:, None]
-            if HAS_OFFSET:
-                acc += offsets[h][:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
+    acc = qdot(
+        acc,
+        x_ptr,
+        m * stride_xm,
+        m_mask,
+        w_ptr,
+        s_ptr,
+        o_ptr,
+        rows,
+        pad_mask,
+        n_pad,
+        K,
+        s_lo,
+        s_hi,
+        BITS,
+        GROUP,
+        HAS_OFFSET,
+        CODEBOOK,
+        not EVEN_N,
+        EVEN_K,
+        DT,
+        ASM,
+        STAGES,
+    )
 
     launch_next(PDL)  # only now: see triton_util.launch_next
     part_ptrs = part_ptr + m[:, None] * N + rows[None, :]
     mask = m_mask[:, None] & row_mask[None, :]
     if not SPLIT:
-        _write(tl.trans(acc), y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
+        _write(tl.trans(acc), y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, ACTIVATION)
     else:  # through the fp32 partials (see the docstring), split s's at part_ptrs + s * M * N
         tl.store(part_ptrs + pid_k * M * N, tl.trans(acc), mask=mask)
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
@@ -160,7 +215,7 @@ def _qmatmul_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split_k):
                 total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _write(total, y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, GELU)
+            _write(total, y_ptr, stride_ym, m, m_mask, rows, row_mask, pid_n, N, BLOCK_N, GATED, ACTIVATION)
             tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
@@ -177,7 +232,7 @@ def _write(
     N,
     BLOCK_N: tl.constexpr,
     GATED: tl.constexpr,
-    GELU: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
     """Stores the tile acc [BLOCK_M, BLOCK_N] to y; GATED: act(gate) * up of its column pairs, each rounded to y's
     dtype first as the unfused activation reads them."""
@@ -186,7 +241,7 @@ def _write(
         gate, up = tl.split(tl.reshape(acc.to(dt).to(tl.float32), [acc.shape[0], BLOCK_N // 2, 2]))
         features = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         mask = m_mask[:, None] & (features < N // 2)[None, :]
-        tl.store(y_ptr + m[:, None] * stride_ym + features[None, :], gated(gate, up, GELU).to(dt), mask=mask)
+        tl.store(y_ptr + m[:, None] * stride_ym + features[None, :], gated(gate, up, ACTIVATION).to(dt), mask=mask)
     else:
         tl.store(y_ptr + m[:, None] * stride_ym + rows[None, :], acc.to(dt), mask=m_mask[:, None] & row_mask[None, :])
 
@@ -217,8 +272,8 @@ def pick_config(m: int, n: int, k: int, group: int, steps: int, num_sms: int) ->
 def qmatmul_triton(
     x: torch.Tensor, w: QuantWeight, config: Config | None = None, activation: str | None = None
 ) -> torch.Tensor:
-    """x @ w^T; with an activation ("silu", "gelu_tanh"), act(gate) * up of its halves [..., N / 2] (w stacks the
-    gate and up projections), in the same kernel."""
+    """x @ w^T; with an activation (kernels/activation.py's ACTIVATIONS), act(gate) * up of its halves [..., N / 2]
+    (w stacks the gate and up projections), in the same kernel."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if w.perm is not None:  # GPTQ act-order: y = x[:, perm] @ W^T; gather the (small) activations once
@@ -262,6 +317,7 @@ def qmatmul_triton(
         BITS=w.bits,
         GROUP=w.group_size,
         HAS_OFFSET=w.offsets is not None,
+        CODEBOOK=w.codebook,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SPLIT=split > 1,
@@ -273,7 +329,7 @@ def qmatmul_triton(
         num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
         GATED=activation is not None,
-        GELU=activation == "gelu_tanh",
+        ACTIVATION=activation,
         **pdl_launch(x.device),
     )
     return y.view(*x.shape[:-1], n_out)

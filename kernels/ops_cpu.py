@@ -33,14 +33,16 @@ def cpu_params(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def qmatmul_cpu(x: torch.Tensor, w: QuantWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16 (the last group may be short)."""
+    """x [..., K] -> [..., N] = x @ W^T; K and the group size multiples of 16 (the last group may be short); MXFP4
+    too."""
     n, k = w.shape
     if w.perm is not None:
         x = x[..., w.perm]
     rows = x.reshape(-1, k).contiguous()
     scales, offsets = w.prepared("cpu", cpu_params)
     packed = w.packed.contiguous()
-    args = (ptr(packed), ptr(scales), ptr(offsets), int(scales.dtype == torch.float16), w.bits, w.group_size)
+    f16, e2m1 = int(scales.dtype == torch.float16), int(w.codebook == "e2m1")
+    args = (ptr(packed), ptr(scales), ptr(offsets), f16, w.bits, e2m1, w.group_size)
     if rows.shape[0] >= DENSE_FROM_ROWS:
         dense = torch.empty(n, k)
         lib.dequantize(*args, k, n, ptr(dense), threads())
@@ -90,7 +92,7 @@ def rope_cpu(q, k, positions, inv_freq, lib):
 
 
 def act_and_mul_cpu(gate_up, activation, lib):
-    """activation: "silu" or "gelu_tanh" (the C functions silu_and_mul, gelu_tanh_and_mul)."""
+    """activation: one of kernels/activation.py's ACTIVATIONS (the C function {activation}_and_mul)."""
     gate_up = gate_up.contiguous()
     i = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], i)
@@ -107,8 +109,9 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, lib):
     )
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, lib):
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, sinks, lib):
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
     out = torch.empty_like(q)
     lib.paged_attention(
         ptr(q),
@@ -125,6 +128,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_s
         k_cache.shape[1],
         scale,
         window or 0,
+        ptr(sinks),
         ptr(out),
     )
     return out

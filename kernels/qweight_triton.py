@@ -15,7 +15,7 @@ halves of a 32-bit word (PRMT) and their fields OR-ed into the exponent pattern 
 4-bit only) with one LOP3, giving the exact pair (magic + q_i, magic + q_j); one packed subtract centres it. Each
 inline-asm call takes the 2 or 4 bytes a thread holds in one register and returns both nibbles' values, so Triton
 need not split registers into bytes for it: the matmul's main loop (8-token tile, sm_90 SASS) went from 3.7 to 2.6
-instructions per 4-bit weight.
+instructions per 4-bit weight. MXFP4's E2M1 codes are moved into fp16's bit positions the same way (e2m1_asm).
 """
 
 import os
@@ -50,22 +50,58 @@ def unpack_asm(bits: int, bf16: bool, pack: int) -> str:
 
 
 @triton.constexpr_function
+def e2m1_asm(pack: int) -> str:
+    """PTX for `pack` bytes of MXFP4 codes -> the fp16 patterns of E2M1[q] * 2**-14, two per output register, the
+    low nibbles' registers then the high nibbles': a nibble's magnitude bits (exponent and mantissa) go to bits
+    9-11 of a half, its sign bit to bit 15 (PRMT spreads two bytes into the halves; two shifts, an AND, one LOP3)."""
+    words = ["a", "c"][: pack // 2]
+    src = f"${2 * len(words)}"
+    spread = ["0x4140", "0x4342"]  # bytes (0, 1) and (2, 3)
+    ops = [f"prmt.b32 {w}, {src}, 0, {spread[i]};" for i, w in enumerate(words)]
+    for nibble, (mag, sign) in enumerate([(9, 12), (5, 8)]):  # the shifts that bring each field in place
+        for i, w in enumerate(words):
+            ops += [f"shl.b32 t, {w}, {mag};", f"shl.b32 u, {w}, {sign};", "and.b32 u, u, 0x80008000;"]
+            ops += [f"lop3.b32 ${nibble * len(words) + i}, t, 0x0E000E00, u, 0xea;"]
+    return "{ .reg .b32 a, c, t, u; " + " ".join(ops) + " }"
+
+
+@triton.constexpr_function
 def unpack_constraints(bits: int, pack: int) -> str:
     return ",".join(["=r"] * (pack // 2) * (2 if bits == 4 else 1) + ["r"])
 
 
 @triton.jit
 def centred_values(
-    b, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr
+    b,
+    BITS: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
+    DT: tl.constexpr,
+    ASM: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     """Bytes b (uint8) -> (q - centre) in DT, exact, as a pair: 4-bit, the values of the low and of the high
-    nibbles; 8-bit, the values twice. The centre is 2**(BITS-1) for symmetric weights, 0 with offsets.
+    nibbles; 8-bit, the values twice. The centre is 2**(BITS-1) for symmetric weights, 0 with offsets; with the
+    "e2m1" codebook the values are E2M1[q] (kernels/qweight.py's CODEBOOKS).
     ASM: the PTX path, PACK bytes per call. Inline asm is elementwise, so any PACK is correct in any register
     layout; the fast one matches how many consecutive bytes each thread holds (4 in a blocked or an mma.sync
     operand layout, 2 in a wgmma register operand), so that they arrive as one register. Without ASM (the CPU
     interpreter, which cannot run PTX) plain integer ops build the same bit patterns."""
     CENTER: tl.constexpr = 0 if HAS_OFFSET else 1 << (BITS - 1)
     BF16: tl.constexpr = DT == tl.bfloat16
+    if CODEBOOK == "e2m1":
+        # E2M1 is sign, 2 exponent bits, 1 mantissa bit: in fp16's bit positions it reads as E2M1[q] * 2**-14 (0.5
+        # a subnormal, which fp16 arithmetic keeps), and one multiply by 2**14 makes the value, exact (also in bf16)
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                e2m1_asm(PACK), unpack_constraints(4, PACK), [b], dtype=(tl.int16, tl.int16), is_pure=True, pack=PACK
+            )
+        else:
+            lo = ((b & 7).to(tl.int16) << 9) | ((b & 8).to(tl.int16) << 12)
+            hi = ((b & 0x70).to(tl.int16) << 5) | ((b & 0x80).to(tl.int16) << 8)
+        lo = lo.to(tl.float16, bitcast=True) * 16384.0
+        hi = hi.to(tl.float16, bitcast=True) * 16384.0
+        return lo.to(DT), hi.to(DT)
     if BITS == 4:
         if ASM:
             lo, hi = tl.inline_asm_elementwise(
@@ -128,12 +164,17 @@ def _make_layout(w: QuantWeight) -> GpuLayout:
 @triton.jit
 def step_params(p_ptr, s, n_pad, rows, mask, GPS: tl.constexpr):
     """Scales (or offsets) of step s for `rows`, in fp32: groups (2s, 2s + 1) for 4-bit, (s, s) for 8-bit. A pair
-    of fp16 is read as one 32-bit word: wide enough for cp.async, so Triton's pipeliner prefetches it with the
-    bytes (it leaves 16-bit loads in the loop, where each step would wait for their latency)."""
+    of fp16 or bf16 is read as one 32-bit word: wide enough for cp.async, so Triton's pipeliner prefetches it with
+    the bytes (it leaves 16-bit loads in the loop, where each step would wait for their latency). A bf16 is the top
+    half of the fp32 of the same value."""
     if GPS == 2 and p_ptr.dtype.element_ty == tl.float16:
         word = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + s * n_pad + rows, mask=mask, other=0)
         lo = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    elif GPS == 2 and p_ptr.dtype.element_ty == tl.bfloat16:
+        word = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + s * n_pad + rows, mask=mask, other=0)
+        lo = (word << 16).to(tl.float32, bitcast=True)
+        hi = (word & -65536).to(tl.float32, bitcast=True)
     else:
         lo = tl.load(p_ptr + (s * n_pad + rows) * GPS, mask=mask, other=0)
         hi = lo
@@ -165,6 +206,7 @@ def _dequant_rows_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     HAS_IDS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DT: tl.constexpr,
@@ -180,7 +222,7 @@ def _dequant_rows_kernel(
     n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
     j = tl.arange(0, GROUP)
     b = tl.load(w_ptr + (s * n_pad + rows.to(tl.int64))[:, None] * GROUP + j[None, :], mask=row_mask[:, None], other=0)
-    values = centred_values(b, BITS, HAS_OFFSET, DT, ASM, 4)
+    values = centred_values(b, BITS, HAS_OFFSET, CODEBOOK, DT, ASM, 4)
     scales = step_params(s_ptr, s, n_pad, rows, row_mask, GPS)
     if HAS_OFFSET:
         offsets = step_params(o_ptr, s, n_pad, rows, row_mask, GPS)
@@ -218,6 +260,7 @@ def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torc
         BITS=w.bits,
         GROUP=w.group_size,
         HAS_OFFSET=w.offsets is not None,
+        CODEBOOK=w.codebook,
         HAS_IDS=ids is not None,
         BLOCK_R=block_r,
         DT=arith_dtype(dtype),

@@ -72,6 +72,16 @@ def measure_limits() -> tuple[float, float]:
     return 2 * (2 << 30) / copy_us * 1e6, 2 * 8192**3 / mm_us * 1e6
 
 
+def said_limits() -> tuple[float, float]:
+    """measure_limits, said in one line with the device and torch's version."""
+    bw, peak = measure_limits()
+    print(
+        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write), "
+        f"bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s; torch {torch.__version__}"
+    )
+    return bw, peak
+
+
 def random_qweight(n, k, bits=4, group=128, offsets=False) -> QuantWeight:
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, device="cuda")
     scales = (torch.rand(n, k // group, device="cuda") * 0.01 + 0.001).half()
@@ -307,11 +317,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["linear", "decode", "prefill"], help="run one table")
     args = parser.parse_args()
     torch.manual_seed(0)
-    bw, peak = measure_limits()
-    print(
-        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write), "
-        f"bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s; torch {torch.__version__}"
-    )
+    bw, peak = said_limits()
     tables = []
     if args.only in (None, "linear"):
         for group in (128, 32):

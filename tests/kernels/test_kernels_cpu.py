@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llamaterm.kernels import ops_cpu
-from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from llamaterm.kernels.activation import ACTIVATIONS, REFERENCES
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref
 from llamaterm.kernels.cpu_native import library
 from llamaterm.kernels.linear import linear_ref
@@ -20,6 +20,7 @@ from tests.support.kernel_cases import (
     FORMATS,
     SHORT_GROUPS,
     free_outside_window,
+    random_mxfp4,
     random_paged_cache,
     random_qweight,
     rel_err,
@@ -35,26 +36,34 @@ def lib():
     return lib
 
 
+def native_dequantize(w, lib) -> torch.Tensor:
+    scales, offsets = ops_cpu.cpu_params(w)
+    out = torch.full(w.shape, float("nan"))
+    f16, e2m1 = int(scales.dtype == torch.float16), int(w.codebook == "e2m1")
+    args = (ops_cpu.ptr(offsets), f16, w.bits, e2m1, w.group_size, w.shape[1], w.shape[0], out.data_ptr(), 2)
+    lib.dequantize(w.packed.data_ptr(), scales.data_ptr(), *args)
+    return out
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
 def test_dequantize_is_exact(lib, bits, group, offsets, perm, scale_dtype):
     """The expansion of the packed values is bit for bit the reference's fp32 dequantization."""
     w = random_qweight(37, 3 * group, bits, group, offsets, perm, scale_dtype, device="cpu")
-    scales, offs = ops_cpu.cpu_params(w)
-    out = torch.full(w.shape, float("nan"))
-    lib.dequantize(
-        w.packed.data_ptr(),
-        scales.data_ptr(),
-        ops_cpu.ptr(offs),
-        int(scales.dtype == torch.float16),
-        bits,
-        group,
-        w.shape[1],
-        w.shape[0],
-        out.data_ptr(),
-        2,
-    )
-    assert torch.equal(out, w.dequantize())
+    assert torch.equal(native_dequantize(w, lib), w.dequantize())
+
+
+def test_mxfp4_dequantize_is_exact(lib):
+    """MXFP4: bf16 power-of-two scales times E2M1 values, every code, bit for bit the reference's."""
+    w = random_mxfp4(37, 96, device="cpu")
+    assert torch.equal(native_dequantize(w, lib), w.dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
+def test_mxfp4_qmatmul(lib, rows):
+    w = random_mxfp4(45, 160, exponents=(-8, -3), device="cpu")
+    x = torch.randn(rows, w.shape[1])
+    assert rel_err(ops_cpu.qmatmul_cpu(x, w, lib), linear_ref(x, w)) < FP32_TOL
 
 
 @pytest.mark.parametrize("rows", [1, 3, ops_cpu.DENSE_FROM_ROWS + 1])
@@ -109,10 +118,10 @@ def test_rope(lib):
         assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("activation, ref", [("silu", silu_and_mul_ref), ("gelu_tanh", gelu_tanh_and_mul_ref)])
-def test_act_and_mul(lib, activation, ref):
-    gate_up = torch.randn(3, 2 * 50) * 4
-    assert rel_err(ops_cpu.act_and_mul_cpu(gate_up, activation, lib), ref(gate_up)) < FP32_TOL
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_act_and_mul(lib, activation):
+    gate_up = torch.randn(3, 2 * 50) * 5  # past swiglu_oai's clamps (+-7) too
+    assert rel_err(ops_cpu.act_and_mul_cpu(gate_up, activation, lib), REFERENCES[activation](gate_up)) < FP32_TOL
 
 
 @pytest.mark.parametrize(
@@ -125,15 +134,17 @@ def test_act_and_mul(lib, activation, ref):
     ],
 )
 @pytest.mark.parametrize("window", [None, 1, 6, 21])  # sliding windows: itself only, under a page, across pages
-def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page, window):
+@pytest.mark.parametrize("with_sinks", [False, True])  # gpt-oss's sink logits, some below the scores, some above
+def test_paged_attention(lib, qlens, ctxs, n_q, n_kv, head_dim, page, window, with_sinks):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, torch.float32, device="cpu")
     if window is not None:
         free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
     lens = torch.tensor(ctxs)
     q = torch.randn(int(qsl[-1]), n_q, head_dim)
-    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, lib)
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window)
+    sinks = 3 * torch.randn(n_q) if with_sinks else None
+    out = ops_cpu.paged_attention_cpu(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks, lib)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks)
     assert rel_err(out, ref) < FP32_TOL
 
 

@@ -4,13 +4,15 @@
 import pytest
 import torch
 
-from llamaterm.kernels.activation import act_and_mul, gelu_tanh_and_mul_ref, silu_and_mul_ref
+from llamaterm.kernels.activation import ACTIVATIONS, REFERENCES, act_and_mul
 from llamaterm.kernels.attention import paged_attention, paged_attention_ref, write_kv_ref
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear, linear_ref
+from llamaterm.kernels.moe import Experts, moe, moe_ref, route, route_ref
 from llamaterm.kernels.norm import rms_norm, rms_norm_ref
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.rope import rope_ref, rope_write_kv
+from tests.support.kernel_cases import moe_layer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -45,6 +47,19 @@ def test_linear_formats(bits, group, offsets, perm, dtype, m):
     w = random_qweight(4096, 4096, bits, group, offsets, perm)
     x = torch.randn(m, 4096, device="cuda", dtype=dtype)
     assert rel_err(linear(x, w), linear_ref(x.float(), w)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 300])
+def test_linear_mxfp4(dtype, m):
+    """gpt-oss-20b's expert gate_up shape in MXFP4 (the PTX unpack of E2M1 codes; 300 rows: dequantize + cuBLAS)."""
+    q = torch.randint(0, 16, (5760, 2880), dtype=torch.uint8, device="cuda")
+    scales = torch.exp2(torch.randint(-12, -4, (5760, 90), device="cuda").float()).to(torch.bfloat16)
+    w = QuantWeight.from_values(q, scales, None, 4, 32, codebook="e2m1")
+    x = torch.randn(m, 2880, device="cuda", dtype=dtype)
+    assert rel_err(linear(x, w), linear_ref(x.float(), w)) < TOL[dtype]
+    ids = torch.randint(0, 5760, (5, 7), device="cuda")
+    assert torch.equal(embedding(ids, w, dtype), w.rows(ids.flatten(), dtype).view(5, 7, -1))
 
 
 def test_embedding_rows():
@@ -88,6 +103,24 @@ def test_paged_attention_llama(qlens, ctxs, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize(
+    "qlens,ctxs",
+    [([1] * 8, [4096, 1, 17, 700, 8000, 129, 2048, 4095]), ([1], [32768]), ([512, 1, 300, 1], [2048, 900, 300, 5000])],
+)
+@pytest.mark.parametrize("window", [None, 128])
+def test_paged_attention_gpt_oss(qlens, ctxs, window):
+    """gpt-oss-20b's attention: 64 query heads over 8 KV heads of 64, a sink logit per head, full or banded
+    (a 128-token window) layers."""
+    k_cache, v_cache, tables = paged(ctxs, n_kv=8, head_dim=64, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+    q = torch.randn(int(qsl[-1]), 64, 64, device="cuda", dtype=torch.bfloat16)
+    sinks = 3 * torch.randn(64, device="cuda")
+    out = paged_attention(q, k_cache, v_cache, tables, lens, qsl, 64**-0.5, window, sinks)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, 64**-0.5, window, sinks)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_small_ops_llama(dtype):
     t = 77
@@ -101,8 +134,8 @@ def test_small_ops_llama(dtype):
         assert rel_err(out, ref) < TOL[dtype]
 
     gate_up = torch.randn(t, 28672, device="cuda", dtype=dtype)
-    assert rel_err(act_and_mul(gate_up, "silu"), silu_and_mul_ref(gate_up.float())) < TOL[dtype]
-    assert rel_err(act_and_mul(gate_up, "gelu_tanh"), gelu_tanh_and_mul_ref(gate_up.float())) < TOL[dtype]
+    for activation in ACTIVATIONS:
+        assert rel_err(act_and_mul(gate_up, activation), REFERENCES[activation](gate_up.float())) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -126,3 +159,47 @@ def test_rope_write_kv_real_shapes(dtype, n_q, n_kv, head_dim, qk_norm):
     write_kv_ref(k_rot, v, k_ref, v_ref, slots)
     assert rel_err(q_out, q_rot) < TOL[dtype] and rel_err(k_cache, k_ref) < TOL[dtype]
     assert torch.equal(v_cache, v_ref)
+
+
+def dense_fp32(experts: Experts) -> Experts:
+    """The same experts dequantized to fp32 (the oracle multiplies them with F.linear)."""
+    return Experts(
+        experts.n_experts,
+        [w.dequantize() for w in experts.gate_up],
+        experts.down.dequantize(),
+        experts.activation,
+        experts.gate_up_bias,
+        experts.down_bias,
+    )
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gpt-oss"])
+def test_moe_real_shapes(model):
+    experts, top_k = moe_layer(model)
+    oracle = dense_fp32(experts)
+    for m in (1, 4, 8, 64, 300):
+        logits = torch.randn(m, experts.n_experts, device="cuda")
+        weights, ids = route(logits, top_k, True)
+        want_weights, want_ids = route_ref(logits, top_k, True)
+        assert torch.equal(ids, want_ids) and rel_err(weights, want_weights) < 1e-6
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(m, experts.down.shape[0] // experts.n_experts, device="cuda", dtype=dtype)
+            assert rel_err(moe(x, weights, ids, experts), moe_ref(x.float(), weights, ids, oracle)) < TOL[dtype]
+
+
+def test_moe_in_a_cuda_graph():
+    """Routing and experts captured once (no host sync: the capture would fail on one) replay on new inputs as they
+    run eagerly."""
+    experts, top_k = moe_layer("qwen3")
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(4, experts.n_experts, device="cuda")
+    layer = lambda: moe(x, *route(logits, top_k, True), experts)  # noqa: E731
+    layer()  # compile, and the layouts and counters exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        assert torch.equal(out, layer())

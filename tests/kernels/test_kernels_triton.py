@@ -3,8 +3,8 @@
 Without CUDA the kernels run under TRITON_INTERPRET=1, which tests/conftest.py sets before any test module is
 imported (a module that imports transformers decorates triton kernels of torch's own, after which a kernel of ours
 decorated under the interpreter calls helpers that were not). With CUDA the same tests run the compiled kernels.
-Inputs are fresh random draws; every buffer the kernels allocate starts as NaN (see `poisoned`), so an unwritten
-element fails the test.
+Inputs are fresh random draws; every buffer the kernels allocate starts as NaN (tests/kernels/conftest.py's
+`poisoned`), so an unwritten element fails the test.
 """
 
 import pytest
@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from llamaterm.kernels.activation import ACTIVATIONS  # noqa: E402
 from llamaterm.kernels.activation import REFERENCES as act_and_mul_refs  # noqa: E402
-from llamaterm.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref  # noqa: E402
 from llamaterm.kernels.activation_triton import act_and_mul_triton  # noqa: E402
 from llamaterm.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from llamaterm.kernels.attention_triton import AttentionConfig, paged_attention_triton  # noqa: E402
@@ -21,6 +21,7 @@ from llamaterm.kernels.linear import linear_ref  # noqa: E402
 from llamaterm.kernels.linear_triton import DENSE_M, DENSE_M_KEPT_SMALL, Config, qmatmul_triton  # noqa: E402
 from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
 from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
+from llamaterm.kernels.qweight import QuantWeight  # noqa: E402
 from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
 from llamaterm.kernels.rope_triton import rope_write_kv_triton  # noqa: E402
@@ -29,26 +30,16 @@ from tests.support.kernel_cases import (  # noqa: E402
     FORMATS,
     SHORT_GROUPS,
     free_outside_window,
+    random_mxfp4,
     random_paged_cache,
     random_qweight,
     rel_err,
 )
 
-pytestmark = pytest.mark.slow  # on the CPU, the Triton interpreter: seconds for some cases, a minute in all
+# on the CPU, the Triton interpreter: seconds for some cases, a minute in all
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned")]
 
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """torch.empty / empty_like return NaN-filled (float) or 0x7F..-filled (int) memory while a test runs."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        return t.fill_(float("nan") if t.is_floating_point() else 0x7F) if t.numel() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
 
 
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
@@ -58,6 +49,41 @@ def test_dequantize_rows(bits, group, offsets, perm, dtype):
     ids = torch.tensor([3, 0, 18, 3, 7], device=DEVICE)
     assert rel_err(dequantize_rows_triton(w, ids, dtype), w.rows(ids, dtype)) < TOL[dtype]
     assert rel_err(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_rows_mxfp4(dtype):
+    """MXFP4 values times power-of-two scales are exact in fp32: the kernel's rows equal the reference's."""
+    w = random_mxfp4(19, 96)  # a step and a half
+    ids = torch.tensor([3, 0, 18, 3, 7], device=DEVICE)
+    assert torch.equal(dequantize_rows_triton(w, ids, dtype), w.rows(ids, dtype))
+    assert torch.equal(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype))
+
+
+def test_mxfp4_is_ggufs_mxfp4():
+    """GGUF's MXFP4 blocks (an E8M0 exponent byte, then 16 bytes: element j in byte j's low nibble, element j + 16
+    in its high nibble) read as QuantWeight codes and bf16 scales: the reference dequantizes them to exactly what
+    gguf-py's own MXFP4 dequantizer gives, for every code and exponents 0 (a subnormal scale) to 250; the kernels
+    to the same for weights' exponents (the last 12 rows)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 24, 128
+    exponents = torch.randint(0, 251, (n, k // 32), dtype=torch.uint8)
+    exponents[0, :3] = torch.tensor([0, 1, 250], dtype=torch.uint8)
+    exponents[12:] = torch.randint(110, 135, (12, k // 32), dtype=torch.uint8)
+    qs = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8)
+    raw = torch.cat([exponents[..., None], qs], dim=-1)  # [n, blocks, 17]
+    want = torch.from_numpy(dequantize(raw.numpy().reshape(n, -1), GGMLQuantizationType.MXFP4).copy())
+
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # element j, then element j + 16, of each block
+    scales = torch.ldexp(torch.ones(n, k // 32), exponents.int() - 127).to(torch.bfloat16)
+    w = QuantWeight.from_values(codes, scales, None, 4, 32, codebook="e2m1")
+    assert torch.equal(w.dequantize(), want)
+    rows = w.take_rows(slice(12, n)).to(DEVICE)
+    assert torch.equal(dequantize_rows_triton(rows, None, torch.float32).cpu(), want[12:])
+    x = torch.randn(3, k, device=DEVICE).half()
+    assert rel_err(qmatmul_triton(x, rows, CONFIGS[4]), x.float() @ want[12:].T.to(DEVICE)) < TOL[torch.float16]
 
 
 # Tile configs that exercise a split K with a partial last split, uneven N, full tiles, the 8-token tile and two
@@ -85,8 +111,19 @@ def test_qmatmul(bits, group, offsets, perm, dtype, m, config):
     assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]  # split counters were reset
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [96, 128])  # a step and a half, two steps
+@pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (70, CONFIGS[2]), (3, CONFIGS[4])])
+def test_qmatmul_mxfp4(dtype, k, m, config):
+    w = random_mxfp4(40, k)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    ref = linear_ref(x.float(), w)
+    assert rel_err(qmatmul_triton(x, w, config), ref) < TOL[dtype]
+    assert rel_err(qmatmul_triton(x, w, None, "swiglu_oai"), act_and_mul_refs["swiglu_oai"](ref)) < TOL[dtype]
+
+
 @pytest.mark.parametrize("bits,group,offsets,perm", FORMATS[:2])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("m,config", [(1, CONFIGS[0]), (5, CONFIGS[1]), (1, CONFIGS[3]), (3, CONFIGS[4]), (300, None)])
 def test_qmatmul_gated(bits, group, offsets, perm, activation, m, config):
     """The gate_up projection with its activation in the epilogue: act(gate) * up of the two halves of W's rows
@@ -166,15 +203,22 @@ ATTENTION_CASES = [
 ]
 
 
+def random_sinks(with_sinks: bool, n_q: int) -> torch.Tensor | None:
+    """gpt-oss's sink logits, one per query head (or None): some below the scores, some above."""
+    return 3 * torch.randn(n_q, device=DEVICE) if with_sinks else None
+
+
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,config", ATTENTION_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention(qlens, ctxs, n_q, n_kv, head_dim, page, config, dtype, with_sinks):
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, config=config)
-    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5)
+    sinks = random_sinks(with_sinks, n_q)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, sinks=sinks, config=config)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, sinks=sinks)
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -190,15 +234,17 @@ WINDOW_CASES = [
 
 @pytest.mark.parametrize("qlens,ctxs,n_q,n_kv,head_dim,page,config,window", WINDOW_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention_sliding_window(qlens, ctxs, n_q, n_kv, head_dim, page, config, window, dtype):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention_sliding_window(qlens, ctxs, n_q, n_kv, head_dim, page, config, window, dtype, with_sinks):
     """With the blocks outside every window freed (NaN, garbage ids in the table), as the engine leaves them."""
     k_cache, v_cache, tables = random_paged_cache(ctxs, n_kv, head_dim, page, dtype)
     free_outside_window(k_cache, v_cache, tables, ctxs, qlens, window)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(ctxs, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), n_q, head_dim, device=DEVICE).to(dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, config)
-    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window)
+    sinks = random_sinks(with_sinks, n_q)
+    out = paged_attention_triton(q, k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks, config)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, head_dim**-0.5, window, sinks)
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -251,7 +297,8 @@ def test_rope_ref_rows_are_per_token():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("activation, ref", [("silu", silu_and_mul_ref), ("gelu_tanh", gelu_tanh_and_mul_ref)])
-def test_act_and_mul(dtype, activation, ref):
-    gate_up = (torch.randn(2, 3, 2 * 1100, device=DEVICE) * 3).to(dtype)  # two column blocks per row
-    assert rel_err(act_and_mul_triton(gate_up, activation), ref(gate_up.float())) < TOL[dtype]
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_act_and_mul(dtype, activation):
+    """Values past swiglu_oai's clamps (+-7) too: a spread of 5."""
+    gate_up = (torch.randn(2, 3, 2 * 1100, device=DEVICE) * 5).to(dtype)  # two column blocks per row
+    assert rel_err(act_and_mul_triton(gate_up, activation), act_and_mul_refs[activation](gate_up.float())) < TOL[dtype]
