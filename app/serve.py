@@ -1006,7 +1006,7 @@ class Handlers:
         req = parse_request(body, engine.model_name, engine.max_context, chat, engine.sampling_defaults)
         if req.params.grammar is not None:
             await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
-        family = None
+        family = reply_family(engine, chat)
         if req.with_tools:
             req, family = await run_in_threadpool(with_tool_prompt, engine, req)
         streams = await submit(engine, req, chat)
@@ -1044,10 +1044,20 @@ def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Complet
     return req, fmt.family
 
 
-def call_reader(family: str | None, req: Completion) -> ToolCallStream | None:
-    """What reads the reply for calls, where it is read for them."""
-    from llamaterm.engine.tool_calls import ToolCallStream  # noqa: PLC0415
+def reply_family(engine: SupervisedEngine, chat: bool) -> str | None:
+    """The family a chat reply is read as without tools: harmony's (gpt-oss), whose thinking and answer are channels
+    of the reply (engine/harmony.py); None, text as it is."""
+    from llamaterm.engine import harmony, tool_calls  # noqa: PLC0415
 
+    return tool_calls.HARMONY if chat and harmony.speaks_harmony(engine.tokenizer.chat_template.source) else None
+
+
+def call_reader(family: str | None, req: Completion) -> ToolCallStream | None:
+    """What reads the reply for calls, where it is read for them; a harmony reply always, for its channels."""
+    from llamaterm.engine.tool_calls import HARMONY, ToolCallStream  # noqa: PLC0415
+
+    if family == HARMONY:
+        return ToolCallStream(family, read_calls=req.reads_calls)
     return ToolCallStream(family) if family is not None and req.reads_calls else None
 
 

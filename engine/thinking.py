@@ -3,8 +3,12 @@
 the reply's text with the tag (engine/serving/engine.py), so every reply that thinks opens with it.
 
 ThinkingSplitter parts a reply into its thinking and its answer as the text streams in, the way the CLI (thinking
-to stderr) and the TUI (thinking folded) show them.
+to stderr) and the TUI (thinking folded) show them. gpt-oss thinks in harmony's analysis channel instead
+(engine/harmony.py): a reply that opens with a channel is read as harmony's, so the same splitter serves both, on
+the engine's text and on a remote server's alike.
 """
+
+from llamaterm.engine.harmony import CHANNEL, HarmonySplitter
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -30,23 +34,30 @@ def split_reply(text: str) -> tuple[str, str]:
 class ThinkingSplitter:
     """Feed a reply's text deltas to push(); each call returns (new thinking text, new answer text). A reply thinks
     when it opens with <think> (after any whitespace); in such a reply the whitespace that starts each part is
-    dropped. Text that may be the start of a tag waits for the next delta (or finish)."""
+    dropped. Text that may be the start of a tag waits for the next delta (or finish). A reply that opens with
+    harmony's <|channel|> goes to a HarmonySplitter, whose state and thinks this one then shows."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.state = "start"  # -> "thinking" -> "answer", or "start" -> "answer"
         self.held = ""  # text not given out yet
         self.thinks = False  # the reply opened a thinking block
         self.started = False  # the current part has given out text
+        self.harmony: HarmonySplitter | None = None
 
     def push(self, delta: str) -> tuple[str, str]:
+        if self.harmony is not None:
+            return self._harmony(self.harmony.push(delta))
         self.held += delta
         thinking = answer = ""
         if self.state == "start":
             body = self.held.lstrip()
+            if body.startswith(CHANNEL):
+                self.harmony, self.held = HarmonySplitter(), ""
+                return self._harmony(self.harmony.push(body))
             if body.startswith(OPEN):
                 self.state, self.thinks, self.held = "thinking", True, body[len(OPEN) :]
-            elif not body or OPEN.startswith(body):
-                return "", ""  # whitespace, or the tag's first characters: not known yet
+            elif not body or OPEN.startswith(body) or CHANNEL.startswith(body):
+                return "", ""  # whitespace, or a tag's first characters: not known yet
             else:
                 self.state = "answer"
         if self.state == "thinking":
@@ -63,8 +74,15 @@ class ThinkingSplitter:
 
     def finish(self) -> tuple[str, str]:
         """The end of the reply: what was held back, in the part it belongs to."""
+        if self.harmony is not None:
+            return self._harmony(self.harmony.finish())
         held, self.held = self.held, ""
         return (self._give(held), "") if self.state == "thinking" else ("", held)
+
+    def _harmony(self, parts: tuple[str, str]) -> tuple[str, str]:
+        assert self.harmony is not None
+        self.state, self.thinks = self.harmony.state, self.harmony.thinks
+        return parts
 
     def _give(self, text: str) -> str:
         if self.thinks and not self.started:

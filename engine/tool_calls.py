@@ -6,7 +6,11 @@ template's text):
   one block a call;
 - "llama3" (Llama 3.1 and later): the reply is `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or
   not), calls separated by ';';
-- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, each call's id 9 letters and digits.
+- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, each call's id 9 letters and digits;
+- "harmony" (gpt-oss): a message to the tool, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+  and the arguments (engine/harmony.py); `<|call|>` ends the reply, so it holds one call. Its thinking and answer
+  are channels of it too: the content read from it is the answer, the thinking before it in a <think> block, the
+  form `serve` gives every model's thinking in.
 A template that does not render tools (SmolLM2's ChatML) gets them as Qwen2.5's template writes them, in the
 system message, and its calls are read as Hermes' (the convention vLLM's `hermes` parser reads): the conversation's
 earlier calls go in the assistant's text as `<tool_call>` blocks, the tools' replies in a user turn as
@@ -27,11 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamaterm.engine import harmony
 from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import Grammar
+from llamaterm.engine.thinking import CLOSE as THINK_CLOSE
+from llamaterm.engine.thinking import OPEN as THINK_OPEN
 
-HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -95,7 +102,9 @@ def tool_format(template: ChatTemplate) -> ToolFormat:
     """The family from the template's text; native where rendering a tool shows its name."""
     source = template.source
     family = (
-        MISTRAL
+        HARMONY
+        if harmony.speaks_harmony(source)
+        else MISTRAL
         if MISTRAL_CALLS in source
         else LLAMA3
         if "<|start_header_id|>" in source and TOOL_CALL_OPEN not in source
@@ -188,15 +197,18 @@ def call_grammar(
     token_id: Callable[[str], int | None] = lambda text: None,
 ) -> Grammar:
     """A Lark grammar (llguidance's) forcing a reply of calls in the family's syntax: to the tool `name`, or to
-    any of `tools` (one or more where `parallel`). token_id: the id of the one token a marker (`<tool_call>`,
-    `[TOOL_CALLS]`) is in the model's vocabulary, or None where it is text; llguidance matches such tokens by id,
-    never by their text."""
+    any of `tools` (one or more where `parallel`; harmony's reply holds one). token_id: the id of the one token a
+    marker (`<tool_call>`, `[TOOL_CALLS]`, `<|channel|>`) is in the model's vocabulary, or None where it is text;
+    llguidance matches such tokens by id, never by their text."""
 
     def marker(text: str) -> str:
         found = token_id(text)
         return json.dumps(text) if found is None else f"<[{found}]>"
 
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if fmt.family == HARMONY:
+        schemas = [(f["name"], {**(f.get("parameters") or {"type": "object"}), "x-guidance": COMPACT}) for f in chosen]
+        return Grammar("lark", harmony.call_grammar(schemas, marker))
     key = "parameters" if fmt.family == LLAMA3 else "arguments"
     at = [f"/anyOf/{i}/properties/{key}" if len(chosen) > 1 else f"/properties/{key}" for i in range(len(chosen))]
     calls = [
@@ -265,7 +277,8 @@ def parse_reply(text: str, family: str) -> tuple[str | None, list[ToolCall]]:
 
 def parse(text: str, family: str, final: bool) -> Parsed:
     """The reply so far: with final=False, text that may still become a call is held back from the content."""
-    return {HERMES: _parse_hermes, MISTRAL: _parse_mistral, LLAMA3: _parse_llama3}[family](text, final)
+    parsers = {HERMES: _parse_hermes, MISTRAL: _parse_mistral, LLAMA3: _parse_llama3, HARMONY: _parse_harmony}
+    return parsers[family](text, final)
 
 
 def _parse_hermes(text: str, final: bool) -> Parsed:
@@ -321,6 +334,32 @@ def _parse_llama3(text: str, final: bool) -> Parsed:
         elif start < len(text):  # text after whole calls: the calls stand (a stream has sent them), the rest is text
             return Parsed(text[start:].strip(), calls)
     return Parsed("", calls)
+
+
+def _parse_harmony(text: str, final: bool) -> Parsed:
+    """Its messages to functions are the calls (at the end, those whose arguments are a whole JSON object); the
+    content is the answer, the thinking before it in a <think> block, closed where the answer begins (or the reply
+    ends): as the text grows, the content only grows at its end."""
+    messages = harmony.read(text, final)
+    calls = [PartialCall(m.name, m.body, m.at, _json_object(m.body)) for m in messages if m.kind == harmony.TOOL_CALL]
+    if final:
+        calls = [c for c in calls if c.whole]
+    parts, thinking, answered = [], False, False
+    for m in messages:
+        if m.kind == harmony.THINKING and m.body:
+            parts += ["\n\n" if thinking else THINK_OPEN, m.body]
+            thinking = True
+        elif m.kind == harmony.ANSWER and m.body:
+            parts += [THINK_CLOSE if thinking else "\n\n" if answered else "", m.body]
+            thinking, answered = False, True
+    return Parsed("".join(parts) + (THINK_CLOSE if thinking and final else ""), calls)
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _calls(text: str, i: int, final: bool, one: bool) -> tuple[list[PartialCall], int | None] | None:
@@ -487,10 +526,11 @@ def _without_marker_start(text: str, marker: str) -> str:
 class ToolCallStream:
     """One reply's text as it streams, read as the family's calls. push() takes the next text and gives the content
     that can no longer be part of a call, and the calls' deltas as OpenAI's delta.tool_calls: first each call's
-    index, id, type and name, then pieces of its arguments."""
+    index, id, type and name, then pieces of its arguments. read_calls=False leaves the calls out (a harmony reply
+    read where its request reads none: its content is still a reading of its channels)."""
 
-    def __init__(self, family: str):
-        self.family = family
+    def __init__(self, family: str, read_calls: bool = True):
+        self.family, self.read_calls = family, read_calls
         self.text, self.content_sent = "", 0
         self.ids: list[str] = []  # of the calls announced
         self.arguments_sent: list[int] = []
@@ -508,6 +548,8 @@ class ToolCallStream:
         parsed = parse(self.text, self.family, final)
         if final and len(parsed.calls) < len(self.ids):  # a call announced, then cut short: it stays a call
             parsed = parse(self.text, self.family, False)
+        if not self.read_calls:
+            parsed.calls = []
         content = parsed.content[self.content_sent :]  # the content so far only grows: held text comes later
         self.content_sent += len(content)
         deltas = []

@@ -269,11 +269,14 @@ class ChatTemplate:
         eos_token: str,
         enable_thinking: bool | None = None,
         tools: list[dict] | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
-        """enable_thinking: the thinking switch of templates that have one (Qwen3's); None leaves it undefined, so
-        each template takes its own default. tools: OpenAI's function tools ({"type": "function", "function":
-        {...}}), given to the template as transformers' apply_chat_template gives them."""
-        switches = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        """enable_thinking: the thinking switch of templates that have one (Qwen3's), and reasoning_effort gpt-oss's
+        ("low", "medium", "high"); None leaves them undefined, so each template takes its own default. tools:
+        OpenAI's function tools ({"type": "function", "function": {...}}), given to the template as transformers'
+        apply_chat_template gives them."""
+        given = {"enable_thinking": enable_thinking, "reasoning_effort": reasoning_effort}
+        switches = {k: v for k, v in given.items() if v is not None}
         chunks = self._template.generate(
             **switches,
             messages=messages,

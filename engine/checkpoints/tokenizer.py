@@ -20,6 +20,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from llamaterm.engine import harmony
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
 from llamaterm.engine.checkpoints.fields import read, reader
 from llamaterm.engine.checkpoints.hf_files import chat_template_source, read_json, read_text
@@ -32,7 +33,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # Llama 3's <|end_of_text|>, which a file whose eos is <|eot_id|> would otherwise let through
 END_OF_TURN = frozenset(
     {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|endoftext|>"}
-    | {"<end_of_turn>", "<EOT>"}
+    | {"<end_of_turn>", "<EOT>", harmony.RETURN, harmony.CALL}
 )
 
 # Pre-tokenizer regexes by tokenizer.ggml.pre, applied in order (llama-vocab.cpp, llm_tokenizer_bpe)
@@ -160,7 +161,8 @@ class Tokenizer:
         self._bos = [bos_id] if add_bos and bos_id is not None else []  # what encode adds at each end
         self._eos = [eos_id] if add_eos and eos_id is not None else []
         named = {i for i in self._special if tokens[i] in END_OF_TURN}
-        self.stop_ids = frozenset(({eos_id} if eos_id is not None else set()) | named | set(extra_stop_ids))
+        stops = ({eos_id} if eos_id is not None else set()) | named | set(extra_stop_ids)
+        self.stop_ids = frozenset(stops - _harmony_message_ends(tokens, self._special))
         self._chat_template_source = chat_template
         self._encode_lock = threading.Lock()  # encode_special_tokens is a setting on the shared backend
 
@@ -341,10 +343,29 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: list[dict] | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
         """Messages ({'role', 'content'}, and OpenAI's tool_calls and tool replies) -> prompt text by the model's
         template (ChatML if it has none). enable_thinking: the template's thinking switch, where it has one (None:
-        its default). tools: OpenAI's function tools, for templates that render them (engine/tool_calls.py)."""
+        its default). tools: OpenAI's function tools, for templates that render them (engine/tool_calls.py).
+        reasoning_effort: gpt-oss's "low", "medium" or "high" (None: its template's default)."""
+        return self._render(
+            self._for_template(messages), add_generation_prompt, enable_thinking, tools, reasoning_effort
+        )
+
+    def _for_template(self, messages: list[dict]) -> list[dict]:
+        """The messages as the model's template reads them: gpt-oss's takes earlier thinking apart from the content
+        (engine/harmony.py); any other, as they are."""
+        return harmony.for_template(messages) if harmony.speaks_harmony(self.chat_template.source) else messages
+
+    def _render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        enable_thinking: bool | None,
+        tools: list[dict] | None,
+        reasoning_effort: str | None,
+    ) -> str:
         return self.chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -352,6 +373,7 @@ class Tokenizer:
             eos_token="" if self.eos_id is None else self._tokens[self.eos_id],
             enable_thinking=enable_thinking,
             tools=tools,
+            reasoning_effort=reasoning_effort,
         )
 
     def encode_chat(
@@ -360,6 +382,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: list[dict] | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[int]:
         """The prompt's ids: the template's markers parsed as special tokens, BOS added once if the model asks.
 
@@ -370,8 +393,9 @@ class Tokenizer:
         between them, the text put back, is encoded with special-token parsing off. A prompt without such text is
         encoded whole, as the model's own tokenizer encodes it: stretches encoded apart can differ where they were
         cut (a Hugging Face Metaspace pre-tokenizer with prepend_scheme "first" puts '▁' before each)."""
-        (hidden, hidden_tools), stand_ins = self._hide_special_text((messages, tools))
-        text = self.apply_chat_template(hidden, add_generation_prompt, enable_thinking, hidden_tools)
+        # (shaped before hiding: gpt-oss's earlier replies are read for their markup)
+        (hidden, hidden_tools), stand_ins = self._hide_special_text((self._for_template(messages), tools))
+        text = self._render(hidden, add_generation_prompt, enable_thinking, hidden_tools, reasoning_effort)
         if stand_ins:
             runs, specials = self._split_at_special_tokens(text)
             ids = self.encode(runs[0].translate(stand_ins), add_special=False)
@@ -459,6 +483,13 @@ class Tokenizer:
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < len(self._tokens):
             raise ValueError(f"token id {token_id} is outside the vocabulary (0..{len(self._tokens) - 1})")
+
+
+def _harmony_message_ends(tokens: list[str], special: frozenset[int]) -> set[int]:
+    """In harmony's vocabulary (o200k_harmony: gpt-oss), <|end|> ends a message of the reply, not the reply, which
+    <|return|> and <|call|> end: where all three are special tokens, <|end|>'s id, as llama.cpp decides it."""
+    ids = {tokens[i]: i for i in special if tokens[i] in harmony.ENDS}
+    return {ids[harmony.END]} if len(ids) == len(harmony.ENDS) else set()
 
 
 def _strings(value: Any) -> Iterator[str]:

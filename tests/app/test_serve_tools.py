@@ -7,6 +7,7 @@ The fast tests run on a fake engine holding Qwen3's real tokenizer and template 
 here; the round trips on a tiny random model and on the default model need the grammar enforced by the engine."""
 
 import json
+from collections.abc import Callable
 
 import httpx2
 import openai
@@ -20,7 +21,7 @@ from tests.support import DATA
 from tests.support.fake_engine import FakeEngine
 from tests.support.family_oracle import save_tiny_qwen3
 from tests.support.serve_support import app_server, llamaterm_serve
-from tests.support.tokenizer_files import QWEN3_FILES
+from tests.support.tokenizer_files import QWEN3_FILES, harmony_files
 
 WEATHER = {
     "type": "function",
@@ -54,13 +55,17 @@ ANSWER = "It is sunny in Paris."
 QWEN3_TEMPLATE = (DATA / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
 
 
-class ToolFakeEngine(FakeEngine):
-    """The fake engine with Qwen3's tokenizer (its template too), which the server renders tool prompts with; it
-    answers a prompt holding a tool's reply in words, any other with CALL, and keeps what it was sent."""
+def qwen3_reply(prompt: str) -> str:
+    return ANSWER if "<tool_response>" in prompt else CALL  # a prompt holding a tool's reply gets words
 
-    def __init__(self):
-        super().__init__(lambda messages: ANSWER if "<tool_response>" in messages[-1]["content"] else CALL)
-        self.tokenizer = Tokenizer.from_hf_dir(QWEN3_FILES)
+
+class ToolFakeEngine(FakeEngine):
+    """The fake engine with a model's tokenizer (its template too: Qwen3's by default), which the server renders
+    prompts with; it answers the prompt's text as `reply` says, and keeps what it was sent."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None, reply: Callable[[str], str] = qwen3_reply):
+        super().__init__(lambda messages: reply(messages[-1]["content"]))
+        self.tokenizer = tokenizer or Tokenizer.from_hf_dir(QWEN3_FILES)
         self.prompts: list[str] = []
 
     def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True, tools=None):
@@ -260,6 +265,87 @@ def test_a_tool_whose_schema_is_not_enforced_is_taken_where_the_reply_is_free(fa
 def test_tools_on_text_completions_are_refused(fake_url):
     reply = httpx2.post(fake_url + "/completions", json={"model": "fake-llama", "prompt": "hi", "tools": TOOLS})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+
+
+# ---- gpt-oss: harmony's channels and calls ----
+
+GPT_OSS_TEMPLATE = (DATA / "gpt-oss.jinja").read_text(encoding="utf-8")
+THOUGHT = "Need the weather tool."
+HARMONY_CALL = (
+    f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant"
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+)
+HARMONY_ANSWER = (
+    f"<|channel|>analysis<|message|>It is clear.<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
+)
+THINK_ANSWER = f"<think>It is clear.</think>{ANSWER}"  # the form serve gives every model's thinking in
+
+
+def gpt_oss_reply(prompt: str) -> str:
+    """A call where the prompt offers tools and holds no tool's reply yet, else the answer."""
+    return HARMONY_CALL if "namespace functions" in prompt and "<|start|>functions." not in prompt else HARMONY_ANSWER
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    tokenizer = Tokenizer.from_hf_dir(harmony_files(tmp_path_factory.mktemp("gpt-oss")))
+    with ToolFakeEngine(tokenizer, gpt_oss_reply) as engine, app_server(engine) as url:
+        yield engine, openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def streamed(client: openai.OpenAI, **request) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A streamed reply as the client gathers it: (content, [(name, arguments)], finish_reason)."""
+    chunks = list(client.chat.completions.create(model="fake-llama", stream=True, **request))
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, ["", ""])
+            call[0] += d.function.name or ""
+            call[1] += d.function.arguments or ""
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return content, [(name, arguments) for name, arguments in calls.values()], chunks[-1].choices[0].finish_reason
+
+
+def test_gpt_oss_thinks_and_answers_as_other_thinking_models_do(gpt_oss):
+    """Without tools, a harmony reply comes back with its analysis in a <think> block before its final answer."""
+    _, client = gpt_oss
+    reply = client.chat.completions.create(model="fake-llama", messages=QUESTION)
+    assert reply.choices[0].message.content == THINK_ANSWER and reply.choices[0].finish_reason == "stop"
+    assert not reply.choices[0].message.tool_calls
+    assert streamed(client, messages=QUESTION) == (THINK_ANSWER, [], "stop")
+
+
+def test_a_gpt_oss_call_comes_back_whole_and_streamed_and_its_result_goes_back(gpt_oss):
+    engine, client = gpt_oss
+    choice = client.chat.completions.create(model="fake-llama", messages=QUESTION, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == f"<think>{THOUGHT}</think>"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    arguments = [("get_weather", '{"city": "Paris"}')]
+    assert streamed(client, messages=QUESTION, tools=TOOLS) == (f"<think>{THOUGHT}</think>", arguments, "tool_calls")
+
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}
+    turn = [*QUESTION, choice.message.model_dump(exclude_none=True), result]
+    answer = client.chat.completions.create(model="fake-llama", messages=turn, tools=TOOLS).choices[0]
+    assert answer.message.content == THINK_ANSWER and answer.finish_reason == "stop"
+    # the oracle: transformers renders gpt-oss's template with the call's thinking in its field (the template keeps
+    # it: the answer is not given yet) and its arguments as an object
+    asked = {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    sent = [*QUESTION, {"role": "assistant", "content": "", "thinking": THOUGHT, "tool_calls": [asked]}, result]
+    want, _ = render_jinja_template(
+        conversations=[sent], tools=TOOLS, chat_template=GPT_OSS_TEMPLATE, add_generation_prompt=True
+    )
+    assert engine.prompts[-1] == want[0] and f"<|message|>{THOUGHT}<|end|>" in want[0]
+
+
+def test_gpt_oss_forced_calls_use_harmonys_syntax_and_none_reads_no_calls(gpt_oss):
+    engine, client = gpt_oss
+    client.chat.completions.create(model="fake-llama", messages=QUESTION, tools=TOOLS, tool_choice="required")
+    assert '"commentary to=functions.get_weather "' in engine.submitted[-1][1].grammar.text
+    reply = client.chat.completions.create(model="fake-llama", messages=QUESTION, tools=TOOLS, tool_choice="none")
+    choice = reply.choices[0]
+    assert choice.message.content == f"<think>{THOUGHT}</think>" and not choice.message.tool_calls
+    assert choice.finish_reason == "stop"
 
 
 # ---- round trips through the engine: the grammar makes even a random model call a tool ----

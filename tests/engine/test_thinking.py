@@ -127,6 +127,14 @@ def test_run_streams_the_answer_to_stdout_and_the_thinking_to_stderr(capsys, hid
     assert reply.thinking == (None if hide else "The user says hi.\nGreet back.\n")
 
 
+def test_run_prints_gpt_oss_analysis_as_thinking(capsys):
+    """A harmony reply (gpt-oss) thinks in its analysis channel: the same two streams."""
+    reply = "<|channel|>analysis<|message|>The user says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    result = cli.collect(FakeEngine(reply).submit(CHAT), echo=True)
+    out, err = capsys.readouterr()
+    assert (out, err) == ("Hello!\n", "The user says hi.\n") and result.thinking == "The user says hi."
+
+
 @pytest.mark.slow
 def test_run_flags(qwen3_dir):
     """--no-think switches the template (its prompt then holds the empty thinking block), --json has the parts."""

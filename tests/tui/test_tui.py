@@ -643,6 +643,28 @@ def test_a_history_locked_mid_session_is_reported_and_the_chat_goes_on(home, mon
 
 
 THINKING_REPLY = "<think>\nThe user greets me. I greet back.\n</think>\n\nHello **there**!"
+# gpt-oss's reply of the same parts, in harmony's channels
+HARMONY_REPLY = (
+    "<|channel|>analysis<|message|>The user greets me. I greet back.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello **there**!"
+)
+
+
+def test_gpt_oss_analysis_is_folded_as_thinking(home):
+    engine = FakeEngine(HARMONY_REPLY)
+    app = make_app(engine)
+
+    async def scenario(pilot):
+        await engine_ready(pilot)
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        view = app.chat.panes[0].reply_view
+        assert view.query_one(Markdown).source == "Hello **there**!"
+        assert str(view.query_one(".thinking").render()) == "▸ Thought (7 words) · F3 shows"
+        await pilot.press("ctrl+y")
+        assert app.clipboard == "Hello **there**!"
+
+    run(app, scenario)
 
 
 def test_thinking_is_folded_shown_on_f3_and_switched_per_pane(home):
