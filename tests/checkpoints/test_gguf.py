@@ -420,7 +420,10 @@ def test_absurd_shapes(tmp_path, tiny_bytes):
 
 @pytest.mark.parametrize(
     "arch, named",
-    [("mamba", "the architecture 'mamba'"), ("deepseek2", "DeepSeek V2/V3 (multi-head latent attention), 'deepseek2',")],
+    [
+        ("mamba", "the architecture 'mamba'"),
+        ("deepseek2", "DeepSeek V2/V3 (multi-head latent attention), 'deepseek2',"),
+    ],
 )
 def test_unknown_architecture(tmp_path, arch, named):
     message = load_error(write_metadata_only(tmp_path / "m.gguf", arch, lambda w: w.add_block_count(2)))
