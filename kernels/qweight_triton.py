@@ -58,7 +58,9 @@ def e2m1_asm(pack: int) -> str:
     src = f"${2 * len(words)}"
     spread = ["0x4140", "0x4342"]  # bytes (0, 1) and (2, 3)
     ops = [f"prmt.b32 {w}, {src}, 0, {spread[i]};" for i, w in enumerate(words)]
-    for nibble, (mag, sign) in enumerate([(9, 12), (5, 8)]):  # the shifts that bring each field in place
+    # the shifts that bring each field in place (no tuple in the loop's target: Triton 3.6 cannot hash that)
+    for nibble, shifts in enumerate([(9, 12), (5, 8)]):
+        mag, sign = shifts
         for i, w in enumerate(words):
             ops += [f"shl.b32 t, {w}, {mag};", f"shl.b32 u, {w}, {sign};", "and.b32 u, u, 0x80008000;"]
             ops += [f"lop3.b32 ${nibble * len(words) + i}, t, 0x0E000E00, u, 0xea;"]
