@@ -58,12 +58,12 @@ class MoeConfig:
 def pick_config(pairs: int, n_experts: int) -> MoeConfig:
     """Tiles by the pairs a chosen expert gets if the pairs spread evenly; a function of M, k and E only (the
     grid's size must be, for CUDA graphs), and the same for every step of up to about 8 pairs per expert, so
-    that a row's result does not depend on the batch. Untuned: see tests/benchmarks/moe_bench.py. The 8-pair tile
+    that a row's result does not depend on the batch. Decode tiles: moe_bench.py's --sweep (H100). The 8-pair tile
     (mma.sync, m16n8) takes 2 warps: 16 weight rows each in a 32-row gate or up tile (4 warps would compute the
     same rows twice)."""
     per_expert = pairs / min(n_experts, pairs)
-    if per_expert <= 8:
-        return MoeConfig(8, 32, 64, 2, 4)
+    if per_expert <= 8:  # 8-row tiles throughout (a row's sums the same alone and batched); the rest by a sweep
+        return MoeConfig(8, 64, 64, 4, 3) if pairs <= 16 else MoeConfig(8, 64, 128, 2, 5)
     if per_expert <= 32:
         return MoeConfig(16 if per_expert <= 16 else 32, 64, 64, 4, 3)
     return MoeConfig(64, 64, 128, 8, 3)
