@@ -14,7 +14,7 @@ sync, so the step stays inside its CUDA graphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class Experts:
     activation: str  # kernels/activation.py's ACTIVATIONS
     gate_up_bias: torch.Tensor | None = None  # [E, 2I]: each expert's gate bias, then its up bias (gpt-oss)
     down_bias: torch.Tensor | None = None  # [E, H] (gpt-oss)
+    # each expert's slices, made once: a slice keeps what a kernel prepares of it (the CPU's scale layout)
+    _slices: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def intermediate_size(self) -> int:
@@ -43,10 +45,16 @@ class Experts:
 
     def expert_gate_up(self, e: int) -> list[Weight]:
         """Expert e's gate_up parts: slices of the stacked weights (views, no copy)."""
-        return [rows(w, e, w.shape[0] // self.n_experts) for w in self.gate_up]
+        return self._expert(e)[0]
 
     def expert_down(self, e: int) -> Weight:
-        return rows(self.down, e, self.down.shape[0] // self.n_experts)
+        return self._expert(e)[1]
+
+    def _expert(self, e: int) -> tuple[list[Weight], Weight]:
+        if e not in self._slices:
+            gate_up = [rows(w, e, w.shape[0] // self.n_experts) for w in self.gate_up]
+            self._slices[e] = gate_up, rows(self.down, e, self.down.shape[0] // self.n_experts)
+        return self._slices[e]
 
 
 def rows(w: Weight, e: int, n: int) -> Weight:
