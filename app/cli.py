@@ -477,8 +477,10 @@ def serve(
         fail("--api-key is empty: give a key, or leave the option out to serve without one", 2)
     with interrupts_held():
         from llamaterm.app.announcements import Announcer, served_model
-        from llamaterm.app.serve import LOOPBACK, EngineSupervisor, check_port
-        from llamaterm.app.serve import serve as serve_http
+        from llamaterm.app.server.handlers import LOOPBACK
+        from llamaterm.app.server.http_server import check_port
+        from llamaterm.app.server.http_server import serve as serve_http
+        from llamaterm.app.server.supervisor import EngineSupervisor
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess
 

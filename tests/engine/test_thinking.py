@@ -10,7 +10,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from llamaterm.app import cli
 from llamaterm.app.remote import request_body
-from llamaterm.app.serve import parse_request
+from llamaterm.app.server.requests import parse_request
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS
 from llamaterm.engine.sampling_params import SamplingParams
