@@ -15,6 +15,7 @@ only the blocks its window reaches, which it finds by chain hash even when earli
 """
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llamaterm.engine.errors import LlamatermError
@@ -169,7 +170,7 @@ class BlockManager:
     def can_fork(self, num_tokens: int) -> bool:
         return num_tokens % self.block_size == 0 or self.num_free >= 1
 
-    def commit_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
+    def commit_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish blocks whose tokens are all computed, so later sequences can share them."""
         bs = self.block_size
         while table.num_hashed < min(num_computed // bs, len(table.block_ids)):

@@ -21,6 +21,8 @@ On CUDA the draft's steps replay from graphs of their own (cuda_graph.py's StepG
 
 from __future__ import annotations
 
+from collections.abc import Sequence as ReadOnly
+
 import torch
 
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -70,16 +72,22 @@ class DraftModel:
             )
 
     def propose(self, seqs: list[Sequence]) -> None:
-        """Fill each sequence's drafts (the scheduler placed num_drafts placeholders after its known tokens) with the
-        draft model's tokens: a step that catches the draft's cache up and samples the first, then a step a token."""
-        rounds = max(seq.num_drafts for seq in seqs)
-        for i in range(rounds):
-            live = [seq for seq in seqs if seq.num_drafts > i]
-            chunks = [(seq, self._first_computed(seq) if i == 0 else seq.num_known + i - 1) for seq in live]
-            tokens = self._step([(seq, start, seq.num_known + i) for seq, start in chunks])
-            for seq, token in zip(live, tokens, strict=True):
-                seq.token_ids[seq.num_known + i] = max(token, 0)  # -1: not finite; the target decides anyway
-        for seq in seqs:
+        """Each sequence's drafts from the draft model, as many as it holds now (the scheduler's placeholders): a step
+        that catches the draft's cache up and samples the first, then a step a token."""
+        wanted = [seq.num_drafts for seq in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for i in range(max(wanted)):
+            live = [j for j, k in enumerate(wanted) if k > i]
+            chunks = []
+            for j in live:
+                seq = seqs[j]
+                start = self._first_computed(seq) if i == 0 else seq.num_known + i - 1
+                ids = seq.token_ids[start:] if i == 0 else drafts[j][-1:]
+                chunks.append((seq, start, ids))
+            for j, token in zip(live, self._step(chunks), strict=True):
+                drafts[j].append(max(token, 0))  # -1: not finite; the target decides anyway
+        for seq, proposed in zip(seqs, drafts, strict=True):
+            seq.propose(proposed)
             assert seq.speculation is not None
             seq.speculation.draft_computed = seq.num_known + seq.num_drafts - 1
 
@@ -90,20 +98,23 @@ class DraftModel:
         return min(spec.draft_computed, seq.num_known - 1)
 
     @torch.inference_mode()
-    def _step(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
-        """Compute tokens [start, end) of each sequence in the draft's cache; sample the token after each."""
+    def _step(self, chunks: list[tuple[Sequence, int, ReadOnly[int]]]) -> list[int]:
+        """Compute the tokens `ids` at positions start.. of each sequence in the draft's cache; sample the token
+        after each."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        ends: list[int] = []
         qsl, rows = [0], []
-        for seq, start, end in chunks:
-            table = seq.table.block_ids
-            ids += seq.token_ids[start:end]
+        for seq, start, chunk in chunks:
+            table, end = seq.table.block_ids, start + len(chunk)
+            ids += chunk
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + end - start)
             rows.append(qsl[-1] - 1)
+            ends.append(end)
         sampler_slots = [seq.sampler_slot for seq, _, _ in chunks]
         assert all(slot is not None for slot in sampler_slots)
         step = StepLists(
@@ -111,11 +122,11 @@ class DraftModel:
             positions,
             slots,
             [seq.table.block_ids for seq, _, _ in chunks],
-            [end for _, _, end in chunks],
+            ends,
             qsl,
             rows,
             sampler_slots,  # type: ignore[arg-type]
-            [end for _, _, end in chunks],
+            ends,
             [],
             [],
         )

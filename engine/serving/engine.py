@@ -43,7 +43,7 @@ from llamaterm.engine.serving.device import free_memory, resolve_device
 from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
 from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
 from llamaterm.engine.serving.model import Model
-from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner, drop_pending
+from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner
 from llamaterm.engine.serving.output import OutputState
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
 from llamaterm.engine.serving.sampling import penalised
@@ -283,8 +283,7 @@ class Engine:
         params.check_vocabulary(self.model.config.vocab_size)
         seq = Sequence(
             id=next(self._ids) if request_id is None else request_id,
-            token_ids=ids,
-            num_prompt_tokens=len(ids),
+            prompt=ids,
             params=params,
             max_tokens=min(params.max_tokens, limit - len(ids)),
             seed=params.seed if params.seed is not None else secrets.randbits(64),
@@ -585,8 +584,7 @@ class Engine:
         the last token, which is. `logprob` is the last token's, where it is part of the reply."""
         seq = handle.seq
         self.scheduler.finish(seq)
-        drop_pending(seq)
-        del seq.token_ids[seq.num_prompt_tokens + handle.num_read :]  # a step's drafts or forced run past its end
+        seq.drop(keep=handle.num_read)  # a step's drafts or forced run past its end, and its tokens after this one
         del self._handles[handle.id]
         handle.finished, handle.finish_time = True, time.perf_counter()
         if self.sink is not None:

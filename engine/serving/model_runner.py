@@ -5,8 +5,9 @@ logits never leave the device. It owns the KV cache, the CUDA graphs and the sam
 up before the first request.
 
 Steps overlap (engine/serving/engine.py): the next step is launched before this one's tokens reach the host. The
-whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is PENDING in its
-token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
+whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is in flight, PENDING
+in its tail (engine/serving/sequence.py); a step whose input is a pending token takes it from the last launched
+step's tokens, on the device.
 
 A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
 sampled. A launch writes the step's inputs on the host first (StepGraphs.stage), then waits for the step in flight's
@@ -25,12 +26,12 @@ engine's thread some microseconds (finding the forced text, consuming its tokens
 masks of the sequences whose grammars force nothing next start filling first, and the others' once their runs are
 taken.
 
-A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
-samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
-confirm and the token after them in place of the drafts and PENDING (Scheduler.drop_rejected then shrinks its
-cache). Drafts are proposed from tokens on the host, so a step with drafts completes before the next one is
-scheduled, as does the step before one that may draft (engine.py): no step in flight holds drafts when the
-scheduler runs, and no input of a step is a draft step's pending token.
+A sequence with drafts (engine/serving/speculation.py) has them before its PENDING token; its chunk samples a row
+at its last known token and one at each draft, and `complete` confirms the drafts the sampled tokens confirm and the
+token after them (Sequence.settle; Scheduler.drop_rejected then shrinks its cache). Drafts are proposed from
+tokens on the host, so a step with drafts completes before the next one is scheduled, as does the step before one
+that may draft (engine.py): no step in flight holds drafts when the scheduler runs, and no input of a step is a
+draft step's pending token.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepInput,
 from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk, is_prefilling
 from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
-from llamaterm.engine.serving.speculation import accepted
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
@@ -67,10 +67,6 @@ log = logging.getLogger(__name__)
 # the prompt the warm-up readies a step for, besides a decode: a one-line question in a chat template
 FIRST_PROMPT = 64
 
-# A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
-# token_ids when that step completes. Only the last tokens of a sequence can be pending, but for tokens its grammar
-# forced after them (Sequence.num_forced), which are handed out with the pending token before them.
-PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
@@ -113,9 +109,7 @@ class LaunchedStep:
     received: tuple[list[int], set[int]] | None = None  # its tokens on the host, and the rows refused (receive)
     runs_taken: bool = False  # the runs its grammars force next are found (_take_runs)
     outcome: list[Sampled] | None = None  # complete()'s answer, kept
-    # grammar fast-forward (_take_runs), by row: the tokens placed after a sequence's PENDING one (one run, or two
-    # where the chunk after it was cut short), and the token its mask forces, which its grammar has consumed already
-    forced: dict[int, list[int]] = field(default_factory=dict)
+    # grammar fast-forward (_take_runs), by row: the token its mask forces, which its grammar has consumed already
     forced_first: dict[int, int] = field(default_factory=dict)
     verified: int = 0  # drafts verified by complete(), and of them those kept
     kept: int = 0
@@ -237,9 +231,8 @@ class ModelRunner:
         masks = self._start_masks(constrained, last) if constrained else None
         self._copy_blocks([c.block_copy for c in chunks if c.block_copy])  # after the forward pass wrote them
         for seq in sampling:
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
-        drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
+            seq.launch()
+        drafts = [list(seq.drafts) for seq in sampling]
         launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample, graphed)
         if self._forced_next:  # runs forced after the tokens this step samples: its masks force their first token
             runs = {i: self._forced_next.pop(seq.id) for i, seq in enumerate(sampling) if seq.id in self._forced_next}
@@ -268,7 +261,7 @@ class ModelRunner:
         row, used, out = 0, 0, []
         for seq in sampling:
             if seq.num_drafts and penalised(seq.params):
-                drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
+                drafts = list(seq.drafts)
                 first = self.sampler.first_draft_slot + used
                 slots = list(range(first, first + len(drafts)))
                 step.sampler_slots[row + 1 : row + 1 + len(drafts)] = slots
@@ -286,7 +279,7 @@ class ModelRunner:
         follows start after their runs are found (_take_runs), the others' before."""
         times, t = self.mask_times, time.perf_counter()
         ahead: set[int] = set()  # sequences whose grammars force bytes next
-        if last is not None and any(seq.num_pending for seq in constrained):
+        if last is not None and any(seq.num_inflight for seq in constrained):
             self._receive(last)
             if self.fast_forward:
                 ahead = {seq.id for seq in constrained if cast(GrammarMatcher, seq.grammar).forces_next()}
@@ -383,23 +376,16 @@ class ModelRunner:
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
                 continue
             first = first_rows[i]
-            if drafts:  # the drafts the target confirms and its token after them replace the drafts and PENDING
-                kept = accepted(drafts, tokens[first : first_rows[i + 1]])
-                new = tokens[first : first + kept + 1]
-                del seq.token_ids[seq.num_known :]
-                seq.token_ids += new
-                seq.num_drafts = 0
+            if drafts:  # the drafts the target confirms and its token after them
+                new = seq.settle(tokens[first : first_rows[i + 1]])
+                kept = len(new) - 1
                 assert seq.speculation is not None
                 seq.speculation.observe(len(drafts), kept, seq.num_generated)
                 if penalised(seq.params):
                     self.sampler.count_tokens([(seq, new[1:])])  # (the first: its own row counted it)
                 step.verified, step.kept = step.verified + len(drafts), step.kept + kept
             else:  # its token, and any run its grammar forced after it
-                forced, at = step.forced.get(i, []), seq.num_known  # at: its first PENDING token
-                seq.token_ids[at] = REFUSED if i in refused else tokens[first]
-                new = [seq.token_ids[at], *forced]
-                seq.num_forced -= len(forced)
-            seq.num_pending -= 1
+                new = seq.settle([REFUSED if i in refused else tokens[first]])
             step.outcome += [
                 (seq, token, logprobs.get(first + j) if j <= len(drafts) else None) for j, token in enumerate(new)
             ]
@@ -466,12 +452,9 @@ class ModelRunner:
     def _place_forced(self, step: LaunchedStep, runs: dict[int, list[int]]) -> None:
         """Forced runs at the end of the sequences of rows of `step`, by row: after the row's PENDING token and any
         run placed after it already (a chunk cut short by the step's budget did not sample in the step after), in
-        their token_ids and penalties' counts, handed out with that token by complete()."""
+        their tails and penalties' counts, handed out with that token by complete() (Sequence.settle)."""
         for i, forced in runs.items():
-            seq = step.sampling[i]
-            seq.token_ids += forced
-            seq.num_forced += len(forced)
-            step.forced.setdefault(i, []).extend(forced)
+            step.sampling[i].force(forced)
         self.sampler.count_tokens(
             [(step.sampling[i], f) for i, f in runs.items() if penalised(step.sampling[i].params)]
         )
@@ -502,12 +485,6 @@ class ModelRunner:
         inputs = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
         step = DeviceStep(inputs, one(-1), one(0), one(), one())
         self._sample(step, run_through(self._forward(step)))
-
-
-def drop_pending(seq: Sequence) -> None:
-    """A finished sequence's samples past its end and drafts, never read."""
-    del seq.token_ids[seq.num_known :]
-    seq.num_pending = seq.num_drafts = seq.num_forced = 0
 
 
 def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
@@ -580,9 +557,9 @@ def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[in
     sample_positions: list[int] = []
     for c in chunks:
         seq, start, end = c.seq, c.start, c.start + c.length
-        table, known = seq.table.block_ids, len(seq.token_ids)
-        ids += seq.token_ids[start:end]
-        if seq.num_pending and start <= (at := seq.num_known) < end:  # the step in flight's sample (its last token,
+        table, known = seq.table.block_ids, seq.num_tokens
+        ids += seq.tokens(start, end)
+        if seq.num_inflight and start <= (at := seq.num_known) < end:  # the step in flight's sample (its last token,
             pending.append(len(ids) - end + at)  # or before a run its grammar forced)
             ids[pending[-1]] = 0
             pending_from.append(last_rows[seq.id])

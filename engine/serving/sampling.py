@@ -52,7 +52,7 @@ class Sampler:
         if penalised(p):
             t.counts[slot].zero_()
             t.in_prompt[slot].zero_()
-            prompt = self._staged(seq.token_ids[: seq.num_prompt_tokens], torch.int64)
+            prompt = self._staged(seq.prompt_token_ids, torch.int64)
             t.in_prompt[slot].index_fill_(0, prompt.to(self.device, non_blocking=True), 1)
 
     def _staged(self, values: list, dtype: torch.dtype) -> torch.Tensor:

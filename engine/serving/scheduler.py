@@ -39,7 +39,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
-        return self.start + self.length == len(self.seq.token_ids)
+        return self.start + self.length == self.seq.num_tokens
 
 
 PACE = 2.0  # a step that carries prefill tokens takes at most this many times a decode step of every session
@@ -113,14 +113,14 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         # drafts only where they pay for the overlap they give up (may_draft), in the rows the step has left; weighed
         # only where some sequence has all its tokens on the host (not after an overlapped step: the common one)
-        may = any(seq.speculation is not None and not seq.num_pending for seq in self.running) and self.may_draft()
+        may = any(seq.speculation is not None and not seq.num_inflight for seq in self.running) and self.may_draft()
         drafts = self._draft_rows() if may else 0
         for seq in sorted(self.running, key=is_prefilling):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
             n = min(seq.num_to_compute, budget)
             prefilling = is_prefilling(seq)
-            if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_pending:
+            if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_inflight:
                 n += self._draft(seq, min(drafts, budget - 1))
                 drafts -= n - 1
             if prefilling:
@@ -147,11 +147,10 @@ class Scheduler:
         if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine.py)
             proposed = [0] * max(k, 0)
         else:
-            proposed = spec.index.propose(seq.token_ids, len(seq.token_ids), k)
-        if not proposed or not self.blocks.can_allocate(seq.table, len(seq.token_ids) + len(proposed)):
+            proposed = spec.index.propose(seq.token_ids, seq.num_known, k)
+        if not proposed or not self.blocks.can_allocate(seq.table, seq.num_tokens + len(proposed)):
             return 0
-        seq.token_ids += proposed
-        seq.num_drafts = len(proposed)
+        seq.propose(proposed)
         return len(proposed)
 
     def may_draft(self) -> bool:
@@ -183,10 +182,10 @@ class Scheduler:
         return self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
 
     def drop_rejected(self, seq: Sequence) -> None:
-        """After a step verified a sequence's drafts (its token_ids hold the kept ones and the target's next
-        token): the cache keeps the K/V of the tokens before that next token, and the blocks past them go back; a
-        draft model's cache keeps no more (its K/V of refused drafts is stale, whether or not the next step drafts)."""
-        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
+        """After a step verified a sequence's drafts (its tokens hold the kept ones and the target's next token):
+        the cache keeps the K/V of the tokens before that next token, and the blocks past them go back; a draft
+        model's cache keeps no more (its K/V of refused drafts is stale, whether or not the next step drafts)."""
+        seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
         self.blocks.truncate(seq.table, seq.num_computed)
         if seq.speculation is not None:
             seq.speculation.draft_computed = min(seq.speculation.draft_computed, seq.num_computed)
@@ -197,8 +196,7 @@ class Scheduler:
         while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
             victim = self.running[-1]
             if victim.num_drafts:  # drafted earlier in this loop (no step in flight holds drafts: engine.py)
-                del victim.token_ids[-victim.num_drafts :]
-                victim.num_drafts = 0
+                victim.drop()
             self.preempt(victim)
             chunks = [c for c in chunks if c.seq is not victim]
             if victim is seq:
@@ -243,12 +241,12 @@ class Scheduler:
         chunk of no tokens placed after that chunk (step_lists gives it the same logits row)."""
         if seq.table.block_ids or seq.num_computed or seq.num_generated:
             return False
-        n = len(seq.token_ids)
+        n = seq.num_tokens
         # not from drafts: their blocks are written again where they are rejected
         same = lambda c: (
             c.length
             and c.samples
-            and not c.seq.num_pending
+            and not c.seq.num_inflight
             and not c.seq.num_drafts
             and c.seq.token_ids == seq.token_ids
         )
@@ -269,11 +267,11 @@ class Scheduler:
         again (seq holds no blocks yet; what is computed is in the prefix cache once its blocks are full)."""
         if seq.table.block_ids:
             return False
-        bs, prompt = self.blocks.block_size, seq.token_ids[: seq.num_prompt_tokens]
+        bs, prompt = self.blocks.block_size, seq.prompt_token_ids
         for other in self.running:
             if other.num_computed >= other.num_prompt_tokens or other.token_ids[:bs] != prompt[:bs]:
                 continue
-            common = len(os.path.commonprefix([prompt, other.token_ids[: other.num_prompt_tokens]]))
+            common = len(os.path.commonprefix([prompt, other.prompt_token_ids]))
             if other.num_computed // bs < common // bs:
                 return True
         return False
@@ -281,7 +279,7 @@ class Scheduler:
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """A sequence that holds no blocks starts after the longest prefix of it the cache holds."""
         if seq.num_computed == 0 and not seq.table.block_ids:
-            cached = self.blocks.match_prefix(seq.token_ids, seq.table)
+            cached = self.blocks.match_prefix(seq.tokens(0, seq.num_tokens), seq.table)
             seq.num_computed = cached
             if seq.first_token_time is None:
                 seq.num_cached = cached

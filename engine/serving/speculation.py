@@ -80,7 +80,7 @@ class NgramIndex:
     short: dict[tuple[int, ...], int] = field(default_factory=dict)  # MIN_NGRAM
     short_indexed: int = 0
 
-    def propose(self, tokens: list[int], known: int, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], known: int, k: int) -> list[int]:
         """The k tokens that followed the latest earlier occurrence of the longest suffix of tokens[:known] that
         occurred before (n from MAX_NGRAM down to MIN_NGRAM); [] if none did."""
         if k <= 0 or known < 2:
@@ -97,7 +97,7 @@ class NgramIndex:
                 return drafts
         return []
 
-    def may_match(self, tokens: list[int], known: int) -> bool:
+    def may_match(self, tokens: Sequence[int], known: int) -> bool:
         """Whether the next token is likely to give tokens[:known] and it a suffix that propose finds: the last
         MIN_NGRAM known tokens occurred before, with a known token after them (if the next is that token, a match of
         MIN_NGRAM + 1 follows)."""
@@ -107,7 +107,9 @@ class NgramIndex:
         return tuple(tokens[known - MIN_NGRAM : known]) in self.short
 
 
-def index(latest: dict[tuple[int, ...], int], lengths: Sequence[int], tokens: list[int], start: int, known: int) -> int:
+def index(
+    latest: dict[tuple[int, ...], int], lengths: Sequence[int], tokens: Sequence[int], start: int, known: int
+) -> int:
     """Record in `latest` the n-grams (n in lengths) of tokens[:known] that end at positions start .. known - 2
     (each has a known token after it); returns the position indexed up to."""
     for end in range(start, known - 1):

@@ -422,8 +422,8 @@ def test_a_draft_model_reads_only_what_it_computed_for_the_tokens_there_now(tiny
     turns = itertools.count()
 
     def recording_step(self, chunks):
-        for seq, start, end in chunks:
-            written.setdefault(seq.id, {}).update((q, seq.token_ids[q]) for q in range(start, end))
+        for seq, start, ids in chunks:
+            written.setdefault(seq.id, {}).update(zip(range(start, start + len(ids)), ids, strict=True))
         return step(self, chunks)
 
     def checked_first_computed(seq):
