@@ -269,7 +269,7 @@ def open_client(model, device, config, process: bool):
 
     if not process:
         b = wl.open_engine(model, device, config)
-        return b, b.label, wl.engine_info(b.engine)
+        return b, b.label, wl.engine_info(b.engine.core)
     from dataclasses import replace
 
     from llamaterm.engine.serving.process import EngineProcess
@@ -309,7 +309,7 @@ def run_bench(
     client = inline.engine if inline else opened
     try:
         ctx = client.max_context
-        vocab = client.model.config.vocab_size if inline else client.vocab_size
+        vocab = client.vocab_size
         sessions = wl.Sessions(client, what.chat, what.sampling, vocab, grammar=what.grammar)
         t = time.perf_counter()
         list(sessions.start(8, 1).events())

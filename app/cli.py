@@ -135,7 +135,8 @@ def load_engine(
         model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions), **(speculate or {})
     )
     engine = Engine.from_model(config)
-    note(f"{engine.model_name} on {engine.device}: start-up {startup_split({'imports': imports, **engine.startup_s})}")
+    startup = startup_split({"imports": imports, **engine.core.startup_s})
+    note(f"{engine.model_name} on {engine.device}: start-up {startup}")
     return engine
 
 

@@ -125,18 +125,24 @@ class RemoteEngine:
 
     def submit(
         self,
-        prompt: list[dict] | str,
+        prompt: list[dict] | str | None,
         params: SamplingParams | None = None,
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
         parse_special: bool = True,
+        prompt_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
     ) -> RemoteStream:
-        """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
+        """Returns at once; the server's answer, a refusal included, arrives as the stream's events. A server takes
+        text: token ids are refused here. tools go as OpenAI's, for its template to render, the reply read as text
+        (tool_choice "none")."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
+        if prompt_ids is not None:
+            raise RequestError("a server takes prompts as text or chat messages, not token ids")
         params = params or SamplingParams()
-        path, body = request_body(self.model_name, prompt, params, raw, enable_thinking, parse_special)
+        path, body = request_body(self.model_name, prompt or "", params, raw, enable_thinking, parse_special, tools)
         body |= {"return_token_ids": True} if self.token_ids else {}
         try:
             content = json.dumps(body, ensure_ascii=False).encode()
@@ -375,6 +381,7 @@ def request_body(
     raw: bool,
     enable_thinking: bool | None = None,
     parse_special: bool = True,
+    tools: list[dict] | None = None,
 ) -> tuple[str, dict]:
     """The path and JSON body of a streamed request. Sampling values the user left unset (params.unset) are left
     out, for the server's defaults, so strict servers see none beyond OpenAI's own (top_k, min_p,
@@ -382,7 +389,8 @@ def request_body(
     server's default would filter). ignore_eos goes only where set; so do the template's thinking switch
     (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it) and a raw prompt's literal reading
     (parse_special, as llama.cpp's server names it). Logprobs go as OpenAI asks for them: chat's logprobs and
-    top_logprobs, a text completion's logprobs (the count)."""
+    top_logprobs, a text completion's logprobs (the count). A chat's tools go with tool_choice "none": rendered in
+    the prompt, the reply read as text."""
     body: dict = {
         "model": model,
         "stream": True,
@@ -411,6 +419,8 @@ def request_body(
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if enable_thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+    if tools:
+        body |= {"tools": tools, "tool_choice": "none"}
     return "/chat/completions", body | {"messages": messages}
 
 

@@ -192,9 +192,12 @@ class EngineClient(Protocol):
     which submit does not wait for, arrives as the stream's error event).
 
     sampling_defaults: the model's recommended sampling values, which user-facing commands apply to what the user
-    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here. raw: the prompt is the
-    model's input, no chat template; its special-token text ('<|im_start|>') becomes those tokens unless
-    parse_special=False."""
+    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here.
+
+    submit's prompt: chat messages, or a string (a user message; with raw, the model's input, no chat template, its
+    special-token text ('<|im_start|>') those tokens unless parse_special=False); or prompt_ids, token ids as they
+    are (an engine of this machine's). enable_thinking: the chat template's thinking switch (None: the template's
+    default). tools: what the chat template renders of the request's tools (engine/tool_calls.py for_template)."""
 
     model_name: str
     device: str
@@ -203,12 +206,14 @@ class EngineClient(Protocol):
 
     def submit(
         self,
-        prompt: list[dict] | str,
+        prompt: list[dict] | str | None,
         params: SamplingParams | None = None,
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
         parse_special: bool = True,
+        prompt_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
     ) -> RequestStream: ...
 
     def cancel(self, handle: RequestStream | int) -> None: ...

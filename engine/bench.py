@@ -21,7 +21,8 @@ from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.device import resolve_device
-from llamaterm.engine.serving.engine import Engine, Sink, triton_cache_key_beside
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore, triton_cache_key_beside
 from llamaterm.engine.serving.model import Model, Weight
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
@@ -154,13 +155,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def open_engine(model: str | None, device: str | None, config: EngineConfig, sink: Sink | None = None) -> Bench:
-    """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`."""
+def open_engine(model: str | None, device: str | None, config: EngineConfig) -> Bench:
+    """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`, in this process."""
+    core, label, path, quantized = open_core(model, device, config)
+    return Bench(Engine(core), label, path, quantized)
+
+
+def open_core(model: str | None, device: str | None, config: EngineConfig) -> tuple[EngineCore, str, str | None, bool]:
+    """open_engine's core, and what the tables call the model, its checkpoint and whether it is quantized."""
     if not is_synthetic(model):
-        engine = Engine.from_model(replace(config, model=model, device=device), sink=sink)
+        core = EngineCore.from_model(replace(config, model=model, device=device))
         from llamaterm.engine.store.model_store import resolve_model
 
-        return Bench(engine, engine.model_name, str(resolve_model(model)), True)
+        return core, core.model_name, str(resolve_model(model)), True
     assert model is not None
     name, quantized = parse_synthetic(model)
     dev = resolve_device(device)
@@ -169,11 +176,11 @@ def open_engine(model: str | None, device: str | None, config: EngineConfig, sin
         m = synthetic_model(name, quantized, dev)
         sync(dev)
         made = time.perf_counter() - t
-    engine = Engine(m, SyntheticTokenizer(m.config.vocab_size), config, name=m.config.name, sink=sink)  # type: ignore[arg-type]
-    engine.startup_s = {"make random weights": made, **engine.startup_s}
+    core = EngineCore(m, SyntheticTokenizer(m.config.vocab_size), config, name=m.config.name)  # type: ignore[arg-type]
+    core.startup_s = {"make random weights": made, **core.startup_s}
     fmt = SYNTHETIC[name][1]
     label = f"{m.config.name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
-    return Bench(engine, label, None, quantized)
+    return core, label, None, quantized
 
 
 def weight_bytes(model: Model) -> int:
@@ -195,14 +202,14 @@ def read_bytes(w: Weight) -> int:
     return size(w.packed) + size(w.scales) + size(w.offsets)
 
 
-def engine_info(engine: Engine) -> dict:
+def engine_info(core: EngineCore) -> dict:
     """What the bench tables need of an engine: where start-up went, the weight bytes a decode step reads, CUDA
     graphs or not, the dense copies kept for prefill."""
     return {
-        "startup_s": engine.startup_s,
-        "weight_bytes": weight_bytes(engine.model),
-        "cuda_graphs": engine.runner.graphs is not None,
-        "dense_weight_bytes": engine.dense_weight_bytes,
+        "startup_s": core.startup_s,
+        "weight_bytes": weight_bytes(core.model),
+        "cuda_graphs": core.runner.graphs is not None,
+        "dense_weight_bytes": core.dense_weight_bytes,
     }
 
 
@@ -353,7 +360,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
     rng = random.Random(1)
     client = sessions.client
     if isinstance(client, Engine):
-        client.max_step_s = 0.0
+        client.core.max_step_s = 0.0
     t0 = time.perf_counter()
     lo, hi = t0 + warmup_s, t0 + warmup_s + window_s
     log = drive(
@@ -368,7 +375,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
             "p99": 1e3 * percentile(gaps, 0.99),
             "max": 1e3 * max(gaps, default=0.0),
         },
-        "max_step_ms": 1e3 * client.max_step_s if isinstance(client, Engine) else None,
+        "max_step_ms": 1e3 * client.core.max_step_s if isinstance(client, Engine) else None,
     }
     if len(log.window_stats) == 2:
         a, b = log.window_stats
@@ -440,19 +447,19 @@ def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Pro
     """Host launch calls and GPU kernels per engine step (torch profiler, CUDA only) while one session runs on an
     otherwise idle engine: a replayed graph is one launch for all its kernels. A 1-token prompt makes every step
     a one-token (decode) step; tokens=1 makes one prefill step."""
-    if engine.model.device.type != "cuda":
+    if engine.core.model.device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):  # a larger step size's graph is captured once two steps used it (cuda_graph.py)
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
-    while engine.runner.background_pending(idle=True):  # captured in the background
+    while engine.core.runner.background_pending(idle=True):  # captured in the background
         time.sleep(0.01)
-    steps = engine.num_steps
+    steps = engine.core.num_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
-        sync(engine.model.device)
-    steps = max(1, engine.num_steps - steps)
+        sync(engine.core.model.device)
+    steps = max(1, engine.core.num_steps - steps)
     events = prof.events()
     launches = sum(e.name in LAUNCH_CALLS for e in events)
     kernels = sum(
@@ -475,7 +482,7 @@ class GreedyRuns:
 def our_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> GreedyRuns:
     """Each prompt is new to the engine (no cached prefix), so TTFT includes the whole prefill."""
     engine = bench.engine
-    runs = GreedyRuns(sum(engine.startup_s.values()), [], [], [])
+    runs = GreedyRuns(sum(engine.core.startup_s.values()), [], [], [])
     for prompt in prompts:
         handle = engine.submit(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompt)
         times: list[float] = []
@@ -497,7 +504,7 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
     import transformers
 
     engine = bench.engine
-    dev, dtype = engine.model.device, engine.model.dtype
+    dev, dtype = engine.core.model.device, engine.core.model.dtype
     t = time.perf_counter()
     hf: Any  # transformers' own stubs type .to(dtype) and the config's fields loosely
     if bench.path is not None and bench.path.endswith(".gguf"):
@@ -508,7 +515,7 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
     elif bench.path is not None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(bench.path, dtype=dtype)
     else:
-        c = engine.model.config
+        c = engine.core.model.config
         shapes: dict[str, Any] = dict(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
@@ -553,16 +560,16 @@ def linear_params(model: Model) -> tuple[int, int]:
 def grid_cell(engine: Engine, batch: int, prompt_len: int, out_len: int, prompts: Prompts) -> dict:
     """The ColossalAI / vLLM table's cell: a static batch of token-id prompts, greedy, prompt_len in and out_len out,
     timed whole."""
-    dev = engine.model.device
+    dev = engine.core.model.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    sessions = Sessions(engine, False, GREEDY, engine.model.config.vocab_size)
+    sessions = Sessions(engine, False, GREEDY, engine.core.model.config.vocab_size)
     sessions.prompts = prompts
     t = time.perf_counter()
     drive(sessions, batch, lambda: sessions.start(prompt_len, out_len), False)
     elapsed = time.perf_counter() - t
-    c = engine.model.config
-    blocks, head = linear_params(engine.model)
+    c = engine.core.model.config
+    blocks, head = linear_params(engine.core.model)
     total = prompt_len + out_len  # token p attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add
     flops = batch * (
         2 * blocks * total + 2 * head * out_len + 4 * c.n_layers * c.n_heads * c.head_dim * total * (total + 1) // 2
@@ -624,7 +631,7 @@ def speculation_run(
     engine speculating as `speculate` says: the decode rate from each wave's first token to its last, tokens per
     step, and the drafts' acceptance. Seeds are fixed, so with and without speculation the replies are the same
     tokens (checked by the caller)."""
-    engine.speculate = speculate
+    engine.core.speculate = speculate
     before = engine.stats()
     handles, seconds = [], 0.0
     for start in range(0, max(sessions, len(prompts)), sessions):
@@ -633,10 +640,10 @@ def speculation_run(
         ]
         for h in wave:
             list(h.events())
-        seconds += max(h.finish_time or 0.0 for h in wave) - min(h.seq.first_token_time or 0.0 for h in wave)
+        seconds += max(h.end or 0.0 for h in wave) - min(h.first_token or 0.0 for h in wave)
         handles += wave
     after = engine.stats()
-    tokens = sum(len(h.seq.generated) for h in handles)
+    tokens = sum(len(h.token_ids) for h in handles)
     drafted, kept = after.drafted - before.drafted, after.kept - before.kept
     return {
         "tok_s": (tokens - len(handles)) / seconds if seconds > 0 else 0.0,  # the tokens after each first one
@@ -647,7 +654,7 @@ def speculation_run(
         "draft_steps": after.draft_steps - before.draft_steps,
         "serial_steps": after.serial_steps - before.serial_steps,
         "acceptance": kept / drafted if drafted else None,
-        "replies": [h.seq.generated for h in handles],
+        "replies": [h.token_ids for h in handles],
     }
 
 
@@ -674,7 +681,7 @@ def speculation_table(
         progress(f"speculation: {workload}, {sampling}, {n} sessions")
         params = SamplingParams(max_tokens=max_tokens, **values)
         speculation_run(engine, prompts, n, replace(params, max_tokens=16), speculate)  # warm: graphs, buckets
-        while engine.runner.background_pending(idle=True):  # the graphs captured when idle, before the runs
+        while engine.core.runner.background_pending(idle=True):  # the graphs captured when idle, before the runs
             time.sleep(0.01)
         off = speculation_run(engine, prompts, n, params, "off")
         on = speculation_run(engine, prompts, n, params, speculate)
@@ -696,5 +703,5 @@ def speculation_table(
                 "same_tokens": on["replies"] == off["replies"],
             }
         )
-    engine.speculate = speculate
+    engine.core.speculate = speculate
     return rows

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
-from llamaterm.engine.api import EngineClient, RequestStream
-from llamaterm.engine.sampling_params import SamplingParams
+from llamaterm.engine.api import EngineClient
 
 if TYPE_CHECKING:
     from llamaterm.engine.checkpoints.tokenizer import Tokenizer
@@ -32,21 +31,10 @@ class SupervisedEngine(EngineClient, Protocol):
     exited: threading.Event  # set once it has exited and its requests have ended with an error event
     tokenizer: Tokenizer
 
-    def submit(
-        self,
-        prompt: list[dict] | str | None,
-        params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
-        tools: list[dict] | None = None,
-    ) -> RequestStream: ...
-
     @property
     def exitcode(self) -> int | None: ...  # once shut down
 
-    def together(self) -> AbstractContextManager[None]: ...  # requests submitted inside reach the engine together
+    def together(self) -> AbstractContextManager[object]: ...  # requests submitted inside reach the engine together
 
 
 def exit_text(code: int | None) -> str:

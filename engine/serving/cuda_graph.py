@@ -137,7 +137,7 @@ class StepGraphs:
         self.offsets, size = {}, 0
         for name, n in sizes.items():
             self.offsets[name], size = size, size + n
-        # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
+        # two pinned host buffers in turn: with steps overlapped (engine_core.py), the next step's metadata is written
         # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
         pinned = device.type == "cuda"  # (on the CPU, tests run the padded steps with the captures stubbed)
         self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]

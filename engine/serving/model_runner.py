@@ -4,7 +4,7 @@ batched sampler (replayed from a CUDA graph where one fits), and starts the copy
 logits never leave the device. It owns the KV cache, the CUDA graphs and the sampler's tables, and warms the model
 up before the first request.
 
-Steps overlap (engine/serving/engine.py): the next step is launched before this one's tokens reach the host. The
+Steps overlap (engine/serving/engine_core.py): the next step is launched before this one's tokens reach the host. The
 whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is in flight, PENDING
 in its tail (engine/serving/sequence.py); a step whose input is a pending token takes it from the last launched
 step's tokens, on the device.
@@ -30,7 +30,7 @@ A sequence with drafts (engine/serving/speculation.py) has them before its PENDI
 at its last known token and one at each draft, and `complete` confirms the drafts the sampled tokens confirm and the
 token after them (Sequence.settle; Scheduler.drop_rejected then shrinks its cache). Drafts are proposed from
 tokens on the host, so a step with drafts completes before the next one is scheduled, as does the step before one
-that may draft (engine.py): no step in flight holds drafts when the scheduler runs, and no input of a step is a
+that may draft (engine_core.py): no step in flight holds drafts when the scheduler runs, and no input of a step is a
 draft step's pending token.
 """
 

@@ -117,7 +117,7 @@ class Scheduler:
         drafts = self._draft_rows() if may else 0
         for seq in sorted(self.running, key=is_prefilling):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
-                continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
+                continue  # last token is sampled and only waits to reach the host (engine_core.py: steps overlap)
             n = min(seq.num_to_compute, budget)
             prefilling = is_prefilling(seq)
             if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_inflight:
@@ -144,7 +144,7 @@ class Scheduler:
         spec = seq.speculation
         assert spec is not None
         k = min(most, spec.length.k(seq.num_generated), seq.max_tokens - seq.num_generated - 1)
-        if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine.py)
+        if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine_core.py)
             proposed = [0] * max(k, 0)
         else:
             proposed = spec.index.propose(seq.token_ids, seq.num_known, k)
@@ -154,14 +154,15 @@ class Scheduler:
         return len(proposed)
 
     def may_draft(self) -> bool:
-        """Drafting pays in the next step, so the engine completes the step in flight before it schedules (engine.py:
-        drafts are proposed from tokens on the host), giving up the overlap of the two: the drafts the step has rows
-        for (speculate_tokens, less a row per sequence) are expected to bring more tokens than that costs a batch,
-        BATCH_OVERLAP_COST of a step of every running sequence. A draft is expected to bring the chance it is kept
-        (DraftLength.chances); a sequence drafts when it is not pausing and, with prompt lookup, a proposal is likely
-        to follow its known tokens. A lone sequence's drafting is its DraftLength's to weigh: it pauses when its drafts
-        are seldom kept, and starts again afresh, where a weighing here would hold it back for good on a low average
-        (the offline replay of tests/benchmarks/draft_policy.py: editing at one session 1.66x against 2.25x)."""
+        """Drafting pays in the next step, so the engine completes the step in flight before it schedules
+        (engine_core.py: drafts are proposed from tokens on the host), giving up the overlap of the two: the drafts
+        the step has rows for (speculate_tokens, less a row per sequence) are expected to bring more tokens than
+        that costs a batch, BATCH_OVERLAP_COST of a step of every running sequence. A draft is expected to bring the
+        chance it is kept (DraftLength.chances); a sequence drafts when it is not pausing and, with prompt lookup, a
+        proposal is likely to follow its known tokens. A lone sequence's drafting is its DraftLength's to weigh: it
+        pauses when its drafts are seldom kept, and starts again afresh, where a weighing here would hold it back
+        for good on a low average (the offline replay of tests/benchmarks/draft_policy.py: editing at one session
+        1.66x against 2.25x)."""
         rows = self._draft_rows()
         if rows <= 0:
             return False
@@ -195,7 +196,7 @@ class Scheduler:
         returns the chunks without those of the preempted."""
         while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
             victim = self.running[-1]
-            if victim.num_drafts:  # drafted earlier in this loop (no step in flight holds drafts: engine.py)
+            if victim.num_drafts:  # drafted earlier in this loop (no step in flight holds drafts: engine_core.py)
                 victim.drop()
             self.preempt(victim)
             chunks = [c for c in chunks if c.seq is not victim]
@@ -281,7 +282,7 @@ class Scheduler:
         if seq.num_computed == 0 and not seq.table.block_ids:
             cached = self.blocks.match_prefix(seq.tokens(0, seq.num_tokens), seq.table)
             seq.num_computed = cached
-            if seq.first_token_time is None:
+            if seq.num_known == seq.num_prompt_tokens:  # its first admission, or one before its first token
                 seq.num_cached = cached
 
     def _admit(self, seq: Sequence, n: int) -> None:

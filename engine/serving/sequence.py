@@ -12,8 +12,6 @@ tokens are read-only to everyone else (token_ids is typed so: mypy refuses a wri
 """
 
 import enum
-import time
-from collections import deque
 from collections.abc import Sequence as ReadOnly
 from dataclasses import InitVar, dataclass, field
 
@@ -49,9 +47,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
     speculation: Speculation | None = None  # None: it never drafts (off, penalties, a grammar)
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    token_times: deque = field(default_factory=lambda: deque(maxlen=32))  # for the sliding-window rate
+    num_emitted: int = 0  # tokens of its reply the engine core has handed out (max_tokens bounds them)
 
     def __post_init__(self, prompt: list[int]) -> None:
         self.num_prompt_tokens = len(prompt)

@@ -36,15 +36,15 @@ def main() -> None:
     for name in args.models.split(","):
         bench = wl.open_engine(wl.SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
         engine = bench.engine
-        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)
+        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.core.model.config.vocab_size)
         try:
-            gb = wl.weight_bytes(engine.model) / 1e9
+            gb = wl.weight_bytes(engine.core.model) / 1e9
             one = wl.static_rate(sessions, 1, 128, 128)
             many = wl.static_rate(sessions, 64, 128, 128)
-            graph = engine.runner.graphs.graphs[1].forward
+            graph = engine.core.runner.graphs.graphs[1].forward
             kernels = kernel_table(graph, rows=0)[0].split()[0]
             print(
-                f"| {engine.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "
+                f"| {engine.core.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "
                 f"{100 * gb * one * 1e9 / bandwidth:.0f}% | {replay_ms(graph):.3f} ms | {kernels} | {many:,.1f} |",
                 flush=True,
             )

@@ -19,6 +19,7 @@ from llamaterm.engine.serving import scheduler, speculation
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.draft_model import DraftModel
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, MIN_NGRAM, NgramIndex, accepted
@@ -118,7 +119,7 @@ def replies(engine, requests) -> list[list[int]]:
     handles = [engine.submit(None, params, prompt_ids=prompt) for prompt, params in requests]
     for h in handles:
         list(h.events())
-    return [h.seq.generated for h in handles]
+    return [h.token_ids for h in handles]
 
 
 def alone_without_drafts(tiny, requests) -> list[list[int]]:
@@ -128,7 +129,7 @@ def alone_without_drafts(tiny, requests) -> list[list[int]]:
 
 
 def assert_every_block_back(engine) -> None:
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert bm.num_free == bm.num_blocks
     assert all(block.ref_count == 0 for block in bm.blocks.values())  # none freed twice (it would be -1)
     assert sorted(bm.free) == sorted(bm.blocks)  # every block used is in the free queue
@@ -159,7 +160,7 @@ def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k
             handle = engine.submit(None, stop, prompt_ids=prompt)
             streamed = [t for event in handle.events() for t in event.token_ids]
             ends = next(i for i in range(1, n + 1) if text(n) in text(i))
-            assert streamed == reply[:ends] == handle.seq.generated and handle.stats().generated_tokens == ends
+            assert streamed == reply[:ends] == handle.token_ids and handle.stats().generated_tokens == ends
         assert engine.stats().kept >= 8
         assert_every_block_back(engine)
 
@@ -225,8 +226,8 @@ def assert_preempting_replies(engine, requests, expected) -> None:
     """The engine's replies, on a pool small enough that sequences are preempted: as expected, with drafts, and
     every block back at the end."""
     preempted = []
-    preempt = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
+    preempt = engine.core.scheduler.preempt
+    engine.core.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
     assert replies(engine, requests) == expected
     assert preempted and engine.stats().drafted > 0
     assert_every_block_back(engine)
@@ -245,7 +246,7 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed
     tokens its sequence kept."""
     fixed_k(8)
     with make_engine(tiny, block_size=4) as engine:
-        bm, scheduler = engine.block_manager, engine.scheduler
+        bm, scheduler = engine.core.block_manager, engine.core.scheduler
         seen = []
         drop = scheduler.drop_rejected
 
@@ -385,7 +386,7 @@ def draft_engine(tiny, draft_path, **kwargs) -> Engine:
     draft = load_gguf(draft_path)
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
     draft_model = Model(draft.config, draft.tensors, torch.device("cpu"), torch.float32)
-    return Engine(model, tokenizer, EngineConfig(speculate="draft", **kwargs), draft=draft_model)
+    return Engine(EngineCore(model, tokenizer, EngineConfig(speculate="draft", **kwargs), draft=draft_model))
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -462,15 +463,17 @@ def test_greedy_drafts_on_the_gpu_through_graphs_and_overlapped_steps(tmp_path, 
         tmp_path / "tiny.gguf", vocab_from=None, vocab_size=512, hidden=256, n_heads=8, intermediate=512, seed=5
     )
     ckpt = load_gguf(path)
-    cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer())
+    cpu = Engine(EngineCore(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer()))
     fixed_k(k)
     gpu = Engine(
-        Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
-        SyntheticTokenizer(),
-        EngineConfig(max_running=8, max_batch_tokens=64),
+        EngineCore(
+            Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
+            SyntheticTokenizer(),
+            EngineConfig(max_running=8, max_batch_tokens=64),
+        )
     )
     try:
-        assert gpu.runner.graphs is not None and gpu.overlap
+        assert gpu.core.runner.graphs is not None and gpu.core.overlap
         prompts = [[p % 512 for p in prompt] for prompt in repetitive_prompts(6, seed=40 + k)]
         requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
         for prompt, generated in zip(prompts, replies(gpu, requests), strict=True):
@@ -533,7 +536,7 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
     prompt = [1, 2, 0, 1, 2, 1, 1, 2, 2, 1, 2, 3, 1, 2]
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
     # rows for 64 sequences and a draft each, however many wait
-    with Engine(model, SyntheticTokenizer(vocab), EngineConfig(speculate_tokens=128)) as engine:
+    with Engine(EngineCore(model, SyntheticTokenizer(vocab), EngineConfig(speculate_tokens=128))) as engine:
         p = lambda ids: torch.softmax(our_last_logits(engine, prompt + ids).double() / temperature, -1)
         expected = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
         for a in range(vocab):
@@ -558,8 +561,8 @@ def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypa
     expected = alone_without_drafts(tiny, requests)
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], max_running=4, max_batch_tokens=64) as engine:
-        draft = engine.draft
-        max_blocks = -(-engine.max_context // engine.block_manager.block_size)
+        draft = engine.core.draft
+        max_blocks = -(-engine.max_context // engine.core.block_manager.block_size)
         draft.graphs = StepGraphs(draft._forward, draft._sample, torch.device("cpu"), 4, 64, max_blocks)
         assert replies(engine, requests) == expected
         assert engine.stats().drafted > 0

@@ -93,14 +93,14 @@ def test_a_template_that_opens_the_block_starts_the_reply_with_the_tag(qwen3_dir
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with Engine.from_model(EngineConfig(model=str(folder), device="cpu", kv_tokens=512)) as e:
         text, handle = e.generate(CHAT, SamplingParams(max_tokens=3, ignore_eos=True))
-        assert text == "<think>" + e.tokenizer.decode(handle.seq.generated)
+        assert text == "<think>" + e.tokenizer.decode(handle.token_ids)
         raw, handle = e.generate("<think>", SamplingParams(max_tokens=3, ignore_eos=True), raw=True)
-        assert raw == e.tokenizer.decode(handle.seq.generated)  # a raw prompt is the caller's: nothing added
+        assert raw == e.tokenizer.decode(handle.token_ids)  # a raw prompt is the caller's: nothing added
         # with tools (the server's path): the engine renders them, and the reply opens with the tag as well
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         handle = e.submit(CHAT, SamplingParams(max_tokens=3, ignore_eos=True), tools=[tool])
         text = "".join(event.text for event in handle.events())
-        assert text == "<think>" + e.tokenizer.decode(handle.seq.generated)
+        assert text == "<think>" + e.tokenizer.decode(handle.token_ids)
 
 
 def test_the_switch_reaches_every_engine_and_server():

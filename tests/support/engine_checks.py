@@ -10,7 +10,7 @@ from llamaterm.engine.serving.model import StepInput
 
 def our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """A single prefill through the model, on a cache of our own (the engine's pool stays untouched)."""
-    model, n = engine.model, len(ids)
+    model, n = engine.core.model, len(ids)
     bs = 16
     nb = -(-n // bs)
     cache = model.allocate_kv_cache(nb, bs)
@@ -34,7 +34,7 @@ def greedy(engine: Engine, ids: list[int], steps: int) -> list[int]:
 
 def logits_at(engine: Engine, ids: list[int], first: int) -> torch.Tensor:
     """Logits predicting ids[first + 1:] and the token after ids, from one forward pass over ids."""
-    model, n, bs = engine.model, len(ids), 16
+    model, n, bs = engine.core.model, len(ids), 16
     nb = -(-n // bs)
     cache = model.allocate_kv_cache(nb, bs)
     dev = model.device

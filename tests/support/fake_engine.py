@@ -127,15 +127,17 @@ class FakeEngine:
 
     def submit(
         self,
-        messages: list[dict] | str,
+        messages: list[dict] | str | None,
         params: SamplingParams | None = None,
         *,
         raw: bool = False,
         enable_thinking: bool | None = None,
         parse_special: bool = True,
+        prompt_ids: list[int] | None = None,
         tools: list[dict] | None = None,
     ) -> FakeHandle:
         params = params or SamplingParams()
+        messages = messages or ""  # (its replies are canned: token ids read as no words)
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         prompt = [tok for m in messages for tok in [f"<{m['role']}>", *words(m["content"])]]

@@ -7,6 +7,7 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
 from tests.support.tiny_models import write_tiny_llama
 
@@ -21,4 +22,4 @@ def tiny(tmp_path_factory):
 def make_engine(tiny, **kwargs) -> Engine:
     ckpt, tokenizer = tiny
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
-    return Engine(model, tokenizer, EngineConfig(**kwargs))
+    return Engine(EngineCore(model, tokenizer, EngineConfig(**kwargs)))

@@ -1,0 +1,546 @@
+"""The engine core: one loop thread that owns the model, the KV cache and the scheduler, and turns requests of
+token ids into token ids. Each step reads schedule -> run -> settle: the scheduler picks the step's chunks, the model
+runner launches them, and the tokens a step sampled are settled into their sequences and handed to the sink, one
+list of TokenOutput a step (engine/serving/output_processor.py turns them into text, in this process or the engine
+process's parent).
+
+The loop never waits on consumers (the sink only queues) and consumers never block the loop (add and abort only
+enqueue). A failure while serving one request fails that request alone.
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from llamaterm.engine.api import EngineConfig, EngineStats, TokenLogprob
+from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, model_sampling_defaults
+from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.errors import LlamatermError, RequestError
+from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
+from llamaterm.engine.serving.device import free_memory, resolve_device
+from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
+from llamaterm.engine.serving.front_end import CoreInfo
+from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
+from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.model_runner import LaunchedStep, ModelRunner
+from llamaterm.engine.serving.output_processor import TokenOutput
+from llamaterm.engine.serving.sampling import penalised
+from llamaterm.engine.serving.scheduler import Scheduler
+from llamaterm.engine.serving.sequence import Sequence, Status
+from llamaterm.engine.serving.speculation import MAX_DRAFT, SPECULATE, Speculation
+from llamaterm.kernels.dispatch import REFERENCES_ONLY
+
+RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
+# What the sink receives per step: a TokenOutput per token or finish, and (request id, prompt tokens served from the
+# prefix cache) for each request whose first token is among them
+Sink = Callable[[list[TokenOutput], list[tuple[int, int]]], None]
+NOT_FINITE = (
+    "the model's next-token scores for this request were NaN or infinite (the weights may be corrupt, or "
+    "fp16 overflowed): try another file of the model, or --device cpu"
+)
+# how long the loop stays idle before the CUDA graphs' background work, so that a request that comes at once (`run`
+# after start-up) goes first; then its pieces follow one another for IDLE_PIECE_S a turn until a request comes
+IDLE_S = 0.05
+IDLE_PIECE_S = 0.002
+IDLE_WAITING_S = 0.0005  # idle, while the work waits for a thread of its own (a graph's instantiation)
+# beside a step, the background work takes this share of the step's own time: of a graph step's usual time, or of
+# an eager step's launch (its Python is most of the step); so no step's tokens wait for it more than a step's time
+PIECE_SHARE = 0.5
+NOT_ALLOWED = "the reply's grammar allows no next token here: the schema or grammar may be unsatisfiable"
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        config: EngineConfig = EngineConfig(),
+        name: str = "",
+        draft: Model | None = None,
+    ):
+        """tokenizer: for its stop tokens and the grammars' vocabulary. draft: the draft model of config.speculate
+        "draft" (from_model loads it and checks its vocabulary). The loop starts with start()."""
+        self.model, self.tokenizer, self.model_name = model, tokenizer, name
+        self.sampling_defaults = LLAMA_CPP_DEFAULTS  # from_model reads the model's
+        self.sink: Sink = lambda outputs, cached: None
+        self._outputs: list[TokenOutput] = []  # this step's, for the sink
+        self._cached: list[tuple[int, int]] = []
+        self.device = str(model.device)
+        self.max_context = model.config.context_length
+        c = config
+        t = time.perf_counter()
+        # prefill-sized steps on the GPU run cuBLAS on dense copies if they take at most a quarter of this engine's
+        # share of the memory left (engines on one device split it, as they split the KV pool)
+        self.dense_weight_bytes = 0
+        if model.device.type == "cuda":
+            self.dense_weight_bytes = model.keep_dense_weights(int(free_memory(model.device) * c.kv_share) // 4)
+            torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
+        dense_s = time.perf_counter() - t
+        check_speculation(c, model, draft)
+        # a draft model's cache has the pool's blocks too (draft_model.py)
+        kv_bytes = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
+        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share, kv_bytes)
+        num_blocks = pool_blocks(kv_tokens, c.block_size, kv_bytes, free_memory(model.device))
+        self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
+        max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
+        self.speculate = c.speculate
+        # a step samples a row per sequence and one per draft: drafts ride while a step has at most speculate_tokens
+        # rows, no more than every sequence drafting the most could use
+        spec_rows = 0 if c.speculate == "off" else min(c.speculate_tokens, c.max_running * (1 + MAX_DRAFT))
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_rows, draft is not None)
+        # steps overlap on CUDA (_loop); on the CPU a launch computes the whole step, so
+        # overlapping would only hold each token back by one step
+        self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
+        with out_of_memory(
+            f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
+            f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})",
+        ):
+            self.runner = ModelRunner(
+                model,
+                num_blocks,
+                c.block_size,
+                c.max_running,
+                max_batch_tokens,
+                c.cuda_graphs,
+                max(c.max_running, spec_rows),
+                max(0, spec_rows - 1),
+                c.fast_forward,
+            )
+        self.draft = None
+        if draft is not None:
+            with out_of_memory("preparing the draft model's KV cache", "give a smaller --kv-tokens"):
+                self.draft = DraftModel(
+                    draft, num_blocks, c.block_size, self.runner.sampler, c.max_running, max_batch_tokens, c.cuda_graphs
+                )
+        # where start-up time went; from_model adds the loading
+        self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
+        self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
+        self.drafted = self.kept = 0  # draft tokens verified, and kept, so far
+        # steps that verified drafts, and steps completed before the next was scheduled for drafting's sake
+        self.draft_steps = self.serial_steps = 0
+        self.host_s = 0.0  # the loop's time outside waits for the device or for work, for per-step figures
+        self._wait_s = 0.0  # this loop turn's wait for the device
+        # the longest step so far, from its scheduling (or the end of the step it queued behind) to its sampled
+        # tokens on the host; benchmarks reset it
+        self.max_step_s = 0.0
+        self._last_done = 0.0  # when the last step's tokens were read
+        # the longest decode step replayed from graphs that the graphs' background work (ModelRunner.background)
+        # ran beside, and its longest turn beside a graph step; when it last ran (start, end); the times of the last
+        # graph steps without it, whose median sets its turns' budget
+        self.max_step_background_s = 0.0
+        self.max_background_turn_s = 0.0
+        self._background = (0.0, 0.0)
+        self._graph_steps_s: deque[float] = deque(maxlen=16)
+        self._requests: dict[int, Sequence] = {}  # those in the loop's hands
+        self._incoming: list[Sequence] = []
+        self._cancels: list[int] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        # (time, tokens) of the steps of the last RATE_WINDOW_S, and their tokens' sum: stats() is read after every
+        # step (the engine process's forwarder, beside the engine's thread), so it adds no loop over them
+        self._step_tokens: deque[tuple[float, int]] = deque()
+        self._window_tokens = 0
+        self._last_batch = 0
+        self._thread = threading.Thread(target=self._loop, name="llamaterm-engine", daemon=True)
+        self.ready_at = 0.0  # serving from here on
+
+    def start(self, sink: Sink) -> None:
+        """Start the loop, its steps' outputs to `sink` (called on the loop's thread)."""
+        self.sink = sink
+        self.ready_at = time.perf_counter()
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, config: EngineConfig = EngineConfig()) -> EngineCore:
+        """Load config.model (a store name or a path; None: the default model) onto config.device."""
+        from llamaterm.engine.store.loader import load_checkpoint
+
+        name = config.model
+        dev = resolve_device(config.device)
+        with triton_cache_key_beside(dev):
+            t0 = time.perf_counter()
+            ckpt, tokenizer, path = load_checkpoint(name)
+            t1 = time.perf_counter()
+            dtype = torch.float32 if dev.type == "cpu" else torch.float16
+            with out_of_memory("loading the weights", "free the GPU, or take a smaller model (or --device cpu)"):
+                model = Model(ckpt.config, ckpt.tensors, dev, dtype)
+        t2 = time.perf_counter()
+        shown = name if name and not Path(name).suffix and "/" not in name else Path(path).stem  # a store name
+        draft = None
+        if config.speculate == "draft" and config.draft:
+            try:
+                draft_ckpt, draft_tokenizer, _ = load_checkpoint(config.draft)
+            except LlamatermError as e:
+                raise LlamatermError(f"--draft {config.draft}: {e}") from None
+            check_vocabulary(draft_tokenizer, tokenizer, config.draft, shown)
+            with out_of_memory("loading the draft model", "take a smaller draft model, or --speculate ngram"):
+                draft = Model(draft_ckpt.config, draft_ckpt.tensors, dev, dtype)
+        t3 = time.perf_counter()
+        core = cls(model, tokenizer, config, name=shown, draft=draft)
+        core.sampling_defaults = model_sampling_defaults(Path(path), ckpt.metadata)
+        core.startup_s = {
+            "read checkpoint": t1 - t0,
+            "weights to device": t2 - t1,
+            **({"draft model": t3 - t2} if draft else {}),
+            **core.startup_s,
+        }
+        return core
+
+    # ---- the front end's side (any thread) ----
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(
+            self.model_name,
+            self.device,
+            self.max_context,
+            self.sequence_limit(),
+            self.model.config.vocab_size,
+            self.sampling_defaults,
+        )
+
+    def pool_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def sequence_limit(self) -> int:
+        """The longest sequence the pool can hold on its own. With a sliding window in every layer a sequence
+        holds only its window and one step's tokens (BlockManager.slide), so any length fits a pool above that."""
+        bm, window = self.block_manager, self.model.config.kv_window()
+        if window is not None and window + self.scheduler.max_batch_tokens + 2 * bm.block_size <= self.pool_tokens():
+            return self.max_context
+        return min(self.max_context, self.pool_tokens())
+
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request the front end has checked (engine/serving/front_end.py), under its id; its sequence (and
+        grammar matcher) is made here, in the caller's thread."""
+        seq = Sequence(
+            id=request_id,
+            prompt=prompt_ids,
+            params=params,
+            max_tokens=min(params.max_tokens, self.sequence_limit() - len(prompt_ids)),
+            seed=params.seed if params.seed is not None else secrets.randbits(64),
+            grammar=None if params.grammar is None else self._vocabulary().matcher(params.grammar),
+        )
+        # a grammar's matcher would need advancing through the drafts; a draft model's draws would count up a
+        # penalised sequence's tokens (its drafts' rows of the model have counts of their own: model_runner.py)
+        if self.speculate != "off" and params.grammar is None and not (self.speculate == "draft" and penalised(params)):
+            seq.speculation = Speculation()
+        with self._cv:
+            if self._stopped:
+                raise RequestError("the engine has shut down")
+            self._incoming.append(seq)
+            self._cv.notify()
+
+    @contextmanager
+    def together(self):
+        """Requests added inside (from this thread) reach the scheduler in one step: a response's n choices of one
+        prompt, which then fork from its one prefill (engine/serving/scheduler.py)."""
+        with self._cv:  # (a reentrant lock: add takes it again)
+            yield
+
+    def ready_grammars(self, grammars: list[Grammar]) -> None:
+        """Build what requests with these grammars need (the vocabulary, each grammar's compiled matcher), so that
+        their add only copies it; one refused is left to its add to refuse."""
+        for grammar in grammars:
+            try:
+                self._vocabulary().check(grammar)
+            except RequestError:
+                continue
+
+    def _vocabulary(self) -> Vocabulary:
+        """The vocabulary grammars are matched over, built by the first request with a grammar, on its thread (0.4 s
+        for the default model, 1.2 s for 152k tokens; llguidance's part releases the GIL)."""
+        return vocabulary(self.tokenizer, self.model.config.vocab_size)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at once and free its blocks; it ends as cancelled. A no-op for unknown or finished
+        requests."""
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify()
+
+    def stats(self) -> EngineStats:
+        now = time.perf_counter()
+        try:  # (the engine's thread may empty the window meanwhile)
+            first, last = self._step_tokens[0][0], self._step_tokens[-1][0]
+        except IndexError:
+            first = last = now
+        span = now - first if now - last <= RATE_WINDOW_S else 0.0  # no step for a whole window: no rate
+        return EngineStats(
+            model=self.model_name,
+            device=self.device,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self._incoming),
+            batch_size=self._last_batch,
+            kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free,
+            kv_blocks_total=self.block_manager.num_blocks,
+            tokens_per_s=self._window_tokens / span if span > 0.05 else 0.0,
+            steps=self.num_steps,
+            host_s=self.host_s,
+            drafted=self.drafted,
+            kept=self.kept,
+            draft_steps=self.draft_steps,
+            serial_steps=self.serial_steps,
+            mask_steps=(masks := self.runner.mask_times).steps,
+            mask_fill_s=masks.fill_s,
+            mask_tokens_s=masks.tokens_s,
+            mask_wait_s=masks.wait_s,
+            forced_tokens=masks.forced_tokens,
+            **self._graph_stats(),
+        )
+
+    def _graph_stats(self) -> dict:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return {}
+        ready = sorted(list(graphs.ready_at.items()))  # (a copy first: the loop may add one meanwhile)
+        return {
+            "graphs_ready_s": tuple((bucket, t - self.ready_at) for bucket, t in ready),
+            "graphs_pending": len(graphs.wanted(idle=True)),
+            "graphs_in_use_pending": len(graphs.wanted(idle=False)),
+            "max_step_background_s": self.max_step_background_s,
+            "max_background_turn_s": self.max_background_turn_s,
+            "slowest_background_piece": graphs.slowest_piece,
+        }
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still in flight finish as cancelled."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    # ---- the loop (engine thread only) ----
+
+    def _loop(self) -> None:
+        inflight: LaunchedStep | None = None  # the step launched last, its tokens not yet read
+        idle_wait = IDLE_S
+        while True:
+            idle_piece = False
+            with self._cv:
+                while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
+                    if not self.runner.background_pending(idle=True):
+                        self._cv.wait()
+                    elif not self._cv.wait(idle_wait):  # idle a while: the graphs' work goes on
+                        idle_piece = True
+                        break
+                if self._stopped:
+                    break
+                incoming, self._incoming = self._incoming, []
+                cancels, self._cancels = self._cancels, []
+            if idle_piece:
+                _, waiting = self._background_turn(IDLE_PIECE_S, idle=True)
+                idle_wait = IDLE_WAITING_S if waiting else 0.0
+                continue
+            idle_wait = IDLE_S
+            start = time.perf_counter()
+            self._wait_s = 0.0
+            for seq in incoming:
+                self._admit(seq)
+            for request_id in cancels:
+                if request_id in self._requests:
+                    self._finish(self._requests[request_id], "cancelled")
+            # The next step is launched before the last one's tokens are read, so scheduling, building its inputs
+            # and reading tokens overlap the device's work; it finds the tokens it needs on the device. Drafts are
+            # proposed from tokens on the host: a step that verified drafts, or one before a step that may draft,
+            # completes first (no step in flight ever holds drafts when the scheduler runs).
+            if inflight is not None and (not self.overlap or inflight.has_drafts or self.scheduler.may_draft()):
+                self.serial_steps += self.overlap
+                self._complete(inflight)
+                inflight = None
+            launched = self._launch()
+            piece_s = 0.0
+            if launched is not None and self.runner.background_pending(idle=False):
+                piece_s = self._turn_beside(inflight or launched)  # the tokens read next wait for it
+            if inflight is not None:
+                self._complete(inflight, launched)
+            inflight = launched
+            self._flush()
+            self.host_s += time.perf_counter() - start - self._wait_s - piece_s
+        for seq in self._incoming:  # added while the last step ran: they end with the rest
+            self._admit(seq)
+        for seq in list(self._requests.values()):
+            self._finish(seq, "cancelled")
+        self._flush()
+
+    def _admit(self, seq: Sequence) -> None:
+        """An added request, in the loop's hands."""
+        self._requests[seq.id] = seq
+        self.scheduler.add(seq)
+
+    def _turn_beside(self, step: LaunchedStep) -> float:
+        """A turn of the graphs' background work while the device runs the steps queued, a share of the time of
+        `step`, whose tokens wait for it; returns its time."""
+        own_s = statistics.median(self._graph_steps_s or [0.0]) if step.graphed else step.launch_s
+        turn_s, _ = self._background_turn(PIECE_SHARE * own_s)
+        if step.graphed:
+            self.max_background_turn_s = max(self.max_background_turn_s, turn_s)
+        return turn_s
+
+    def _background_turn(self, budget_s: float, idle: bool = False) -> tuple[float, bool]:
+        """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time, and whether it
+        waits for a thread of its own."""
+        t = time.perf_counter()
+        waiting = self.runner.background(budget_s, idle)
+        self._background = (t, time.perf_counter())
+        return self._background[1] - t, waiting
+
+    def _flush(self) -> None:
+        if self._outputs or self._cached:
+            self.sink(self._outputs, self._cached)
+            self._outputs, self._cached = [], []
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule and launch one step; its sampled tokens stay on the device (model_runner.py)."""
+        start = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return None
+        self._last_batch = len(chunks)
+        self.num_steps += 1
+        try:
+            if self.draft is not None and (drafting := [c.seq for c in chunks if c.seq.num_drafts]):
+                self.draft.propose(drafting)
+            step = self.runner.launch(chunks, start)
+        except Exception as e:  # the whole batch shared this failure
+            for c in chunks:
+                self._finish(c.seq, "error", f"{type(e).__name__}: {e}")
+            return None
+        self.scheduler.advance(chunks)
+        return step
+
+    def _complete(self, step: LaunchedStep, after: LaunchedStep | None = None) -> None:
+        """Read a launched step's tokens (waiting for the device) and hand them to their requests; `after`: the step
+        launched while it ran."""
+        t = time.perf_counter()
+        try:
+            tokens = self.runner.complete(step)
+        except Exception as e:  # a device error surfaces here, after the launch: the step's requests share it
+            for seq in step.sampling:
+                if self._requests.get(seq.id) is seq:
+                    self._finish(seq, "error", f"{type(e).__name__}: {e}")
+            return
+        now = time.perf_counter()
+        self._wait_s += now - t
+        step_s = now - max(step.start, self._last_done)  # with overlap, about the step's time on the device
+        self.max_step_s = max(self.max_step_s, step_s)
+        # a graph step's time, unless an eager launch after it held its tokens up (a whole step's Python)
+        graphed = step.graphed and (after is None or after.graphed)
+        if self._background[1] > now - step_s:  # the graphs' background work may have held this step up
+            if graphed and not step.prefill_tokens:  # (a decode step, whose usual time is a session's token gap)
+                self.max_step_background_s = max(self.max_step_background_s, step_s)
+        else:  # the pace of prefill learns from steps as they run without it
+            self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
+            if graphed:
+                self._graph_steps_s.append(step_s)
+        self._last_done = now
+        for seq, drafts in zip(step.sampling, step.drafts, strict=True):
+            if drafts and seq.status is not Status.FINISHED:
+                self.scheduler.drop_rejected(seq)
+        self.drafted, self.kept = self.drafted + step.verified, self.kept + step.kept
+        self.draft_steps += step.has_drafts
+        for seq, token, logprob in tokens:
+            if self._requests.get(seq.id) is not seq:  # ended by an earlier token of this step
+                continue
+            try:
+                self._on_token(seq, token, logprob)
+            except Exception as e:  # one request's failure stays its own
+                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+        self._step_tokens.append((now, len(tokens)))
+        self._window_tokens += len(tokens)
+        while now - self._step_tokens[0][0] > RATE_WINDOW_S:
+            self._window_tokens -= self._step_tokens.popleft()[1]
+
+    def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        if not seq.num_emitted:  # its first token
+            self._cached.append((seq.id, seq.num_cached))
+        if token < 0:  # not finite; under a grammar, no token allowed (-1) or one refused (REFUSED)
+            problem = NOT_FINITE if seq.grammar is None else str(seq.grammar.error() or NOT_ALLOWED)
+            return self._finish(seq, "error", problem)
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.stop_ids):
+            return self._finish(seq, "stop", token=token)
+        seq.num_emitted += 1
+        if seq.num_emitted >= seq.max_tokens:
+            return self._finish(seq, "length", token=token, logprob=logprob)
+        self._outputs.append(TokenOutput(seq.id, token, logprob=logprob))
+        if seq.grammar is not None and seq.grammar.is_done():  # the reply is whole: nothing may follow
+            self._finish(seq, "stop")
+
+    def _finish(
+        self, seq: Sequence, reason: str, error: str | None = None, token: int = -1, logprob: TokenLogprob | None = None
+    ) -> None:
+        """End a request. The output of a "stop" carries the stop token, which is no text; of a "length", the last
+        token, which is. `logprob` is the last token's, where it is part of the reply."""
+        self.scheduler.finish(seq)
+        seq.drop()  # a step's drafts or forced run past its end
+        del self._requests[seq.id]
+        self._outputs.append(TokenOutput(seq.id, token, reason, error, logprob))
+
+
+@contextmanager
+def triton_cache_key_beside(device: torch.device):
+    """Triton keys its kernel cache by a hash of its own library (libtriton, 500 MB), computed at the first kernel
+    lookup: 0.4 s on an H200's host, 1.6 s on two CPU cores, on the way to the first request. Hashing lets go of
+    the GIL, so a thread computes it beside the block's work (reading the checkpoint, the weights to the device);
+    the block ends once both are done. Nothing off CUDA."""
+    if device.type != "cuda" or REFERENCES_ONLY:
+        yield
+        return
+    from triton.runtime.cache import triton_key  # (an lru_cache: computed once a process)
+
+    thread = threading.Thread(target=triton_key, name="llamaterm-triton-key", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+
+
+@contextmanager
+def out_of_memory(doing: str, advice: str):
+    """The GPU running out of memory at start-up is one line that says what to change, not a traceback."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()  # what the failed step held goes back, so a caller that stays up can retry
+        free, total = torch.cuda.mem_get_info()
+        raise LlamatermError(
+            f"the GPU ran out of memory {doing} ({free / 1e9:.3g} of {total / 1e9:.3g} GB free now): {advice}"
+        ) from None
+
+
+def default_kv_tokens(model: Model, share: float = 1.0, kv_bytes: int | None = None) -> int:
+    """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens.
+    An engine that shares the device with others takes `share` of that. kv_bytes: a token's (default: the
+    model's; with a draft model, both models')."""
+    free, per_token = free_memory(model.device), kv_bytes or model.kv_bytes_per_token()
+    if model.device.type == "cuda":
+        return int(free * 0.85 * share) // per_token
+    return max(1024, min(32768, int(free / 4 * share) // per_token))
+
+
+def check_speculation(c: EngineConfig, model: Model, draft: Model | None) -> None:
+    if c.speculate not in SPECULATE:
+        raise LlamatermError(f"unknown speculation {c.speculate!r}: one of {', '.join(SPECULATE)}")
+    if (c.speculate == "draft") != (draft is not None):
+        raise LlamatermError("speculation with a draft model needs one: give --draft MODEL with --speculate draft")
+    if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+        raise LlamatermError(
+            f"the draft model's vocabulary differs from the model's (size {draft.config.vocab_size} vs "
+            f"{model.config.vocab_size}): pick a draft model of the same family, or --speculate ngram"
+        )
+    if draft is not None and model.config.kv_window() is not None:  # its blocks behind the window are given back
+        raise LlamatermError(
+            "a draft model needs a model that attends to its whole context, and this one slides a window in every "
+            "layer: use --speculate ngram"
+        )
