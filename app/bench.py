@@ -419,7 +419,7 @@ def serve_first(sessions, first_answer_s: float, n: int, prompt_len: int) -> dic
     """
     from llamaterm.engine import bench as wl
 
-    stats = sessions.stats()
+    stats = sessions.step_stats()
     if not (stats.graphs_ready_s or stats.graphs_pending):
         return None
     timeline = wl.graphs_timeline(sessions, n, prompt_len, 15.0)

@@ -91,29 +91,6 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
-    steps: int = 0  # steps run so far
-    host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
-    drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
-    kept: int = 0
-    draft_steps: int = 0  # steps that verified drafts
-    serial_steps: int = 0  # steps completed before the next was scheduled, as drafts were verified or may follow
-    # steps under a grammar so far, and their host time summed: masks filling (on their own thread), the engine
-    # waiting for the tokens the masks start from, and waiting for the masks (engine/serving/model_runner.py)
-    mask_steps: int = 0
-    mask_fill_s: float = 0.0
-    mask_tokens_s: float = 0.0
-    mask_wait_s: float = 0.0
-    forced_tokens: int = 0  # tokens grammars forced, computed without sampling (fast-forward)
-    # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
-    # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
-    # in use, which serving captures first), the longest graph decode step that the work ran beside, its longest
-    # turn beside a graph step, and its slowest piece beside a step (seconds, what)
-    graphs_ready_s: tuple[tuple[int, float], ...] = ()
-    graphs_pending: int = 0
-    graphs_in_use_pending: int = 0
-    max_step_background_s: float = 0.0
-    max_background_turn_s: float = 0.0
-    slowest_background_piece: tuple[float, str] = (0.0, "")
 
 
 def decode_rate(token_times: Sequence[float]) -> float:

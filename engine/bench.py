@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llamaterm.engine.api import EngineConfig, EngineStats, RequestStream
+from llamaterm.engine.api import EngineConfig, RequestStream
 from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
@@ -24,6 +24,7 @@ from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.engine_core import EngineCore, triton_cache_key_beside
 from llamaterm.engine.serving.model import Model, Weight
+from llamaterm.engine.serving.step_stats import StepStats
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
 from llamaterm.kernels.qweight import QuantWeight
@@ -264,8 +265,8 @@ class Sessions:
             return self.client.submit(chat_message(self.rng, min(prompt_len, room // 2)), params)
         return self.client.submit(None, params, prompt_ids=self.prompts(min(prompt_len, room)))
 
-    def stats(self) -> EngineStats:
-        return self.client.stats()
+    def step_stats(self) -> StepStats:
+        return self.client.step_stats()
 
 
 @dataclass
@@ -276,7 +277,7 @@ class SessionLog:
     first_token: list[float]  # per finished or open session, when its first token arrived
     finished: list[float]  # when each finished session's last token arrived
     gaps: list[tuple[float, float]]  # (when, seconds since the session's last token) per token after its first
-    window_stats: list[EngineStats]  # the engine's stats at drive's `window` times (a measured window's two ends)
+    window_stats: list[StepStats]  # the engine's step stats at drive's `window` times (a measured window's two ends)
 
     def arrived(self, now: float, last: float | None, k: int) -> None:
         """k tokens of one session, seen together at `now`; its tokens before them at `last` (None: none)."""
@@ -308,7 +309,7 @@ def drive(
         time.sleep(0.002)
         now = time.perf_counter()
         if marks and now >= marks[0]:
-            log.window_stats.append(sessions.stats())
+            log.window_stats.append(sessions.step_stats())
             marks.pop(0)
         for i, h in enumerate(handles):
             if h is None:
@@ -360,7 +361,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
     rng = random.Random(1)
     client = sessions.client
     if isinstance(client, Engine):
-        client.core.max_step_s = 0.0
+        client.core.recorder.max_step_s = 0.0
     t0 = time.perf_counter()
     lo, hi = t0 + warmup_s, t0 + warmup_s + window_s
     log = drive(
@@ -375,7 +376,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
             "p99": 1e3 * percentile(gaps, 0.99),
             "max": 1e3 * max(gaps, default=0.0),
         },
-        "max_step_ms": 1e3 * client.core.max_step_s if isinstance(client, Engine) else None,
+        "max_step_ms": 1e3 * client.core.recorder.max_step_s if isinstance(client, Engine) else None,
     }
     if len(log.window_stats) == 2:
         a, b = log.window_stats
@@ -400,7 +401,7 @@ def graphs_timeline(sessions: Sessions, n: int, prompt_len: int, seconds: float)
     the time this returns are in graphs_ready_s too."""
     tokens = min(1024, sessions.client.max_context - prompt_len - 32)
     log = drive(sessions, n, lambda: sessions.start(prompt_len, tokens), True, seconds, (seconds - 0.1,))
-    stats = sessions.stats()
+    stats = sessions.step_stats()
     serving = log.window_stats[0] if log.window_stats else stats  # as the sessions end
     ready, captured = dict(stats.graphs_ready_s), dict(serving.graphs_ready_s)
     end = max(log.token_times, default=0.0)
@@ -422,7 +423,7 @@ def wait_for_graphs(sessions: Sessions, timeout_s: float = 120.0) -> float:
     measured after it are steady-state. A one-token request now and then brings the stats of an engine process
     up to date."""
     t0 = time.perf_counter()
-    while sessions.stats().graphs_pending and time.perf_counter() - t0 < timeout_s:
+    while sessions.step_stats().graphs_pending and time.perf_counter() - t0 < timeout_s:
         time.sleep(0.2)
         list(sessions.start(8, 1).events())
     return time.perf_counter() - t0
@@ -455,11 +456,11 @@ def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Pro
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
     while engine.core.runner.background_pending(idle=True):  # captured in the background
         time.sleep(0.01)
-    steps = engine.core.num_steps
+    steps = engine.step_stats().steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
         sync(engine.core.model.device)
-    steps = max(1, engine.core.num_steps - steps)
+    steps = max(1, engine.step_stats().steps - steps)
     events = prof.events()
     launches = sum(e.name in LAUNCH_CALLS for e in events)
     kernels = sum(
@@ -632,7 +633,7 @@ def speculation_run(
     step, and the drafts' acceptance. Seeds are fixed, so with and without speculation the replies are the same
     tokens (checked by the caller)."""
     engine.core.speculate = speculate
-    before = engine.stats()
+    before = engine.step_stats()
     handles, seconds = [], 0.0
     for start in range(0, max(sessions, len(prompts)), sessions):
         wave = [
@@ -642,7 +643,7 @@ def speculation_run(
             list(h.events())
         seconds += max(h.end or 0.0 for h in wave) - min(h.first_token or 0.0 for h in wave)
         handles += wave
-    after = engine.stats()
+    after = engine.step_stats()
     tokens = sum(len(h.token_ids) for h in handles)
     drafted, kept = after.drafted - before.drafted, after.kept - before.kept
     return {

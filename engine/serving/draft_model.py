@@ -29,9 +29,9 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepLists, run_through
-from llamaterm.engine.serving.model_runner import device_tensors
 from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.engine.serving.step_inputs import device_tensors
 from llamaterm.kernels.dispatch import use_triton
 
 FAMILY = "pick a draft model of the same family (its tokenizer), or --speculate ngram"
@@ -71,13 +71,13 @@ class DraftModel:
                 self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
             )
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        """Each sequence's drafts from the draft model, as many as it holds now (the scheduler's placeholders): a step
-        that catches the draft's cache up and samples the first, then a step a token."""
-        wanted = [seq.num_drafts for seq in seqs]
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """k drafts for each (sequence, k) from the draft model: a step that catches the draft's cache up and samples
+        the first, then a step a token."""
+        seqs = [seq for seq, _ in wanted]
         drafts: list[list[int]] = [[] for _ in seqs]
-        for i in range(max(wanted)):
-            live = [j for j, k in enumerate(wanted) if k > i]
+        for i in range(max(k for _, k in wanted)):
+            live = [j for j, (_, k) in enumerate(wanted) if k > i]
             chunks = []
             for j in live:
                 seq = seqs[j]

@@ -11,10 +11,8 @@ enqueue). A failure while serving one request fails that request alone.
 from __future__ import annotations
 
 import secrets
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +26,7 @@ from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
 from llamaterm.engine.serving.device import free_memory, resolve_device
-from llamaterm.engine.serving.draft_model import DraftModel, check_vocabulary
+from llamaterm.engine.serving.draft_model import check_vocabulary
 from llamaterm.engine.serving.front_end import CoreInfo
 from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
 from llamaterm.engine.serving.model import Model
@@ -38,9 +36,9 @@ from llamaterm.engine.serving.sampling import penalised
 from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence, Status
 from llamaterm.engine.serving.speculation import MAX_DRAFT, SPECULATE, Speculation
+from llamaterm.engine.serving.step_stats import StepRecorder, StepStats
 from llamaterm.kernels.dispatch import REFERENCES_ONLY
 
-RATE_WINDOW_S = 2.0  # sliding window for the aggregate tokens/s
 # What the sink receives per step: a TokenOutput per token or finish, and (request id, prompt tokens served from the
 # prefix cache) for each request whose first token is among them
 Sink = Callable[[list[TokenOutput], list[tuple[int, int]]], None]
@@ -97,12 +95,12 @@ class EngineCore:
         # a step samples a row per sequence and one per draft: drafts ride while a step has at most speculate_tokens
         # rows, no more than every sequence drafting the most could use
         spec_rows = 0 if c.speculate == "off" else min(c.speculate_tokens, c.max_running * (1 + MAX_DRAFT))
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_rows, draft is not None)
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, c.max_running, spec_rows)
         # steps overlap on CUDA (_loop); on the CPU a launch computes the whole step, so
         # overlapping would only hold each token back by one step
         self.overlap = c.overlap if c.overlap is not None else model.device.type == "cuda"
         with out_of_memory(
-            f"preparing a KV cache of {kv_tokens} tokens and the CUDA graphs",
+            f"preparing a KV cache of {kv_tokens} tokens{' for both models' if draft else ''} and the CUDA graphs",
             f"give a smaller --kv-tokens (e.g. {max(16, kv_tokens // 2)})",
         ):
             self.runner = ModelRunner(
@@ -115,42 +113,16 @@ class EngineCore:
                 max(c.max_running, spec_rows),
                 max(0, spec_rows - 1),
                 c.fast_forward,
+                draft,
             )
-        self.draft = None
-        if draft is not None:
-            with out_of_memory("preparing the draft model's KV cache", "give a smaller --kv-tokens"):
-                self.draft = DraftModel(
-                    draft, num_blocks, c.block_size, self.runner.sampler, c.max_running, max_batch_tokens, c.cuda_graphs
-                )
         # where start-up time went; from_model adds the loading
         self.startup_s = {"dense prefill weights": dense_s, **self.runner.startup_s}
-        self.num_steps = 0  # steps run so far, for per-step figures in benchmarks
-        self.drafted = self.kept = 0  # draft tokens verified, and kept, so far
-        # steps that verified drafts, and steps completed before the next was scheduled for drafting's sake
-        self.draft_steps = self.serial_steps = 0
-        self.host_s = 0.0  # the loop's time outside waits for the device or for work, for per-step figures
-        self._wait_s = 0.0  # this loop turn's wait for the device
-        # the longest step so far, from its scheduling (or the end of the step it queued behind) to its sampled
-        # tokens on the host; benchmarks reset it
-        self.max_step_s = 0.0
-        self._last_done = 0.0  # when the last step's tokens were read
-        # the longest decode step replayed from graphs that the graphs' background work (ModelRunner.background)
-        # ran beside, and its longest turn beside a graph step; when it last ran (start, end); the times of the last
-        # graph steps without it, whose median sets its turns' budget
-        self.max_step_background_s = 0.0
-        self.max_background_turn_s = 0.0
-        self._background = (0.0, 0.0)
-        self._graph_steps_s: deque[float] = deque(maxlen=16)
+        self.recorder = StepRecorder()
         self._requests: dict[int, Sequence] = {}  # those in the loop's hands
         self._incoming: list[Sequence] = []
         self._cancels: list[int] = []
         self._cv = threading.Condition()
         self._stopped = False
-        # (time, tokens) of the steps of the last RATE_WINDOW_S, and their tokens' sum: stats() is read after every
-        # step (the engine process's forwarder, beside the engine's thread), so it adds no loop over them
-        self._step_tokens: deque[tuple[float, int]] = deque()
-        self._window_tokens = 0
-        self._last_batch = 0
         self._thread = threading.Thread(target=self._loop, name="llamaterm-engine", daemon=True)
         self.ready_at = 0.0  # serving from here on
 
@@ -269,48 +241,19 @@ class EngineCore:
             self._cv.notify()
 
     def stats(self) -> EngineStats:
-        now = time.perf_counter()
-        try:  # (the engine's thread may empty the window meanwhile)
-            first, last = self._step_tokens[0][0], self._step_tokens[-1][0]
-        except IndexError:
-            first = last = now
-        span = now - first if now - last <= RATE_WINDOW_S else 0.0  # no step for a whole window: no rate
         return EngineStats(
             model=self.model_name,
             device=self.device,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting) + len(self._incoming),
-            batch_size=self._last_batch,
+            batch_size=self.recorder.batch,
             kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free,
             kv_blocks_total=self.block_manager.num_blocks,
-            tokens_per_s=self._window_tokens / span if span > 0.05 else 0.0,
-            steps=self.num_steps,
-            host_s=self.host_s,
-            drafted=self.drafted,
-            kept=self.kept,
-            draft_steps=self.draft_steps,
-            serial_steps=self.serial_steps,
-            mask_steps=(masks := self.runner.mask_times).steps,
-            mask_fill_s=masks.fill_s,
-            mask_tokens_s=masks.tokens_s,
-            mask_wait_s=masks.wait_s,
-            forced_tokens=masks.forced_tokens,
-            **self._graph_stats(),
+            tokens_per_s=self.recorder.tokens_per_s(),
         )
 
-    def _graph_stats(self) -> dict:
-        graphs = self.runner.graphs
-        if graphs is None:
-            return {}
-        ready = sorted(list(graphs.ready_at.items()))  # (a copy first: the loop may add one meanwhile)
-        return {
-            "graphs_ready_s": tuple((bucket, t - self.ready_at) for bucket, t in ready),
-            "graphs_pending": len(graphs.wanted(idle=True)),
-            "graphs_in_use_pending": len(graphs.wanted(idle=False)),
-            "max_step_background_s": self.max_step_background_s,
-            "max_background_turn_s": self.max_background_turn_s,
-            "slowest_background_piece": graphs.slowest_piece,
-        }
+    def step_stats(self) -> StepStats:
+        return self.recorder.snapshot(self.runner, self.ready_at)
 
     def shutdown(self) -> None:
         """Stop the loop; requests still in flight finish as cancelled."""
@@ -323,93 +266,73 @@ class EngineCore:
 
     def _loop(self) -> None:
         inflight: LaunchedStep | None = None  # the step launched last, its tokens not yet read
-        idle_wait = IDLE_S
-        while True:
-            idle_piece = False
-            with self._cv:
-                while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
-                    if not self.runner.background_pending(idle=True):
-                        self._cv.wait()
-                    elif not self._cv.wait(idle_wait):  # idle a while: the graphs' work goes on
-                        idle_piece = True
-                        break
-                if self._stopped:
-                    break
-                incoming, self._incoming = self._incoming, []
-                cancels, self._cancels = self._cancels, []
-            if idle_piece:
-                _, waiting = self._background_turn(IDLE_PIECE_S, idle=True)
-                idle_wait = IDLE_WAITING_S if waiting else 0.0
-                continue
-            idle_wait = IDLE_S
-            start = time.perf_counter()
-            self._wait_s = 0.0
-            for seq in incoming:
-                self._admit(seq)
-            for request_id in cancels:
-                if request_id in self._requests:
-                    self._finish(self._requests[request_id], "cancelled")
+        while (work := self._wait_for_work()) is not None:
+            start = self.recorder.turn_started()
+            self._take(*work)
             # The next step is launched before the last one's tokens are read, so scheduling, building its inputs
             # and reading tokens overlap the device's work; it finds the tokens it needs on the device. Drafts are
             # proposed from tokens on the host: a step that verified drafts, or one before a step that may draft,
             # completes first (no step in flight ever holds drafts when the scheduler runs).
-            if inflight is not None and (not self.overlap or inflight.has_drafts or self.scheduler.may_draft()):
-                self.serial_steps += self.overlap
-                self._complete(inflight)
+            if inflight is not None and (not self.overlap or inflight.has_drafts or self._may_draft()):
+                self.recorder.serial_steps += self.overlap
+                self._settle(inflight)
                 inflight = None
-            launched = self._launch()
-            piece_s = 0.0
-            if launched is not None and self.runner.background_pending(idle=False):
-                piece_s = self._turn_beside(inflight or launched)  # the tokens read next wait for it
+            launched = self._launch()  # schedule -> run
+            background_s = self._background_beside(inflight or launched) if launched is not None else 0.0
             if inflight is not None:
-                self._complete(inflight, launched)
+                self._settle(inflight, launched)
             inflight = launched
             self._flush()
-            self.host_s += time.perf_counter() - start - self._wait_s - piece_s
-        for seq in self._incoming:  # added while the last step ran: they end with the rest
-            self._admit(seq)
+            self.recorder.turn_ended(start, background_s)
+        self._take(self._incoming, [])  # added while the last step ran: they end with the rest
         for seq in list(self._requests.values()):
             self._finish(seq, "cancelled")
         self._flush()
 
-    def _admit(self, seq: Sequence) -> None:
-        """An added request, in the loop's hands."""
-        self._requests[seq.id] = seq
-        self.scheduler.add(seq)
+    def _wait_for_work(self) -> tuple[list[Sequence], list[int]] | None:
+        """Until there is work: the requests added and aborted since; None once shut down. Idle, the CUDA graphs'
+        background work goes on a piece at a time, after a pause, so that a request that comes at once (`run` after
+        start-up) goes first."""
+        idle_wait = IDLE_S
+        while True:
+            with self._cv:
+                while not (self._incoming or self._cancels or self.scheduler.has_work() or self._stopped):
+                    if not self.runner.background_pending(idle=True):
+                        self._cv.wait()
+                    elif not self._cv.wait(idle_wait):  # idle a while: a piece of the graphs' work
+                        break
+                else:
+                    if self._stopped:
+                        return None
+                    work = self._incoming, self._cancels
+                    self._incoming, self._cancels = [], []
+                    return work
+            _, waiting = self._background_turn(IDLE_PIECE_S, idle=True)
+            idle_wait = IDLE_WAITING_S if waiting else 0.0
 
-    def _turn_beside(self, step: LaunchedStep) -> float:
-        """A turn of the graphs' background work while the device runs the steps queued, a share of the time of
-        `step`, whose tokens wait for it; returns its time."""
-        own_s = statistics.median(self._graph_steps_s or [0.0]) if step.graphed else step.launch_s
-        turn_s, _ = self._background_turn(PIECE_SHARE * own_s)
-        if step.graphed:
-            self.max_background_turn_s = max(self.max_background_turn_s, turn_s)
-        return turn_s
+    def _take(self, incoming: list[Sequence], aborts: list[int]) -> None:
+        """Added requests, in the loop's hands; aborted ones, ended."""
+        for seq in incoming:
+            self._requests[seq.id] = seq
+            self.scheduler.add(seq)
+        for request_id in aborts:
+            if request_id in self._requests:
+                self._finish(self._requests[request_id], "cancelled")
 
-    def _background_turn(self, budget_s: float, idle: bool = False) -> tuple[float, bool]:
-        """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time, and whether it
-        waits for a thread of its own."""
-        t = time.perf_counter()
-        waiting = self.runner.background(budget_s, idle)
-        self._background = (t, time.perf_counter())
-        return self._background[1] - t, waiting
-
-    def _flush(self) -> None:
-        if self._outputs or self._cached:
-            self.sink(self._outputs, self._cached)
-            self._outputs, self._cached = [], []
+    def _may_draft(self) -> bool:
+        return self.runner.proposer.may_draft(self.scheduler.running, self.scheduler.draft_rows())
 
     def _launch(self) -> LaunchedStep | None:
-        """Schedule and launch one step; its sampled tokens stay on the device (model_runner.py)."""
+        """Schedule and launch one step, with the drafts proposed for it; its sampled tokens stay on the device
+        (model_runner.py)."""
         start = time.perf_counter()
+        self.runner.propose(self.scheduler.running, self.scheduler.draft_rows())
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        self._last_batch = len(chunks)
-        self.num_steps += 1
+        self.recorder.steps += 1
+        self.recorder.batch = len(chunks)
         try:
-            if self.draft is not None and (drafting := [c.seq for c in chunks if c.seq.num_drafts]):
-                self.draft.propose(drafting)
             step = self.runner.launch(chunks, start)
         except Exception as e:  # the whole batch shared this failure
             for c in chunks:
@@ -418,9 +341,9 @@ class EngineCore:
         self.scheduler.advance(chunks)
         return step
 
-    def _complete(self, step: LaunchedStep, after: LaunchedStep | None = None) -> None:
-        """Read a launched step's tokens (waiting for the device) and hand them to their requests; `after`: the step
-        launched while it ran."""
+    def _settle(self, step: LaunchedStep, after: LaunchedStep | None = None) -> None:
+        """Read a launched step's tokens (waiting for the device), settled into their sequences by the runner, and
+        hand them out; `after`: the step launched while it ran."""
         t = time.perf_counter()
         try:
             tokens = self.runner.complete(step)
@@ -429,25 +352,11 @@ class EngineCore:
                 if self._requests.get(seq.id) is seq:
                     self._finish(seq, "error", f"{type(e).__name__}: {e}")
             return
-        now = time.perf_counter()
-        self._wait_s += now - t
-        step_s = now - max(step.start, self._last_done)  # with overlap, about the step's time on the device
-        self.max_step_s = max(self.max_step_s, step_s)
-        # a graph step's time, unless an eager launch after it held its tokens up (a whole step's Python)
-        graphed = step.graphed and (after is None or after.graphed)
-        if self._background[1] > now - step_s:  # the graphs' background work may have held this step up
-            if graphed and not step.prefill_tokens:  # (a decode step, whose usual time is a session's token gap)
-                self.max_step_background_s = max(self.max_step_background_s, step_s)
-        else:  # the pace of prefill learns from steps as they run without it
+        if (step_s := self.recorder.completed(step, after, t)) is not None:  # not held up by the graphs' work
             self.scheduler.pace.observe(step.decode_rows, step.prefill_tokens, step_s)
-            if graphed:
-                self._graph_steps_s.append(step_s)
-        self._last_done = now
         for seq, drafts in zip(step.sampling, step.drafts, strict=True):
             if drafts and seq.status is not Status.FINISHED:
                 self.scheduler.drop_rejected(seq)
-        self.drafted, self.kept = self.drafted + step.verified, self.kept + step.kept
-        self.draft_steps += step.has_drafts
         for seq, token, logprob in tokens:
             if self._requests.get(seq.id) is not seq:  # ended by an earlier token of this step
                 continue
@@ -455,10 +364,32 @@ class EngineCore:
                 self._on_token(seq, token, logprob)
             except Exception as e:  # one request's failure stays its own
                 self._finish(seq, "error", f"{type(e).__name__}: {e}")
-        self._step_tokens.append((now, len(tokens)))
-        self._window_tokens += len(tokens)
-        while now - self._step_tokens[0][0] > RATE_WINDOW_S:
-            self._window_tokens -= self._step_tokens.popleft()[1]
+        self.recorder.tokens(len(tokens))
+
+    def _background_beside(self, step: LaunchedStep) -> float:
+        """A turn of the CUDA graphs' background work while the device runs the steps queued, a share of the time
+        of `step`, whose tokens wait for it; returns its time."""
+        if not self.runner.background_pending(idle=False):
+            return 0.0
+        own_s = self.recorder.graph_step_s() if step.graphed else step.launch_s
+        turn_s, _ = self._background_turn(PIECE_SHARE * own_s, beside=step)
+        return turn_s
+
+    def _background_turn(
+        self, budget_s: float, idle: bool = False, beside: LaunchedStep | None = None
+    ) -> tuple[float, bool]:
+        """The CUDA graphs' background work for about budget_s (model_runner.py); returns its time, and whether it
+        waits for a thread of its own."""
+        t = time.perf_counter()
+        waiting = self.runner.background(budget_s, idle)
+        end = time.perf_counter()
+        self.recorder.background_ran(t, end, beside is not None and beside.graphed)
+        return end - t, waiting
+
+    def _flush(self) -> None:
+        if self._outputs or self._cached:
+            self.sink(self._outputs, self._cached)
+            self._outputs, self._cached = [], []
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         if not seq.num_emitted:  # its first token

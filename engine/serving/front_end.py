@@ -20,6 +20,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.grammar import vocabulary
 from llamaterm.engine.serving.output_processor import OutputProcessor, RequestState, TokenOutput
 from llamaterm.engine.serving.prompt import PromptEncoder, check_prompt
+from llamaterm.engine.serving.step_stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class CoreClient(Protocol):
     def together(self) -> AbstractContextManager[object]: ...  # requests added inside reach the scheduler together
 
     def stats(self) -> EngineStats: ...
+
+    def step_stats(self) -> StepStats: ...
 
     def shutdown(self) -> None: ...
 
@@ -127,6 +130,10 @@ class FrontEnd:
 
     def stats(self) -> EngineStats:
         return self._core.stats()
+
+    def step_stats(self) -> StepStats:
+        """What the engine's steps did, for `llamaterm bench` (engine/serving/step_stats.py)."""
+        return self._core.step_stats()
 
     def shutdown(self) -> None:
         """Stop the engine; requests still in flight finish as cancelled."""

@@ -54,12 +54,15 @@ import torch
 
 from llamaterm.engine.api import TokenLogprob
 from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.draft_model import DraftModel
 from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks, force_token
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepInput, StepLists, run_through
+from llamaterm.engine.serving.proposer import Proposer
 from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk, is_prefilling
 from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
+from llamaterm.engine.serving.step_inputs import device_tensors, step_lists
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
@@ -139,15 +142,22 @@ class ModelRunner:
         max_rows: int | None = None,
         max_drafts: int = 0,
         fast_forward: bool = True,
+        draft: Model | None = None,
     ):
         """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running);
-        max_drafts: the most drafts a step holds; fast_forward: tokens a grammar forces skip the sampler."""
+        max_drafts: the most drafts a step holds; fast_forward: tokens a grammar forces skip the sampler; draft: the
+        model that drafts (None: prompt lookup), on a cache of its own with the pool's blocks."""
         rows = max_rows or max_running
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
             self.sampler = Sampler(max_running, model.config.vocab_size, model.device, max_drafts)
+        drafter = None
+        if draft is not None:
+            limits = max_running, max_batch_tokens, cuda_graphs
+            drafter = DraftModel(draft, num_blocks, block_size, self.sampler, *limits)
+        self.proposer = Proposer(drafter)
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
@@ -193,11 +203,16 @@ class ModelRunner:
         busy, or idle. Returns whether it waits for a thread of its own."""
         return self.graphs is not None and self.graphs.background(budget_s, idle)
 
+    def propose(self, running: list[Sequence], rows: int) -> None:
+        """Drafts for the next step from the running sequences' tokens on the host (proposer.py), in `rows`."""
+        self.proposer.propose(running, rows)
+
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the
         next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
         masks and tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
+        self.proposer.fill(sampling)
         # as the scheduler paces them: a decode with drafts or a forced run is a row, a prompt's chunk its tokens
         paced = [is_prefilling(c.seq) for c in chunks]
         prefill = sum(c.length for c, p in zip(chunks, paced, strict=True) if p)
@@ -544,64 +559,3 @@ class HostTokens:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
-
-
-def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[int, int]) -> StepLists:
-    """The step as flat lists; last_rows maps a sequence id to its row in the last launched step. On the host path
-    of every step, so locals rather than attribute lookups."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl, sampler_slots, pending, pending_from = [0], [], [], []
-    rows: list[int] = []
-    sample_positions: list[int] = []
-    for c in chunks:
-        seq, start, end = c.seq, c.start, c.start + c.length
-        table, known = seq.table.block_ids, seq.num_tokens
-        ids += seq.tokens(start, end)
-        if seq.num_inflight and start <= (at := seq.num_known) < end:  # the step in flight's sample (its last token,
-            pending.append(len(ids) - end + at)  # or before a run its grammar forced)
-            ids[pending[-1]] = 0
-            pending_from.append(last_rows[seq.id])
-        positions += range(start, end)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        qsl.append(qsl[-1] + c.length)
-        if end == known:  # the chunk samples (ScheduledChunk.samples): its last token, and each draft; a fork's (no
-            # tokens) the chunk before's row
-            assert seq.sampler_slot is not None  # admitted
-            drafts = seq.num_drafts
-            rows += range(qsl[-1] - 1 - drafts, qsl[-1])
-            sampler_slots += [seq.sampler_slot] * (1 + drafts)
-            sample_positions += range(end - drafts, end + 1)
-    return StepLists(
-        ids,
-        positions,
-        slots,
-        [c.seq.table.block_ids for c in chunks],
-        [c.start + c.length for c in chunks],
-        qsl,
-        rows,
-        sampler_slots,
-        sample_positions,
-        pending,
-        pending_from,
-    )
-
-
-def device_tensors(step: StepLists, device: torch.device) -> DeviceStep:
-    """Tensors of exactly the step's size, for the eager forward pass."""
-    width = max(len(t) for t in step.block_tables)
-    tables = [t + [0] * (width - len(t)) for t in step.block_tables]
-    as_tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)
-    inputs = StepInput(
-        input_ids=as_tensor(step.input_ids),
-        positions=as_tensor(step.positions),
-        slot_mapping=as_tensor(step.slot_mapping),
-        block_tables=as_tensor(tables, torch.int32),
-        context_lens=as_tensor(step.context_lens),
-        query_start_loc=as_tensor(step.query_start_loc),
-        logits_indices=as_tensor(step.logits_indices),
-    )
-    # no index tensors to build (and copy to the device) for a step with no pending inputs
-    pending = (as_tensor(step.pending_rows), as_tensor(step.pending_from)) if step.pending_rows else (None, None)
-    return DeviceStep(inputs, as_tensor(step.sampler_slots), as_tensor(step.sample_positions), *pending)

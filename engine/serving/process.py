@@ -27,6 +27,7 @@ from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.front_end import CoreInfo, FrontEnd
 from llamaterm.engine.serving.output_processor import TokenOutput
+from llamaterm.engine.serving.step_stats import StepStats
 from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
 
 if TYPE_CHECKING:  # the parent never imports the engine core (nor torch)
@@ -77,6 +78,7 @@ class StepOutput:
     outputs: list[TokenOutput]
     cached: list[tuple[int, int]]
     stats: EngineStats
+    step_stats: StepStats
 
 
 Load = Callable[[EngineConfig], "EngineCore"]  # run in the child
@@ -94,7 +96,8 @@ class ChildCore:
     stats are those of the child's last message."""
 
     def __init__(self, conn, process, stats: EngineStats):
-        self.conn, self.process, self.last_stats = conn, process, stats
+        self.conn, self.process = conn, process
+        self.last: tuple[EngineStats, StepStats] = stats, StepStats()
         self._send_lock = threading.Lock()
         self._group = threading.local()  # .submits: what together() gathers in this thread
 
@@ -124,7 +127,10 @@ class ChildCore:
         self._send(Cancel(request_id))
 
     def stats(self) -> EngineStats:
-        return self.last_stats
+        return self.last[0]
+
+    def step_stats(self) -> StepStats:
+        return self.last[1]
 
     def shutdown(self) -> None:
         if self.process.is_alive():
@@ -198,7 +204,7 @@ class EngineProcess(FrontEnd):
                 message: StepOutput = self._child.conn.recv()
             except (EOFError, OSError):
                 break
-            self._child.last_stats = message.stats
+            self._child.last = message.stats, message.step_stats
             self.take_outputs(message.outputs, message.cached)
         self.output.end_all("the engine process exited")
         self.exited.set()
@@ -307,7 +313,7 @@ class Outbox:
                 outputs = [o for part, _ in batch for o in part]
                 cached = [c for _, part in batch for c in part]
                 try:
-                    self.conn.send(StepOutput(outputs, cached, core.stats()))
+                    self.conn.send(StepOutput(outputs, cached, core.stats(), core.step_stats()))
                 except (BrokenPipeError, OSError):  # the parent is gone
                     return
                 last = now

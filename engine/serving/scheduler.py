@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from llamaterm.engine.serving.block_manager import BlockManager
 from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
-from llamaterm.engine.serving.speculation import BATCH_OVERLAP_COST
 
 
 @dataclass
@@ -81,14 +80,12 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         speculate_tokens: int = 0,
-        draft_model: bool = False,
     ):
         self.blocks = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         # drafts ride only while the step's sampled rows (a row per sequence, one per draft) stay within this
         self.speculate_tokens = speculate_tokens
-        self.draft_model = draft_model  # drafts come from a draft model, which fills them in after scheduling
         self.pace = Pace(max_batch_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
@@ -111,18 +108,13 @@ class Scheduler:
         budget = self.max_batch_tokens
         prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
-        # drafts only where they pay for the overlap they give up (may_draft), in the rows the step has left; weighed
-        # only where some sequence has all its tokens on the host (not after an overlapped step: the common one)
-        may = any(seq.speculation is not None and not seq.num_inflight for seq in self.running) and self.may_draft()
-        drafts = self._draft_rows() if may else 0
         for seq in sorted(self.running, key=is_prefilling):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
                 continue  # last token is sampled and only waits to reach the host (engine_core.py: steps overlap)
             n = min(seq.num_to_compute, budget)
             prefilling = is_prefilling(seq)
-            if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_inflight:
-                n += self._draft(seq, min(drafts, budget - 1))
-                drafts -= n - 1
+            if seq.num_drafts:
+                n = self._fit_drafts(seq, n)
             if prefilling:
                 prefill = self._prefill_left(prefill, chunks)
                 n = min(n, prefill)
@@ -138,47 +130,17 @@ class Scheduler:
                 prefill = self._prefill_left(prefill, chunks) - n
         return chunks, prefill
 
-    def _draft(self, seq: Sequence, most: int) -> int:
-        """Append up to `most` drafts to a decoding sequence's tokens (its adaptive draft length, its tokens left,
-        and the blocks free without preempting anyone allowing); returns how many."""
-        spec = seq.speculation
-        assert spec is not None
-        k = min(most, spec.length.k(seq.num_generated), seq.max_tokens - seq.num_generated - 1)
-        if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine_core.py)
-            proposed = [0] * max(k, 0)
-        else:
-            proposed = spec.index.propose(seq.token_ids, seq.num_known, k)
-        if not proposed or not self.blocks.can_allocate(seq.table, seq.num_tokens + len(proposed)):
-            return 0
-        seq.propose(proposed)
-        return len(proposed)
+    def _fit_drafts(self, seq: Sequence, n: int) -> int:
+        """A decoding sequence's chunk of n tokens within the step's budget, with the drafts proposed for it
+        (engine/serving/proposer.py) that it leaves room for and the free blocks hold, no one preempted for them;
+        the rest go. Returns its length."""
+        if n > 1 and not self.blocks.can_allocate(seq.table, seq.num_computed + n):
+            n = 1
+        if n <= seq.num_drafts:
+            seq.drop(keep_drafts=max(0, n - 1))
+        return n
 
-    def may_draft(self) -> bool:
-        """Drafting pays in the next step, so the engine completes the step in flight before it schedules
-        (engine_core.py: drafts are proposed from tokens on the host), giving up the overlap of the two: the drafts
-        the step has rows for (speculate_tokens, less a row per sequence) are expected to bring more tokens than
-        that costs a batch, BATCH_OVERLAP_COST of a step of every running sequence. A draft is expected to bring the
-        chance it is kept (DraftLength.chances); a sequence drafts when it is not pausing and, with prompt lookup, a
-        proposal is likely to follow its known tokens. A lone sequence's drafting is its DraftLength's to weigh: it
-        pauses when its drafts are seldom kept, and starts again afresh, where a weighing here would hold it back
-        for good on a low average (the offline replay of tests/benchmarks/draft_policy.py: editing at one session
-        1.66x against 2.25x)."""
-        rows = self._draft_rows()
-        if rows <= 0:
-            return False
-        chances = sorted(
-            (
-                chance
-                for seq in self.running
-                if (spec := seq.speculation) is not None
-                and (self.draft_model or spec.index.may_match(seq.token_ids, seq.num_known))
-                for chance in spec.length.chances(seq.num_generated)
-            ),
-            reverse=True,
-        )
-        return sum(chances[:rows]) > (BATCH_OVERLAP_COST * len(self.running) if len(self.running) > 1 else 0.0)
-
-    def _draft_rows(self) -> int:
+    def draft_rows(self) -> int:
         """The rows of speculate_tokens a step leaves for drafts: every running and admitted sequence samples one."""
         return self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
 
@@ -196,7 +158,7 @@ class Scheduler:
         returns the chunks without those of the preempted."""
         while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
             victim = self.running[-1]
-            if victim.num_drafts:  # drafted earlier in this loop (no step in flight holds drafts: engine_core.py)
+            if victim.num_drafts:  # proposed for this step (no step in flight holds drafts: engine_core.py)
                 victim.drop()
             self.preempt(victim)
             chunks = [c for c in chunks if c.seq is not victim]

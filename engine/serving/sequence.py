@@ -4,7 +4,7 @@ A sequence's tokens are its confirmed ones (the prompt, then the generated token
 after them, held apart: the drafts the next step verifies (engine/serving/speculation.py), then the tokens of steps
 in flight, each PENDING until its step completes (engine/serving/model_runner.py), and the runs its grammar forced
 after one of them (GrammarMatcher.fast_forward). The tail changes through the methods below alone, called by the
-model runner (propose, launch, force, settle) and by whoever ends or preempts a sequence (drop); the confirmed
+model runner (propose, launch, force, settle) and by the scheduler and the engine core (drop); the confirmed
 tokens are read-only to everyone else (token_ids is typed so: mypy refuses a write).
 
     confirmed          drafts        in flight and forced
@@ -154,10 +154,10 @@ class Sequence:
         self._token_ids += new
         return new
 
-    def drop(self, keep: int | None = None) -> None:
-        """Forget the tail (drafts, tokens in flight, forced runs): it ends, or is preempted with drafts it never
-        verified. keep: the generated tokens that stay, the rest were never its reply's (a step's tokens after the
-        one that ended it)."""
-        self._drafts, self._tail, self._inflight = [], [], 0
-        if keep is not None:
-            del self._token_ids[self.num_prompt_tokens + keep :]
+    def drop(self, keep_drafts: int = 0) -> None:
+        """Forget the tail (drafts, tokens in flight, forced runs): it ends, is preempted, or the step has room for
+        `keep_drafts` of its drafts alone. A draft model's cache then holds no K/V of the drafts that went."""
+        del self._drafts[keep_drafts:]
+        self._tail, self._inflight = [], 0
+        if self.speculation is not None:
+            self.speculation.draft_computed = min(self.speculation.draft_computed, self.num_known + keep_drafts)

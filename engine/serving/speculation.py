@@ -30,10 +30,10 @@ counted in its slot after the step (Sampler.write_draft_rows, count_tokens). A s
 (its matcher would have to be advanced through the drafts for their masks), nor a penalised one with a draft model
 (its draws from the sequence's slot would count up its tokens).
 
-How many tokens to draft adapts to each sequence's measured acceptance (`DraftLength`), and the scheduler turns
+How many tokens to draft adapts to each sequence's measured acceptance (`DraftLength`), and the proposer turns
 drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` rows sampled in the
 step. What drafting costs where it does not pay: a step with drafts completes before the next is scheduled, and the
-engine completes the step in flight before scheduling one that may draft (scheduler.py's may_draft), so the host's
+engine completes the step in flight before scheduling one that may draft (proposer.py's may_draft), so the host's
 work stops hiding under the device's; on the H200 a step with drafts at one session of the default model took
 1.55-1.6x a plain step (OVERLAP_COST). So may_draft asks `NgramIndex.may_match` (did the last MIN_NGRAM known tokens
 occur before, so that with the token in flight a match of MIN_NGRAM + 1 may follow?) and a sequence gives up its
@@ -63,7 +63,7 @@ MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least t
 OVERLAP_COST = 0.6
 # The same for a batch: 8 sessions of sampled editing (6e702ca, weighed at 0.6) completed 25 steps of 122 on the
 # host at 0.94 of a plain step each, and drafted in 16, for 0.89x. A step of n sequences that gives up its overlap
-# pays BATCH_OVERLAP_COST * n tokens: a batch drafts where its drafts are expected to bring more (Scheduler.may_draft).
+# pays BATCH_OVERLAP_COST * n tokens: a batch drafts where its drafts are expected to bring more (Proposer.may_draft).
 BATCH_OVERLAP_COST = 0.95
 
 

@@ -186,16 +186,19 @@ def stream(engine: Engine, grammar: Grammar, **params) -> list:
 def test_tokens_a_grammar_forces_are_taken_without_sampling_each(engine):
     """Fast-forward: a reply the grammar spells out takes a few steps, not one a token (its tokens are computed in
     one chunk, unsampled), and arrives whole; under the schema, a reply's keys and punctuation are forced."""
-    steps = engine.core.num_steps
+    steps = engine.step_stats().steps
     events = stream(engine, Grammar("regex", re.escape(FORCED)), seed=1)
     tokens = [t for e in events for t in e.token_ids]
     assert "".join(e.text for e in events) == FORCED and events[-1].finish_reason == "stop"
-    assert len(tokens) >= 10 and engine.core.num_steps - steps <= 4, (len(tokens), engine.core.num_steps - steps)
-    steps = engine.core.num_steps
+    assert len(tokens) >= 10 and engine.step_stats().steps - steps <= 4, (
+        len(tokens),
+        engine.step_stats().steps - steps,
+    )
+    steps = engine.step_stats().steps
     events = stream(engine, PERSON, seed=2)
     tokens = [t for e in events for t in e.token_ids]
     Person.model_validate_json("".join(e.text for e in events))
-    assert engine.core.num_steps - steps <= len(tokens) - 5, (len(tokens), engine.core.num_steps - steps)
+    assert engine.step_stats().steps - steps <= len(tokens) - 5, (len(tokens), engine.step_stats().steps - steps)
     assert_every_block_back(engine)
 
 
@@ -242,7 +245,7 @@ def test_a_forced_run_counts_in_the_penalties(tmp_path):
         slot = engine.core.scheduler.free_slots[-1]  # the slot it had, free again
         counts = engine.core.runner.sampler.tables.counts[slot]
         expected = torch.bincount(torch.tensor(tokens), minlength=counts.numel()).to(counts.dtype)
-        assert engine.core.num_steps <= len(tokens) - 5 and torch.equal(counts, expected)
+        assert engine.step_stats().steps <= len(tokens) - 5 and torch.equal(counts, expected)
 
 
 @pytest.mark.parametrize("limits", [{"max_batch_tokens": 8}, {"kv_tokens": 200}], ids=["chunks cut short", "preempted"])

@@ -128,7 +128,7 @@ def test_the_bench_times_the_captures_while_sessions_run(engines):
     }
 
     assert timeline["pending_after"] == len(graphs.wanted(idle=True))
-    assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
+    assert wl.wait_for_graphs(sessions) < 20 and served.step_stats().graphs_pending == 0
     lines = format_serve_first({"first_answer_s": 0.5, **timeline, "idle_captures_s": 0.1})
     assert lines[0].startswith("first answer 0.50 s after the imports; 3 sessions") and "4 " in lines[1]
 

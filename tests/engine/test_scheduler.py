@@ -3,7 +3,8 @@ a step within PACE decode steps, from the step times it is told; a prompt alone 
 
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager
-from llamaterm.engine.serving.scheduler import MIN_PREFILL, PACE, Pace, Scheduler
+from llamaterm.engine.serving.proposer import Proposer
+from llamaterm.engine.serving.scheduler import MIN_PREFILL, PACE, Pace, ScheduledChunk, Scheduler
 from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.engine.serving.speculation import NgramIndex, Speculation
 
@@ -11,6 +12,17 @@ from llamaterm.engine.serving.speculation import NgramIndex, Speculation
 def sequence(i: int, prompt: int) -> Sequence:
     """Prompts of their own tokens: no prefix shared with another's."""
     return Sequence(i, [1000 * i + t for t in range(prompt)], SamplingParams(max_tokens=50), 50)
+
+
+def may_draft(s: Scheduler) -> bool:
+    """The engine core's question before it schedules: would the next step's drafts pay for the overlap given up?"""
+    return Proposer().may_draft(s.running, s.draft_rows())
+
+
+def schedule(s: Scheduler) -> list[ScheduledChunk]:
+    """A step as the engine core places it: drafts proposed by prompt lookup, then the step scheduled."""
+    Proposer().propose(s.running, s.draft_rows())
+    return s.schedule()
 
 
 def sampled(seq: Sequence, token: int) -> None:
@@ -140,20 +152,20 @@ def test_a_prompt_equal_to_a_sequence_with_its_drafts_does_not_fork_from_them():
     s = Scheduler(blocks, max_batch_tokens=64, max_running=4, speculate_tokens=8)
     a = Sequence(0, [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=50), 50, speculation=spec)
     s.add(a)
-    s.advance(s.schedule())
+    s.advance(schedule(s))
     sampled(a, 1)  # its first token, on the host
     drafts = NgramIndex().propose(a.token_ids, a.num_known, spec.length.k(1))
     assert drafts == [2, 3, 1, 2]  # past a block's start: the block of tokens 4..7 holds the first
     b = Sequence(1, [*a.token_ids, *drafts], SamplingParams(max_tokens=50), 50)
     s.add(b)
-    step = s.schedule()
+    step = schedule(s)
     assert a.num_drafts == 4 and not any(c.seq is b and c.length == 0 for c in step)
     s.advance(step)
     a.launch()
     assert a.settle([9] * 5) == [9]  # the target rejected every draft: its token at the first one follows
     s.drop_rejected(a)
     sampled(b, 5)
-    for c in s.schedule():
+    for c in schedule(s):
         written = {c.seq.table.block_ids[p // 4] for p in range(c.start, c.start + c.length)}
         others = {x for q in (a, b) if q is not c.seq for x in q.table.block_ids}
         assert not written & others, (c.seq.id, written & others)
@@ -167,7 +179,7 @@ def drafting_batch(n: int) -> tuple[Scheduler, list[Sequence]]:
     for q in running:
         q.speculation = Speculation()
         s.add(q)
-    s.advance(s.schedule())
+    s.advance(schedule(s))
     return s, running
 
 
@@ -175,10 +187,10 @@ def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
     """The engine completes the step in flight first when the next may carry drafts (may_draft); drafts ride only
     while the running and waiting sequences leave rows of speculate_tokens: 2 running with 6 waiting leave none."""
     s, _ = drafting_batch(2)
-    assert s.may_draft()  # two decoding sequences that may draft
+    assert may_draft(s)  # two decoding sequences that may draft
     for i in range(2, 8):
         s.waiting.append(sequence(i, 20))
-    assert not s.may_draft()
+    assert not may_draft(s)
 
 
 def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_it():
@@ -189,24 +201,24 @@ def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_
     have five rows, 0.9 * 3 + 0.81 * 2 = 4.32 > 2.85."""
     s, running = drafting_batch(7)
     assert running[0].speculation.length.acceptance == 0.6
-    assert not s.may_draft()
+    assert not may_draft(s)
     for q in running:  # each sampled a token that continues its repeat: a proposal follows
         sampled(q, q.token_ids[10])
-    step = s.schedule()
+    step = schedule(s)
     assert [c.length for c in step] == [1] * 7  # nor does the step draft into its one row
     s.advance(step)
     for q in running:
         sampled(q, q.token_ids[11])
     s.running = s.running[:2]
-    assert s.may_draft()
-    assert sum(c.length - 1 for c in s.schedule()) == 6  # drafts in the six rows
+    assert may_draft(s)
+    assert sum(c.length - 1 for c in schedule(s)) == 6  # drafts in the six rows
     for q in running:
         q.speculation.length.acceptance = 0.45
-    assert not s.may_draft()
+    assert not may_draft(s)
     for q in running:
         q.speculation.length.acceptance = 0.9
     s.running = running[:3]
-    assert s.may_draft()
+    assert may_draft(s)
 
 
 def test_overlap_is_given_up_only_where_a_proposal_can_follow():
@@ -217,13 +229,13 @@ def test_overlap_is_given_up_only_where_a_proposal_can_follow():
     q = sequence(0, 20)
     q.speculation = Speculation()
     s.add(q)
-    s.advance(s.schedule())
+    s.advance(schedule(s))
     q.launch()  # its first token, in flight
-    assert not s.may_draft()  # a prompt of distinct tokens
+    assert not may_draft(s)  # a prompt of distinct tokens
     q.settle([q.token_ids[5]])  # the reply quotes the prompt's 6th to 8th tokens, its fourth token in flight
     sampled(q, q.token_ids[6])
     sampled(q, q.token_ids[7])
     q.launch()
-    assert s.may_draft()
+    assert may_draft(s)
     q.speculation.length.paused_until = q.num_generated + 1
-    assert not s.may_draft()
+    assert not may_draft(s)

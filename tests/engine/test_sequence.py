@@ -7,6 +7,7 @@ import pytest
 
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.sequence import PENDING, Sequence
+from llamaterm.engine.serving.speculation import Speculation
 
 PROMPT = [5, 6, 7, 8]
 
@@ -80,7 +81,7 @@ def test_drafts_follow_the_confirmed_tokens_and_runs_a_token_in_flight():
     assert list(seq.drafts) == [4]
 
 
-def test_drop_forgets_the_tail_and_keeps_what_was_read():
+def test_drop_forgets_the_tail_or_the_drafts_past_those_kept():
     seq = fresh()
     seq.launch()
     seq.settle([10])
@@ -89,14 +90,12 @@ def test_drop_forgets_the_tail_and_keeps_what_was_read():
     seq.drop()
     assert list(seq.token_ids) == [*PROMPT, 10] and seq.num_tokens == seq.num_known == 5
     assert seq.num_inflight == seq.num_forced == 0
-    seq.propose([7, 7])
+    seq.speculation = Speculation(draft_computed=8)  # a draft model computed the drafts' K/V
+    seq.propose([7, 8, 9])
+    seq.drop(keep_drafts=2)  # the step has room for two
+    assert list(seq.drafts) == [7, 8] and seq.num_tokens == 7 and seq.speculation.draft_computed == 7
     seq.drop()
-    assert seq.num_drafts == 0
-    seq.launch()
-    seq.force([1, 2])
-    seq.settle([11])
-    seq.drop(keep=2)  # the reply ended at its second token: the forced run after it was never its own
-    assert list(seq.generated) == [10, 11]
+    assert seq.num_drafts == 0 and seq.speculation.draft_computed == 5
 
 
 def test_done_sampling_counts_the_tokens_in_flight():

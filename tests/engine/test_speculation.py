@@ -15,7 +15,7 @@ from llamaterm.engine.bench import EditText, SyntheticTokenizer
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
-from llamaterm.engine.serving import scheduler, speculation
+from llamaterm.engine.serving import proposer, speculation
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.draft_model import DraftModel
 from llamaterm.engine.serving.engine import Engine
@@ -100,7 +100,7 @@ def fixed_k(monkeypatch):
     def use(k: int, shortest: int = MIN_NGRAM) -> None:
         monkeypatch.setattr(speculation.DraftLength, "k", lambda self, generated: k)
         monkeypatch.setattr(speculation, "MIN_NGRAM", shortest)
-        monkeypatch.setattr(scheduler, "BATCH_OVERLAP_COST", 0.0)
+        monkeypatch.setattr(proposer, "BATCH_OVERLAP_COST", 0.0)
 
     return use
 
@@ -143,7 +143,7 @@ def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):
     fixed_k(k)
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
-        assert engine.stats().kept > 0
+        assert engine.step_stats().kept > 0
         assert_every_block_back(engine)
 
 
@@ -161,7 +161,7 @@ def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k
             streamed = [t for event in handle.events() for t in event.token_ids]
             ends = next(i for i in range(1, n + 1) if text(n) in text(i))
             assert streamed == reply[:ends] == handle.token_ids and handle.stats().generated_tokens == ends
-        assert engine.stats().kept >= 8
+        assert engine.step_stats().kept >= 8
         assert_every_block_back(engine)
 
 
@@ -172,7 +172,7 @@ def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):
     fixed_k(8)
     with make_engine(tiny, max_running=1) as engine:
         assert replies(engine, requests) == expected
-        assert engine.stats().drafted >= 8 and engine.stats().steps < 40
+        assert engine.step_stats().drafted >= 8 and engine.step_stats().steps < 40
         assert_every_block_back(engine)
 
 
@@ -192,7 +192,7 @@ def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected
         assert replies(engine, requests) == expected
-        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert 0 < engine.step_stats().kept < engine.step_stats().drafted
         assert_every_block_back(engine)
 
 
@@ -218,7 +218,7 @@ def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):
     fixed_k(k)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=64, kv_tokens=40 * 16) as engine:
         assert replies(engine, requests) == expected
-        assert engine.stats().drafted > 0
+        assert engine.step_stats().drafted > 0
         assert_every_block_back(engine)
 
 
@@ -229,7 +229,7 @@ def assert_preempting_replies(engine, requests, expected) -> None:
     preempt = engine.core.scheduler.preempt
     engine.core.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
     assert replies(engine, requests) == expected
-    assert preempted and engine.stats().drafted > 0
+    assert preempted and engine.step_stats().drafted > 0
     assert_every_block_back(engine)
 
 
@@ -260,7 +260,7 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed
         scheduler.drop_rejected = checked
         prompt = repetitive_prompts(1, seed=4)[0]
         replies(engine, [(prompt, SamplingParams(max_tokens=50, ignore_eos=True))])
-        assert seen and 0 < engine.stats().kept < engine.stats().drafted
+        assert seen and 0 < engine.step_stats().kept < engine.step_stats().drafted
         assert_every_block_back(engine)
 
 
@@ -400,7 +400,7 @@ def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixe
     fixed_k(k)
     with draft_engine(tiny, drafts["draft"]) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
-        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert 0 < engine.step_stats().kept < engine.step_stats().drafted
         assert_every_block_back(engine)
 
 
@@ -419,7 +419,7 @@ def test_a_draft_model_reads_only_what_it_computed_for_the_tokens_there_now(tiny
     drafts' K/V counted as the draft's (it did, where the verification lowered only the target's count)."""
     written: dict[int, dict[int, int]] = {}  # by sequence: the token at each position of the draft's cache
     stale: list[tuple[int, int]] = []
-    step, first_computed, draft = DraftModel._step, DraftModel._first_computed, scheduler.Scheduler._draft
+    step, first_computed, length = DraftModel._step, DraftModel._first_computed, proposer.Proposer._draft_length
     turns = itertools.count()
 
     def recording_step(self, chunks):
@@ -434,12 +434,14 @@ def test_a_draft_model_reads_only_what_it_computed_for_the_tokens_there_now(tiny
 
     monkeypatch.setattr(DraftModel, "_step", recording_step)
     monkeypatch.setattr(DraftModel, "_first_computed", staticmethod(checked_first_computed))
-    monkeypatch.setattr(scheduler.Scheduler, "_draft", lambda *a: draft(*a) if next(turns) % 2 else 0)
+    monkeypatch.setattr(
+        proposer.Proposer, "_draft_length", staticmethod(lambda *a: length(*a) if next(turns) % 2 else 0)
+    )
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"]) as engine:
         prompt = repetitive_prompts(1, seed=50)[0]
         replies(engine, [(prompt, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=1))])
-        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert 0 < engine.step_stats().kept < engine.step_stats().drafted
     assert not stale, stale[:5]
 
 
@@ -479,7 +481,7 @@ def test_greedy_drafts_on_the_gpu_through_graphs_and_overlapped_steps(tmp_path, 
         for prompt, generated in zip(prompts, replies(gpu, requests), strict=True):
             assert len(generated) == 40
             assert_greedy_choices(cpu, prompt, generated)
-        assert gpu.stats().kept > 0
+        assert gpu.step_stats().kept > 0
         assert_every_block_back(gpu)
     finally:
         gpu.shutdown()
@@ -514,12 +516,12 @@ def test_the_default_model_replies_with_drafts_as_without(tmp_path, fixed_k):
             assert run(engine, requests[:1]) == expected[:1], k
         fixed_k(5)
         assert run(engine, requests) == expected
-        assert engine.stats().kept > 0
+        assert engine.step_stats().kept > 0
         assert_every_block_back(engine)
     draft = write_tiny_llama(tmp_path / "draft.gguf", n_layers=1, seed=3)
     with Engine.from_model(EngineConfig(device="cpu", speculate="draft", draft=str(draft))) as engine:
         assert run(engine, requests) == expected
-        assert engine.stats().drafted > 0
+        assert engine.step_stats().drafted > 0
         assert_every_block_back(engine)
 
 
@@ -545,7 +547,7 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
         params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=temperature, seed=i) for i in range(n)]
         handles = [engine.submit(None, sp, prompt_ids=prompt) for sp in params]
         triples = [[t for e in h.events() for t in e.token_ids] for h in handles]
-        stats = engine.stats()
+        stats = engine.step_stats()
     assert stats.drafted == n and 0 < stats.kept < n  # every request drafted its second token; some were kept
     observed = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
     for a, b, c in triples:
@@ -561,10 +563,10 @@ def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypa
     expected = alone_without_drafts(tiny, requests)
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], max_running=4, max_batch_tokens=64) as engine:
-        draft = engine.core.draft
+        draft = engine.core.runner.proposer.draft
         max_blocks = -(-engine.max_context // engine.core.block_manager.block_size)
         draft.graphs = StepGraphs(draft._forward, draft._sample, torch.device("cpu"), 4, 64, max_blocks)
         assert replies(engine, requests) == expected
-        assert engine.stats().drafted > 0
+        assert engine.step_stats().drafted > 0
         assert sum(g.forward.replays for g in draft.graphs.graphs.values()) > 0  # captured, then replayed
         assert_every_block_back(engine)
