@@ -269,7 +269,7 @@ def open_client(model, device, config, process: bool):
 
     if not process:
         b = wl.open_engine(model, device, config)
-        return b, b.label, wl.engine_info(b.engine.core)
+        return b, b.label, b.engine.core.describe()
     from dataclasses import replace
 
     from llamaterm.engine.serving.process import EngineProcess

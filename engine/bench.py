@@ -17,128 +17,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llamaterm.engine.api import EngineConfig, RequestStream
-from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
-from llamaterm.engine.serving.device import resolve_device
 from llamaterm.engine.serving.engine import Engine
-from llamaterm.engine.serving.engine_core import EngineCore, triton_cache_key_beside
-from llamaterm.engine.serving.model import Model, Weight
+from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.step_stats import StepStats
-from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
+from llamaterm.engine.serving.synthetic_model import SYNTHETIC, parse_synthetic
+from llamaterm.engine.synthetic import is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
-from llamaterm.kernels.qweight import QuantWeight
 
 if TYPE_CHECKING:
-    from llamaterm.engine.serving.process import EngineProcess  # which loads its engine through this module
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """How a synthetic model stores its matrices: bits, group size, affine (with offsets) or symmetric; the
-    embedding (and a tied lm_head) may take another width, as in GGUF files."""
-
-    bits: int
-    group: int
-    affine: bool
-    embd_bits: int
-
-
-def _llama(name, layers, hidden, ffn, heads, kv, vocab, ctx, theta, head_dim=None, tied=False) -> ModelConfig:
-    return ModelConfig(
-        arch="llama",
-        name=name,
-        n_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        n_heads=heads,
-        n_kv_heads=kv,
-        head_dim=head_dim or hidden // heads,
-        vocab_size=vocab,
-        context_length=ctx,
-        rms_norm_eps=1e-5,
-        rope_theta=theta,
-        tie_word_embeddings=tied,
-    )
-
-
-def _gemma3(name, layers, hidden, ffn, heads, kv) -> ModelConfig:
-    """Gemma 3's text model as its GGUF holds it: five 1024-token sliding layers to one global, x8 linear RoPE on
-    the global ones."""
-    return replace(
-        _llama(name, layers, hidden, ffn, heads, kv, 262144, 131072, 1e6, head_dim=256, tied=True),
-        arch="gemma3",
-        qk_norm=True,
-        post_norms=True,
-        activation="gelu_tanh",
-        embedding_scale=hidden**0.5,
-        attention_scale=256**-0.5,
-        rope_theta_sliding=1e4,
-        rope_freq_factors=(8.0,) * 128,
-        sliding_window=1024,
-        sliding_layers=tuple(i % 6 < 5 for i in range(layers)),
-    )
-
-
-# Random weights in real models' shapes, so speed figures need no download. 4-bit formats as their usual files.
-SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
-    "llama3-8b": (
-        _llama("Llama-3-8B shapes", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
-        QuantFormat(4, 128, False, 4),
-    ),
-    "llama2-7b": (
-        _llama("Llama-2-7B shapes", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
-        QuantFormat(4, 128, False, 4),
-    ),
-    "smollm2-135m": (
-        _llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
-        QuantFormat(4, 32, True, 8),
-    ),  # the default model's Q4_1 with a Q8_0 embedding
-    "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
-    "qwen2.5-7b": (
-        replace(_llama("Qwen2.5-7B shapes", 28, 3584, 18944, 28, 4, 152064, 32768, 1e6), arch="qwen2", qkv_bias=True),
-        QuantFormat(4, 128, False, 4),
-    ),
-    "gemma3-4b": (_gemma3("Gemma-3-4B shapes", 34, 2560, 10240, 8, 4), QuantFormat(4, 128, False, 4)),
-    "gemma3-12b": (_gemma3("Gemma-3-12B shapes", 48, 3840, 15360, 16, 8), QuantFormat(4, 128, False, 4)),
-}
-
-
-def parse_synthetic(spec: str) -> tuple[str, bool]:
-    """'synthetic:NAME' (4-bit) or 'synthetic:NAME:fp16' -> (NAME, quantized)."""
-    name, _, fmt = spec.removeprefix(SYNTHETIC_PREFIX).partition(":")
-    if name not in SYNTHETIC or fmt not in ("", "q4", "4bit", "fp16"):
-        raise LlamatermError(
-            f"unknown model {spec!r}: synthetic models are "
-            f"{', '.join(SYNTHETIC_PREFIX + n for n in SYNTHETIC)}, with :fp16 or :q4 (the default)"
-        )
-    return name, fmt != "fp16"
-
-
-def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
-    """Random weights made on the device: speed does not depend on their values."""
-    config, fmt = SYNTHETIC[name]
-    dtype = torch.float32 if device.type == "cpu" else torch.float16
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def matrix(n: int, k: int, bits: int) -> Weight:
-        if not quantized:
-            return torch.randn(n, k, generator=g, device=device, dtype=dtype) * 0.02
-        q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8, device=device)
-        scales = (torch.rand(n, k // fmt.group, generator=g, device=device) * 2e-3 + 1e-3).half()
-        offsets = -scales * (1 << (bits - 1)) if fmt.affine and bits == 4 else None
-        return QuantWeight.from_values(q, scales, offsets, bits, fmt.group)
-
-    tensors: dict[str, Weight] = {}
-    for name_, shape in tensor_shapes(config).items():
-        if name_ == "output.weight" and config.tie_word_embeddings:
-            continue
-        if len(shape) == 1:
-            tensors[name_] = torch.ones(shape, device=device)
-        else:
-            n, k = shape
-            tensors[name_] = matrix(n, k, fmt.embd_bits if name_ == "token_embd.weight" else fmt.bits)
-    return Model(config, tensors, device, dtype)
+    from llamaterm.engine.serving.process import EngineProcess
 
 
 @dataclass
@@ -158,60 +47,16 @@ def sync(device: torch.device) -> None:
 
 def open_engine(model: str | None, device: str | None, config: EngineConfig) -> Bench:
     """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`, in this process."""
-    core, label, path, quantized = open_core(model, device, config)
-    return Bench(Engine(core), label, path, quantized)
-
-
-def open_core(model: str | None, device: str | None, config: EngineConfig) -> tuple[EngineCore, str, str | None, bool]:
-    """open_engine's core, and what the tables call the model, its checkpoint and whether it is quantized."""
+    engine = Engine.from_model(replace(config, model=model, device=device))
     if not is_synthetic(model):
-        core = EngineCore.from_model(replace(config, model=model, device=device))
         from llamaterm.engine.store.model_store import resolve_model
 
-        return core, core.model_name, str(resolve_model(model)), True
+        return Bench(engine, engine.model_name, str(resolve_model(model)), True)
     assert model is not None
     name, quantized = parse_synthetic(model)
-    dev = resolve_device(device)
-    with triton_cache_key_beside(dev):
-        t = time.perf_counter()
-        m = synthetic_model(name, quantized, dev)
-        sync(dev)
-        made = time.perf_counter() - t
-    core = EngineCore(m, SyntheticTokenizer(m.config.vocab_size), config, name=m.config.name)  # type: ignore[arg-type]
-    core.startup_s = {"make random weights": made, **core.startup_s}
     fmt = SYNTHETIC[name][1]
-    label = f"{m.config.name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
-    return core, label, None, quantized
-
-
-def weight_bytes(model: Model) -> int:
-    """Bytes of weights one decode step reads: packed values, scales and offsets on the GPU (dense copies kept for
-    prefill are not read by decode steps); the dense copies the CPU reference path multiplies with."""
-    parts = [model.lm_head, model.output_norm]
-    for layer in model.layers:
-        parts += [*layer.qkv, layer.o, *layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm]
-    return sum(read_bytes(w) for w in parts)
-
-
-def read_bytes(w: Weight) -> int:
-    """The bytes of w a decode step reads (see weight_bytes)."""
-    size = lambda t: 0 if t is None else t.numel() * t.element_size()
-    if not isinstance(w, QuantWeight):
-        return size(w)
-    if w.packed.device.type == "cpu" and w._dense:
-        return sum(map(size, w._dense.values()))
-    return size(w.packed) + size(w.scales) + size(w.offsets)
-
-
-def engine_info(core: EngineCore) -> dict:
-    """What the bench tables need of an engine: where start-up went, the weight bytes a decode step reads, CUDA
-    graphs or not, the dense copies kept for prefill."""
-    return {
-        "startup_s": core.startup_s,
-        "weight_bytes": weight_bytes(core.model),
-        "cuda_graphs": core.runner.graphs is not None,
-        "dense_weight_bytes": core.dense_weight_bytes,
-    }
+    label = f"{engine.model_name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
+    return Bench(engine, label, None, quantized)
 
 
 def copy_bandwidth(device: torch.device) -> float:

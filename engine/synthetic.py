@@ -1,5 +1,6 @@
-"""Models with random weights in real models' shapes (engine/bench.py makes them), by name: `synthetic:NAME`. What
-the engine process's parent needs of them, without torch: the name's test and the tokenizer."""
+"""Models with random weights in real models' shapes (engine/serving/synthetic_model.py makes them), by name:
+`synthetic:NAME`. What the engine process's parent needs of them, without torch: the name's test and the
+tokenizer."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -37,6 +38,9 @@ from llamaterm.engine.serving.scheduler import Scheduler
 from llamaterm.engine.serving.sequence import Sequence, Status
 from llamaterm.engine.serving.speculation import MAX_DRAFT, SPECULATE, Speculation
 from llamaterm.engine.serving.step_stats import StepRecorder, StepStats
+from llamaterm.engine.serving.synthetic_model import parse_synthetic, synthetic_model
+from llamaterm.engine.serving.weight_bytes import weight_bytes
+from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
 from llamaterm.kernels.dispatch import REFERENCES_ONLY
 
 # What the sink receives per step: a TokenOutput per token or finish, and (request id, prompt tokens served from the
@@ -134,9 +138,12 @@ class EngineCore:
 
     @classmethod
     def from_model(cls, config: EngineConfig = EngineConfig()) -> EngineCore:
-        """Load config.model (a store name or a path; None: the default model) onto config.device."""
+        """Load config.model (a store name or a path; None: the default model) onto config.device, or make random
+        weights in a model's shapes (synthetic:NAME[:fp16], synthetic_model.py)."""
         from llamaterm.engine.store.loader import load_checkpoint
 
+        if is_synthetic(config.model):
+            return cls._synthetic(config)
         name = config.model
         dev = resolve_device(config.device)
         with triton_cache_key_beside(dev):
@@ -168,6 +175,22 @@ class EngineCore:
         }
         return core
 
+    @classmethod
+    def _synthetic(cls, config: EngineConfig) -> EngineCore:
+        assert config.model is not None
+        name, quantized = parse_synthetic(config.model)
+        dev = resolve_device(config.device)
+        with triton_cache_key_beside(dev):
+            t = time.perf_counter()
+            model = synthetic_model(name, quantized, dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            made = time.perf_counter() - t
+        tokenizer = cast(Tokenizer, SyntheticTokenizer(model.config.vocab_size))  # (the methods the engine uses)
+        core = cls(model, tokenizer, config, name=model.config.name)
+        core.startup_s = {"make random weights": made, **core.startup_s}
+        return core
+
     # ---- the front end's side (any thread) ----
 
     def info(self) -> CoreInfo:
@@ -179,6 +202,16 @@ class EngineCore:
             self.model.config.vocab_size,
             self.sampling_defaults,
         )
+
+    def describe(self) -> dict:
+        """What `llamaterm bench` shows of this engine: where start-up went, the weight bytes a decode step reads,
+        CUDA graphs or not, the dense copies kept for prefill."""
+        return {
+            "startup_s": self.startup_s,
+            "weight_bytes": weight_bytes(self.model),
+            "cuda_graphs": self.runner.graphs is not None,
+            "dense_weight_bytes": self.dense_weight_bytes,
+        }
 
     def pool_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size

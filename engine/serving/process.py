@@ -85,10 +85,10 @@ Load = Callable[[EngineConfig], "EngineCore"]  # run in the child
 
 
 def load_core(config: EngineConfig) -> EngineCore:
-    """The model config names, or random weights in a model's shapes (synthetic:NAME, engine/bench.py)."""
-    from llamaterm.engine.bench import open_core
+    """The model config names, or random weights in a model's shapes (synthetic:NAME)."""
+    from llamaterm.engine.serving.engine_core import EngineCore
 
-    return open_core(config.model, config.device, config)[0]
+    return EngineCore.from_model(config)
 
 
 class ChildCore:
@@ -228,13 +228,11 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
     except Exception as e:
         conn.send(LoadFailed(e if isinstance(e, LlamatermError) else LlamatermError(f"{type(e).__name__}: {e}")))
         return
-    from llamaterm.engine.bench import engine_info
-
     # What start-up made (torch's modules, the model, the tokenizer: some 180,000 objects) lives to the end: frozen,
     # the collector's full passes skip it. A long-lived engine's requests leave enough behind to start one now and
     # then, and each went over it all: 95 ms on a 2-core machine, a stall of every session.
     gc.freeze()
-    conn.send(Ready(core.info(), engine_info(core)))
+    conn.send(Ready(core.info(), core.describe()))
     outbox = Outbox(conn)
     core.start(outbox.sink)
     forwarder = threading.Thread(target=outbox.forward, args=(core,), name="llamaterm-forward", daemon=True)

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.serving.weight_bytes import read_bytes
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 100) -> float:
@@ -102,7 +103,7 @@ def main() -> None:
     engine = bench.engine
     layer = engine.core.model.layers[0]
     linears = [
-        (name, wl.read_bytes(w))
+        (name, read_bytes(w))
         for name, ws in (("qkv", layer.qkv), ("o", [layer.o]), ("gate_up", layer.gate_up), ("down", [layer.down]))
         for w in ws
     ]

@@ -14,12 +14,12 @@ import torch
 from llamaterm.app.bench import format_serve_first
 from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import WAITING, StepGraphs, on_a_thread, token_buckets
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import StepLists, run_through
+from llamaterm.engine.serving.synthetic_model import synthetic_model
 from llamaterm.engine.synthetic import SyntheticTokenizer
 from tests.support.graphs import record_without_running
 

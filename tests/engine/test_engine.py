@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import SYNTHETIC, synthetic_model
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
@@ -18,6 +17,7 @@ from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.synthetic_model import SYNTHETIC, synthetic_model
 from llamaterm.kernels.qweight import QuantWeight
 from tests.support.tiny_engine import make_engine
 from tests.support.tiny_models import write_tiny_llama

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import SyntheticTokenizer, synthetic_model
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.synthetic_model import synthetic_model
+from llamaterm.engine.synthetic import SyntheticTokenizer
 from tests.support.engine_checks import assert_greedy_choices
 from tests.support.tiny_models import write_tiny_llama
 

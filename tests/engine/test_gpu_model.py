@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import StepLists
 from llamaterm.engine.serving.model_runner import take_pending
 from llamaterm.engine.serving.step_inputs import device_tensors
+from llamaterm.engine.serving.synthetic_model import synthetic_model
 from llamaterm.engine.store.model_store import resolve_model
 from tests.support.engine_checks import assert_greedy_choices, assert_same_until_near_tie, logits_at
 from tests.support.tiny_models import write_tiny_llama

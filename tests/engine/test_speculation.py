@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import EditText, SyntheticTokenizer
+from llamaterm.engine.bench import EditText
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
@@ -23,6 +23,7 @@ from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, MIN_NGRAM, NgramIndex, accepted
+from llamaterm.engine.synthetic import SyntheticTokenizer
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.support.cli import llamaterm

@@ -1,0 +1,44 @@
+"""Imports flow one way (app -> engine -> kernels), and inside the engine as engine/__init__.py says: checkpoints/
+imports no other room, store/ only checkpoints/, and no room imports bench.py, which sits above them all. Read from
+the sources, so a lazy import inside a function counts too."""
+
+import ast
+from pathlib import Path
+
+from tests.support import ROOT
+
+ROOMS = ("checkpoints", "store", "serving")
+
+
+def imported(path: Path) -> set[str]:
+    """The llamaterm modules a source file imports, wherever in it."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.startswith("llamaterm.")}
+    return out
+
+
+def imports_of(folder: str) -> dict[str, set[str]]:
+    return {str(p.relative_to(ROOT)): imported(p) for p in (ROOT / folder).rglob("*.py")}
+
+
+def test_kernels_import_no_engine_and_the_engine_no_app():
+    for module, names in imports_of("kernels").items():
+        assert not {n for n in names if n.startswith(("llamaterm.engine", "llamaterm.app"))}, module
+    for module, names in imports_of("engine").items():
+        assert not {n for n in names if n.startswith("llamaterm.app")}, module
+
+
+def test_the_engine_s_rooms_import_as_its_package_says():
+    for room in ROOMS:
+        for module, names in imports_of(f"engine/{room}").items():
+            assert "llamaterm.engine.bench" not in names, module  # the benchmark is off the serving path
+            others = {r for r in ROOMS if r != room and any(n.startswith(f"llamaterm.engine.{r}") for n in names)}
+            allowed = {"checkpoints": set(), "store": {"checkpoints"}, "serving": {"checkpoints", "store"}}[room]
+            assert others <= allowed, (module, others)
