@@ -19,7 +19,7 @@ from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import model_runner
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.grammar import Vocabulary
-from tests.engine.test_speculation import assert_every_block_back
+from tests.support.engine_checks import assert_every_block_back
 from tests.support.tiny_models import write_tiny_llama
 
 

@@ -53,15 +53,10 @@ def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
     return out
 
 
-def solo_outputs(tiny, requests) -> list[list[int]]:
-    with make_engine(tiny) as engine:
-        return [run_alone(engine, p, sp) for p, sp in requests]
-
-
 @pytest.mark.parametrize("overlap", [False, True])
-def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
+def test_batch_invariance_with_staggered_arrivals(tiny, alone, overlap):
     requests = random_requests(8, seed=1)
-    expected = solo_outputs(tiny, requests)
+    expected = alone(requests)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=64) as engine:
         handles = []
         for prompt, params in requests:
@@ -137,7 +132,7 @@ def test_a_request_submitted_as_the_engine_shuts_down_ends_as_cancelled(tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
-def test_small_pool_preempts_and_recomputes(tiny, overlap):
+def test_small_pool_preempts_and_recomputes(tiny, alone, overlap):
     prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
     # penalties too: their token counts stay on the device through a preemption
     requests = [
@@ -149,7 +144,7 @@ def test_small_pool_preempts_and_recomputes(tiny, overlap):
         )
         for i, p in enumerate(prompts)
     ]
-    expected = solo_outputs(tiny, requests)
+    expected = alone(requests)
     # 16 blocks: ~3 requests at a time
     with make_engine(tiny, overlap=overlap, kv_tokens=16 * 16, block_size=16) as engine:
         preempted = []
@@ -184,9 +179,9 @@ def test_next_turn_reuses_cached_prefix(tiny, overlap):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, overlap):
+def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, alone, overlap):
     others = random_requests(3, seed=3)
-    expected = solo_outputs(tiny, others)
+    expected = alone(others)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=32) as engine:
         long_prompt = list(range(100, 400))  # ten 32-token chunks of prefill
         in_prefill = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=long_prompt)
@@ -210,13 +205,13 @@ def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, overl
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
-def test_stress_random_arrivals_cancels_and_stop_strings(tiny, overlap):
+def test_stress_random_arrivals_cancels_and_stop_strings(tiny, alone, overlap):
     rng = random.Random(4)
     requests = []
     for prompt, params in random_requests(200, seed=5, max_prompt=40, max_new=16):
         stop = tuple(rng.sample(["e", " the", "a", "\n", "ing"], rng.randint(0, 2)))
         requests.append((prompt, SamplingParams(**{**params.__dict__, "stop": stop})))
-    expected = solo_outputs(tiny, requests)
+    expected = alone(requests)
     engine = make_engine(tiny, overlap=overlap, kv_tokens=64 * 16, max_batch_tokens=128)
     cancelled = set(rng.sample(range(200), 30))
     handles = {}

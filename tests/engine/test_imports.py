@@ -1,6 +1,7 @@
 """Imports flow one way (app -> engine -> kernels), and inside the engine as engine/__init__.py says: checkpoints/
 imports no other room, store/ only checkpoints/, and no room imports bench.py, which sits above them all. Read from
-the sources, so a lazy import inside a function counts too."""
+the sources, so a lazy import inside a function counts too. And a test module imports what tests share from
+tests/support (or the benchmark it tests), never another test module."""
 
 import ast
 from pathlib import Path
@@ -42,3 +43,11 @@ def test_the_engine_s_rooms_import_as_its_package_says():
             others = {r for r in ROOMS if r != room and any(n.startswith(f"llamaterm.engine.{r}") for n in names)}
             allowed = {"checkpoints": set(), "store": {"checkpoints"}, "serving": {"checkpoints", "store"}}[room]
             assert others <= allowed, (module, others)
+
+
+def test_test_modules_import_from_support_never_from_each_other():
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not {m for m in modules if m.startswith("tests.") and m.rpartition(".")[2].startswith("test_")}, path

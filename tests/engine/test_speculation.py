@@ -27,7 +27,7 @@ from llamaterm.engine.synthetic import SyntheticTokenizer
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.support.cli import llamaterm
-from tests.support.engine_checks import assert_greedy_choices, our_last_logits
+from tests.support.engine_checks import assert_every_block_back, assert_greedy_choices, our_last_logits
 from tests.support.graphs import record_without_running
 from tests.support.tiny_engine import make_engine
 from tests.support.tiny_models import write_tiny_llama
@@ -123,24 +123,11 @@ def replies(engine, requests) -> list[list[int]]:
     return [h.token_ids for h in handles]
 
 
-def alone_without_drafts(tiny, requests) -> list[list[int]]:
-    """The oracle: each request's reply run alone on an engine that never drafts."""
-    with make_engine(tiny, speculate="off") as engine:
-        return [replies(engine, [r])[0] for r in requests]
-
-
-def assert_every_block_back(engine) -> None:
-    bm = engine.core.block_manager
-    assert bm.num_free == bm.num_blocks
-    assert all(block.ref_count == 0 for block in bm.blocks.values())  # none freed twice (it would be -1)
-    assert sorted(bm.free) == sorted(bm.blocks)  # every block used is in the free queue
-
-
 @pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):
+def test_greedy_replies_are_those_without_speculation(tiny, alone, fixed_k, k):
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     requests = [(p, greedy) for p in repetitive_prompts(4, seed=k)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k)
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
@@ -148,11 +135,11 @@ def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):
         assert_every_block_back(engine)
 
 
-def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k):
+def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, alone, fixed_k):
     """A step hands out the drafts it confirms and the token after them; where the reply stops at one of them, the
     tokens after it were never the reply's: its sequence and stats end at the stop, as the stream does."""
     prompt = [11, 22, 33, 44, 55, 66] * 6  # the tiny model goes on repeating itself: drafts are confirmed in runs
-    (reply,) = alone_without_drafts(tiny, [(prompt, SamplingParams(max_tokens=40, ignore_eos=True))])
+    (reply,) = alone([(prompt, SamplingParams(max_tokens=40, ignore_eos=True))], speculate="off")
     text = lambda n: tiny[1].decode(reply[:n])
     fixed_k(8)
     with make_engine(tiny) as engine:
@@ -166,10 +153,10 @@ def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k
         assert_every_block_back(engine)
 
 
-def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):
+def test_an_engine_for_one_request_drafts_too(tiny, alone, fixed_k):
     """`llamaterm run` prepares an engine for one sequence: its steps still have a row for each of 8 drafts."""
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in repetitive_prompts(2, seed=50)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(8)
     with make_engine(tiny, max_running=1) as engine:
         assert replies(engine, requests) == expected
@@ -178,7 +165,7 @@ def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
+def test_penalised_replies_with_drafts_are_those_without(tiny, alone, fixed_k, k):
     """Repetition, presence and frequency penalties count the drafts before each row's position, and the kept ones
     after the step: greedy and seeded replies as without drafts, alone and together."""
     penalties = {"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.1, "ignore_eos": True}
@@ -188,7 +175,7 @@ def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
         SamplingParams(max_tokens=40, repetition_penalty=1.05, ignore_eos=True),
     ]
     requests = [(p, kinds[i % 3]) for i, p in enumerate(repetitive_prompts(6, seed=70 + k))]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k, shortest=1)  # drafts after a match of one token too: the model refuses many of them
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected
@@ -213,9 +200,9 @@ def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("k", [2, 5, 8])
-def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):
+def test_batches_beside_sessions_that_never_draft(tiny, alone, fixed_k, k, overlap):
     requests = mixed_batch(seed=10 + k)
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=64, kv_tokens=40 * 16) as engine:
         assert replies(engine, requests) == expected
@@ -234,9 +221,9 @@ def assert_preempting_replies(engine, requests, expected) -> None:
     assert_every_block_back(engine)
 
 
-def test_a_small_pool_preempts_sequences_with_drafts(tiny, fixed_k):
+def test_a_small_pool_preempts_sequences_with_drafts(tiny, alone, fixed_k):
     requests = [(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in repetitive_prompts(10, seed=3)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(6)
     with make_engine(tiny, kv_tokens=14 * 16, block_size=16, overlap=True) as engine:
         assert_preempting_replies(engine, requests, expected)
@@ -391,13 +378,13 @@ def draft_engine(tiny, draft_path, **kwargs) -> Engine:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixed_k, k):
+def test_a_draft_models_replies_are_those_without_speculation(tiny, alone, drafts, fixed_k, k):
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(3, seed=20 + k)]
     requests += [
         (p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=i))
         for i, (p, _) in enumerate(requests)
     ]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k)
     with draft_engine(tiny, drafts["draft"]) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
@@ -406,9 +393,9 @@ def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixe
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts, fixed_k, overlap):
+def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, alone, drafts, fixed_k, overlap):
     requests = mixed_batch(seed=30)
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], overlap=overlap, max_batch_tokens=64, kv_tokens=20 * 16) as engine:
         assert_preempting_replies(engine, requests, expected)
@@ -556,12 +543,12 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
     assert chi_square_p(observed.flatten(), expected.flatten()) > 1e-4
 
 
-def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypatch):
+def test_a_draft_models_steps_through_its_graphs(tiny, alone, drafts, fixed_k, monkeypatch):
     """The draft model's steps through StepGraphs of its own (on the CPU, captures stubbed as in test_cuda_graph):
     eager until a bucket is captured between two draft steps, replayed after; the replies as without drafts."""
     monkeypatch.setattr(StepGraphs, "_record", record_without_running)
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(4, seed=60)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], max_running=4, max_batch_tokens=64) as engine:
         draft = engine.core.runner.proposer.draft

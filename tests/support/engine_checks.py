@@ -1,5 +1,6 @@
 """Our engine's side of the model oracles: the logits of one prefill on a cache of its own, the greedy tokens of
-a request, and the GPU's greedy choices checked against the fp32 CPU path's logits."""
+a request, and the GPU's greedy choices checked against the fp32 CPU path's logits; and every KV block back in
+the pool once an engine's requests have ended."""
 
 import torch
 
@@ -75,3 +76,10 @@ def assert_same_until_near_tie(cpu: Engine, prompt: list[int], generated: list[i
     ref = logits_at(cpu, prompt + expected[:-1], len(prompt) - 1)
     tie = next((t for t in range(len(expected)) if top2_margin(ref[t]) <= MARGIN), len(expected))
     assert generated[:tie] == expected[:tie], (tie, generated, expected)
+
+
+def assert_every_block_back(engine: Engine) -> None:
+    bm = engine.core.block_manager
+    assert bm.num_free == bm.num_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks.values())  # none freed twice (it would be -1)
+    assert sorted(bm.free) == sorted(bm.blocks)  # every block used is in the free queue
