@@ -92,6 +92,12 @@ def test_prompt_lookup_drafts_a_quoted_prompt():
     assert NgramIndex().propose([5, 6, 7, 8, 9, 6, 7, 8, 1, 2, 5, 6, 7, 8], 14, 2) == [9, 6]
 
 
+def sweep(values, fast) -> list:
+    """A sweep's values, those not in `fast` marked slow: the fast lane runs a case of each behaviour (a sequence's
+    token tail is unit-tested in test_sequence.py), `make test` the whole sweep."""
+    return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 @pytest.fixture
 def fixed_k(monkeypatch):
     """Draft exactly k tokens wherever the lookup finds them and the step has rows for them (the adaptive length's
@@ -123,7 +129,7 @@ def replies(engine, requests) -> list[list[int]]:
     return [h.token_ids for h in handles]
 
 
-@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("k", sweep(range(1, 9), fast=(1, 4, 8)))
 def test_greedy_replies_are_those_without_speculation(tiny, alone, fixed_k, k):
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     requests = [(p, greedy) for p in repetitive_prompts(4, seed=k)]
@@ -164,7 +170,7 @@ def test_an_engine_for_one_request_drafts_too(tiny, alone, fixed_k):
         assert_every_block_back(engine)
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("k", sweep([1, 4, 8], fast=(8,)))
 def test_penalised_replies_with_drafts_are_those_without(tiny, alone, fixed_k, k):
     """Repetition, presence and frequency penalties count the drafts before each row's position, and the kept ones
     after the step: greedy and seeded replies as without drafts, alone and together."""
@@ -199,7 +205,7 @@ def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("k", [2, 5, 8])
+@pytest.mark.parametrize("k", sweep([2, 5, 8], fast=(5,)))
 def test_batches_beside_sessions_that_never_draft(tiny, alone, fixed_k, k, overlap):
     requests = mixed_batch(seed=10 + k)
     expected = alone(requests, speculate="off")
@@ -377,7 +383,7 @@ def draft_engine(tiny, draft_path, **kwargs) -> Engine:
     return Engine(EngineCore(model, tokenizer, EngineConfig(speculate="draft", **kwargs), draft=draft_model))
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", sweep([1, 3, 8], fast=(3,)))
 def test_a_draft_models_replies_are_those_without_speculation(tiny, alone, drafts, fixed_k, k):
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(3, seed=20 + k)]
     requests += [
@@ -392,6 +398,7 @@ def test_a_draft_models_replies_are_those_without_speculation(tiny, alone, draft
         assert_every_block_back(engine)
 
 
+@pytest.mark.slow  # (the fast lane batches a draft model's sequences in test_a_draft_models_steps_through_its_graphs)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, alone, drafts, fixed_k, overlap):
     requests = mixed_batch(seed=30)
