@@ -7,7 +7,7 @@ import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Self, TypedDict, Unpack, runtime_checkable
 
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -162,6 +162,16 @@ class RequestStream(Protocol):
     def stats(self) -> RequestStats: ...
 
 
+class SubmitOptions(TypedDict, total=False):
+    """How submit reads its prompt, one definition for every engine; an option left out takes its default."""
+
+    raw: bool  # the prompt is the model's input, no chat template (default: False)
+    parse_special: bool  # a raw prompt's special-token text ('<|im_start|>') becomes those tokens (default: True)
+    enable_thinking: bool | None  # the chat template's thinking switch (default None: the template's own)
+    prompt_ids: list[int] | None  # token ids as they are, in place of the prompt (an engine of this machine's)
+    tools: list[dict] | None  # what the chat template renders of the request's tools (engine/tool_calls.py)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What every engine offers its callers. submit and cancel return at once from any thread; events arrive on
@@ -169,12 +179,7 @@ class EngineClient(Protocol):
     which submit does not wait for, arrives as the stream's error event).
 
     sampling_defaults: the model's recommended sampling values, which user-facing commands apply to what the user
-    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here.
-
-    submit's prompt: chat messages, or a string (a user message; with raw, the model's input, no chat template, its
-    special-token text ('<|im_start|>') those tokens unless parse_special=False); or prompt_ids, token ids as they
-    are (an engine of this machine's). enable_thinking: the chat template's thinking switch (None: the template's
-    default). tools: what the chat template renders of the request's tools (engine/tool_calls.py for_template)."""
+    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here."""
 
     model_name: str
     device: str
@@ -182,16 +187,10 @@ class EngineClient(Protocol):
     sampling_defaults: SamplingDefaults
 
     def submit(
-        self,
-        prompt: list[dict] | str | None,
-        params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
-        prompt_ids: list[int] | None = None,
-        tools: list[dict] | None = None,
-    ) -> RequestStream: ...
+        self, prompt: list[dict] | str | None, params: SamplingParams | None = None, **options: Unpack[SubmitOptions]
+    ) -> RequestStream:
+        """prompt: chat messages, or a string (a user message, or with raw the model's input)."""
+        ...
 
     def cancel(self, handle: RequestStream | int) -> None: ...
 

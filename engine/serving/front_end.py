@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Protocol, Self, Unpack
 
-from llamaterm.engine.api import EngineStats, RequestStream
+from llamaterm.engine.api import EngineStats, RequestStream, SubmitOptions
 from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError, RequestError
@@ -64,23 +64,12 @@ class FrontEnd:
         self._ids = itertools.count(1)
 
     def submit(
-        self,
-        prompt: list[dict] | str | None,
-        params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
-        prompt_ids: list[int] | None = None,
-        tools: list[dict] | None = None,
+        self, prompt: list[dict] | str | None, params: SamplingParams | None = None, **options: Unpack[SubmitOptions]
     ) -> RequestState:
-        """Queue a request: chat messages, a string (a user message, or raw text with raw=True, its special-token
-        text parsed unless parse_special=False) or token ids, encoded here, in the caller's thread.
-        enable_thinking: the chat template's thinking switch (None: the template's default). tools: what the chat
-        template renders of a request's tools (engine/tool_calls.py). A request the model cannot take raises
-        RequestError here."""
+        """Queue a request (engine.api.EngineClient.submit), encoded here, in the caller's thread; one the model
+        cannot take raises RequestError here."""
         params = params or SamplingParams()
-        ids, opens = self.prompts.prompt_ids(prompt, raw, enable_thinking, prompt_ids, parse_special, tools)
+        ids, opens = self.prompts.prompt_ids(prompt, options)
         info = self._info
         check_prompt(ids, info.vocab_size, info.max_context, info.sequence_limit)
         params.check_vocabulary(info.vocab_size)

@@ -16,8 +16,17 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, TokenLogprob
+from llamaterm.engine.api import (
+    EngineStats,
+    Event,
+    EventStream,
+    RequestStats,
+    RequestStream,
+    SubmitOptions,
+    TokenLogprob,
+)
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
@@ -129,12 +138,7 @@ class FakeEngine:
         self,
         messages: list[dict] | str | None,
         params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
-        prompt_ids: list[int] | None = None,
-        tools: list[dict] | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> FakeHandle:
         params = params or SamplingParams()
         messages = messages or ""  # (its replies are canned: token ids read as no words)
@@ -150,7 +154,7 @@ class FakeEngine:
             self._prompts.append(prompt)
             handle = FakeHandle(next(self._ids), prompt, words(self.reply(messages)), params, cached, self)
             self.submitted.append((messages, params))
-            self.thinking_switches.append(enable_thinking)
+            self.thinking_switches.append(options.get("enable_thinking"))
             self._live.append(handle)
             self._cv.notify()
         return handle
