@@ -107,7 +107,7 @@ class RemoteEngine:
             base_url=self.base_url,
             headers=headers,
             timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
-            verify=self.base_url.startswith("https:"),  # plain http needs no TLS context (its CA bundle: 50 ms)
+            verify=self.base_url.startswith("https:"),  # plain http needs no TLS context (its CA bundle loads slowly)
         )
         cards = self._models()
         card = cards[0] if model is None else next((c for c in cards if c.get("id") == model), None)

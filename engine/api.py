@@ -34,9 +34,9 @@ class EngineConfig:
     speculate: str = "ngram"
     draft: str | None = None
     # drafts ride while a step samples at most this many rows (a row per sequence, one per draft): one session drafts
-    # up to 15 tokens. A step with drafts completes before the next is scheduled, which on the H200 cost 8 sessions of
-    # the default model 13-20% with drafts at 32 rows: may_draft weighs the overlap lost (0.95 of a step a sequence,
-    # speculation.py's BATCH_OVERLAP_COST) against the drafts' chances, and 8 sequences draft only near-certain drafts
+    # up to 15 tokens. A step with drafts completes before the next is scheduled, which costs a batch its overlap:
+    # the proposer weighs the overlap lost (speculation.py's BATCH_OVERLAP_COST) against the drafts' chances, so a
+    # batch drafts only near-certain drafts (BENCHMARKS.md)
     speculate_tokens: int = 16
     # under a grammar, the tokens it forces (a JSON key and its punctuation) are computed in the next step's chunk
     # without sampling, as SGLang's jump-forward does (model_runner.py); False samples every token

@@ -1,17 +1,6 @@
-"""Block manager for the paged KV cache: fixed-size blocks, ref counts, and prefix caching.
-
-The pool itself is one tensor allocated by the model; this file only decides which block holds which tokens.
-A full block is keyed by a hash chained over its tokens and its parent block's hash, so two sequences with the
-same prefix (a shared system prompt, the next turn of a conversation) share blocks instead of recomputing them.
-Freed blocks keep their contents and hash until reused: the free queue is also the LRU list of the prefix cache.
-Set-up takes no time that grows with the pool: a block's record is made when the block is first used, and the free
-queue holds only blocks used before, beside a count of those never used (taken after the freed ones that cache
-nothing, before any cached one is evicted).
-
-With sliding-window attention in every layer (a window of W tokens), the next token at position p reads keys from
-p - W + 1 on only, so a sequence gives back the blocks wholly before that as it goes (`slide`) and holds at most
-about W / block_size + 1 blocks however long it grows; their table entries become FREED. A prefix match then needs
-only the blocks its window reaches, which it finds by chain hash even when earlier blocks were evicted.
+"""Block manager for the paged KV cache: fixed-size blocks, ref counts, and prefix caching by a hash chained over
+a block's tokens and its parent's. Freed blocks keep their contents until reused (the free queue is the prefix
+cache's LRU list); with a sliding window in every layer a sequence gives back the blocks behind it (`slide`).
 """
 
 from collections import OrderedDict

@@ -1,22 +1,7 @@
-"""A draft model: a small model with the target's vocabulary that proposes each drafting sequence's k tokens by k
-steps of its own, for the target to verify in one (engine/serving/speculation.py).
-
-It keeps its own KV cache, laid out as the target's: the same number of blocks of the same size, so a sequence's
-block table and slot mapping serve both models. Its cache lags the target's: each proposal first computes the tokens
-the draft has not seen (the whole prompt the first time; after a step, the token the target added), then one token
-per step. Its K/V of a position stays valid while the tokens before it do: verification keeps the drafts the target
-confirms, so `Speculation.draft_computed` only shrinks to the target's computed count. A cached prefix block holds
-the draft's K/V only if a drafting sequence computed it, so each sequence's draft starts from position 0 and
-rewrites such blocks with the values they hold anyway (the same tokens at the same positions).
-
-Each draft token is drawn as the target's next token would be (the batched sampler, the sequence's own row of the
-target's tables: temperature, filters, bias, seed), from the draft's logits. The draws share their noise with the
-target's (keyed by seed, position and token), so the closer the two distributions, the likelier a draft is the
-target's own token and kept; greedy rows draft the draft's argmax. This coupling keeps the replies exactly those
-without drafts (the model's own draws decide every token); for sampled rows it keeps fewer drafts than rejection
-sampling with min(1, p/q) would, which needs a draw of its own and so gives up that sameness.
-
-On CUDA the draft's steps replay from graphs of their own (cuda_graph.py's StepGraphs over its cache).
+"""A draft model: a small model with the target's vocabulary that proposes a sequence's k tokens by k steps of its
+own, on a KV cache laid out as the target's (the same block tables), each draw the target's draw from the draft's
+logits, so the replies stay those without drafts (README's How it works). On CUDA its steps replay from graphs of
+their own.
 """
 
 from __future__ import annotations

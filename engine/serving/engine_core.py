@@ -262,8 +262,8 @@ class EngineCore:
                 continue
 
     def _vocabulary(self) -> Vocabulary:
-        """The vocabulary grammars are matched over, built by the first request with a grammar, on its thread (0.4 s
-        for the default model, 1.2 s for 152k tokens; llguidance's part releases the GIL)."""
+        """The vocabulary grammars are matched over, built by the first request with a grammar, on its thread
+        (llguidance's part releases the GIL)."""
         return vocabulary(self.tokenizer, self.model.config.vocab_size)
 
     def abort(self, request_id: int) -> None:
@@ -454,7 +454,7 @@ class EngineCore:
 @contextmanager
 def triton_cache_key_beside(device: torch.device):
     """Triton keys its kernel cache by a hash of its own library (libtriton, 500 MB), computed at the first kernel
-    lookup: 0.4 s on an H200's host, 1.6 s on two CPU cores, on the way to the first request. Hashing lets go of
+    lookup, on the way to the first request: a second or more. Hashing lets go of
     the GIL, so a thread computes it beside the block's work (reading the checkpoint, the weights to the device);
     the block ends once both are done. Nothing off CUDA."""
     if device.type != "cuda" or REFERENCES_ONLY:

@@ -1,37 +1,7 @@
-"""The model runner owns the step: scheduled chunks in, sampled token ids out. It builds each step's flat inputs
-(token ids, positions, slot mapping, block tables, the sampler's rows) from the chunks, runs the forward pass and the
-batched sampler (replayed from a CUDA graph where one fits), and starts the copy of the sampled tokens to the host;
-logits never leave the device. It owns the KV cache, the CUDA graphs and the sampler's tables, and warms the model
-up before the first request.
-
-Steps overlap (engine/serving/engine_core.py): the next step is launched before this one's tokens reach the host. The
-whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is in flight, PENDING
-in its tail (engine/serving/sequence.py); a step whose input is a pending token takes it from the last launched
-step's tokens, on the device.
-
-A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
-sampled. A launch writes the step's inputs on the host first (StepGraphs.stage), then waits for the step in flight's
-masks and queues its sampler, and then this step's forward pass, which reads that sampler's tokens on the device.
-Only then does it receive the step in flight's tokens (they arrive as the device moves on to the forward pass,
-which keeps it busy), advance the grammars and start filling their next masks on a thread of their own
-(llguidance's pool); `complete` hands the tokens out after that. The masks fill while the GPU runs the forward pass
-and the engine's thread hands out the tokens, schedules the next step and writes its inputs; the next launch
-queues the sampler that reads them (or `complete`).
-
-Where a grammar forces the tokens after a sequence's new one (a JSON key and its punctuation), `_take_runs` takes
-them unsampled (fast-forward): they go after that token, or, where the step being launched samples the sequence
-already, that step's mask forces the run's first token and the rest go after its PENDING one; they are handed out with
-the token before them, and the next step computes them in one chunk and samples after them. Taking a run costs the
-engine's thread some microseconds (finding the forced text, consuming its tokens; GrammarMatcher.fast_forward), so the
-masks of the sequences whose grammars force nothing next start filling first, and the others' once their runs are
-taken.
-
-A sequence with drafts (engine/serving/speculation.py) has them before its PENDING token; its chunk samples a row
-at its last known token and one at each draft, and `complete` confirms the drafts the sampled tokens confirm and the
-token after them (Sequence.settle; Scheduler.drop_rejected then shrinks its cache). Drafts are proposed from
-tokens on the host, so a step with drafts completes before the next one is scheduled, as does the step before one
-that may draft (engine_core.py): no step in flight holds drafts when the scheduler runs, and no input of a step is a
-draft step's pending token.
+"""The model runner owns the step: scheduled chunks in, sampled token ids out. It builds the step's inputs, runs the
+forward pass and the batched sampler (replayed from CUDA graphs where they fit), overlaps a step with the next,
+fills grammar masks beside the GPU and takes the runs grammars force, and calls the proposer for drafts; it owns the
+KV cache, the graphs, the sampler's tables and the draft model. README's How it works says how steps overlap.
 """
 
 from __future__ import annotations
@@ -331,10 +301,9 @@ class ModelRunner:
         slots = [cast(int, seq.sampler_slot) for seq in seqs]
         times = self.mask_times
         # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
-        # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. The
-        # last fill waiting to start sets the interval back: at 0.1 ms the engine's thread would hand the GIL to
-        # every thread that waits for it (the engine process's forwarder) in the midst of its own work, which then
-        # runs 1.5-2x slower
+        # switch interval it would wait for the engine's thread to block instead of filling beside it. The last fill
+        # waiting to start sets the interval back: at MASK_SWITCH_S the engine's thread would hand the GIL to every
+        # thread that waits for it (the engine process's forwarder) in the midst of its own work, which slows it
         with self._fills_lock:
             self._fills_waiting += 1
             sys.setswitchinterval(MASK_SWITCH_S)

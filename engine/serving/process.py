@@ -230,7 +230,7 @@ def serve(conn, config: EngineConfig, load: Load) -> None:
         return
     # What start-up made (torch's modules, the model, the tokenizer: some 180,000 objects) lives to the end: frozen,
     # the collector's full passes skip it. A long-lived engine's requests leave enough behind to start one now and
-    # then, and each went over it all: 95 ms on a 2-core machine, a stall of every session.
+    # then, and each went over it all: a stall of every session.
     gc.freeze()
     conn.send(Ready(core.info(), core.describe()))
     outbox = Outbox(conn)
@@ -258,7 +258,7 @@ def take_requests(conn, core: EngineCore, sink: Sink) -> None:
         if isinstance(message, Cancel):
             core.abort(message.request_id)
             continue
-        # the model's grammar vocabulary (built by the first request with a grammar: 0.4-1.2 s) and each grammar's
+        # the model's grammar vocabulary (built by the first request with a grammar: seconds) and each grammar's
         # compiled matcher are readied before together() takes the core's lock, which its steps wait for
         core.ready_grammars([submit.params.grammar for submit in message if submit.params.grammar is not None])
         with core.together():

@@ -93,7 +93,7 @@ class Sampler:
 
     def _count(self, slots: list[int], tokens: list[int]) -> None:
         """counts[slots[i], tokens[i]] += 1 for each i, in one kernel: an index_add_ into the table's flat view
-        (an accumulating index_put_ sorts its indices first: several kernels and 0.15 ms of the host a call)."""
+        (an accumulating index_put_ sorts its indices first: several kernels and host time each call)."""
         if slots:
             counts, vocab = self.tables.counts, self.tables.counts.shape[1]
             flat = self._staged([s * vocab + t for s, t in zip(slots, tokens, strict=True)], torch.int64)

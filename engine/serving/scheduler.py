@@ -1,22 +1,7 @@
-"""Continuous batching: which tokens of which sequences run in the next step.
-
-Each step packs, under a token budget, one decode token for every running sequence plus chunks of prompts
-(chunked prefill), so a long new prompt never stalls the others for more than one chunk. When the cache runs out
-of blocks, the newest running sequence is preempted: its blocks are freed and it is recomputed later (its prefix
-may still be cached). Sequences join and leave between steps.
-
-Prefill tokens ride beside decode rows only as far as keeps the step's time within PACE times a decode step's
-(`Pace`, from the measured times of the steps so far), so a long prompt arriving costs the sessions already
-streaming a steady, small slowdown rather than a stall: a session's gap between two tokens stays near the median.
-
-A prompt that begins as one being computed right now (clients with the same long system prompt arriving together)
-waits until that prefill has passed their common part, then takes it from the prefix cache. A prompt equal to one
-whose last chunk is in the step forks from it instead: a chunk of no tokens right after that one, which samples its
-own token from the same logits, and a block table that shares the full blocks and starts with a copy of the
-partial last one; so n choices of a prompt compute it once.
-
-Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
-admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
+"""Continuous batching: which tokens of which sequences run in the next step, under a token budget: decodes first,
+prompt chunks paced beside them (`Pace`), the newest sequence preempted when blocks run out, prompts that share a
+prefix being computed made to wait for it, and n choices of one prompt forked from its last chunk (README's How it
+works).
 """
 
 import os

@@ -1,11 +1,6 @@
-"""One request as the scheduler sees it: its tokens, its cache blocks, and its progress.
-
-A sequence's tokens are its confirmed ones (the prompt, then the generated tokens on the host: final) and a tail
-after them, held apart: the drafts the next step verifies (engine/serving/speculation.py), then the tokens of steps
-in flight, each PENDING until its step completes (engine/serving/model_runner.py), and the runs its grammar forced
-after one of them (GrammarMatcher.fast_forward). The tail changes through the methods below alone, called by the
-model runner (propose, launch, force, settle) and by the scheduler and the engine core (drop); the confirmed
-tokens are read-only to everyone else (token_ids is typed so: mypy refuses a write).
+"""One request as the scheduler sees it: its tokens, its cache blocks, and its progress. The confirmed tokens (prompt,
+then the reply's tokens on the host) are read-only outside (token_ids is typed so); the tail is apart, and changes
+through propose, launch, force and settle (the model runner's) and drop:
 
     confirmed          drafts        in flight and forced
     [prompt|generated] [d1 d2 d3]    [PENDING f1 f2 PENDING f3]

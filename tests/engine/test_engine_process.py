@@ -110,7 +110,7 @@ def test_a_missing_model_fails_at_start():
 
 
 def test_a_message_s_grammars_are_readied_before_the_engine_s_lock_is_taken():
-    """The child builds what a message's grammars need (the model's grammar vocabulary, 0.4-1.2 s the first time;
+    """The child builds what a message's grammars need (the model's grammar vocabulary, seconds the first time;
     each grammar's compiled matcher) before together() takes the engine's lock, which its steps wait for; then it
     submits the message's requests under that lock."""
     grammar = Grammar("json")
