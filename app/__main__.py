@@ -21,15 +21,15 @@ def main() -> None:
     except SystemExit as e:
         code = e.code
     finally:
-        # The interpreter's last collections go over every object still alive: for torch's modules alone that took
-        # 0.2-0.3 s of each exit. Frozen, they are passed by; everything is freed as the process ends all the same.
+        # The interpreter's last collections go over every object still alive, torch's modules a large part of every
+        # exit. Frozen, they are passed by; everything is freed as the process ends all the same.
         gc.freeze()
     exit_now(code)
 
 
 def exit_now(code: int | str | None) -> None:
     """End the process with the command's exit code, skipping the interpreter's teardown of every module (torch's
-    took 0.1-0.15 s of a `run` on two cores) where nothing is left to wind down: no other thread, no child process,
+    is a noticeable part of a `run`) where nothing is left to wind down: no other thread, no child process,
     the output flushed. Otherwise (or for an exit with a message), as sys.exit."""
     multiprocessing = sys.modules.get("multiprocessing")
     busy = threading.active_count() > 1 or (multiprocessing is not None and multiprocessing.active_children())

@@ -1,25 +1,6 @@
-"""Servers on this machine, announced for `run`: `llamaterm serve` writes where it listens and which model it holds;
-`run` and `chat --plain` read that and send their request there rather than load the model themselves.
-
-servers_dir() (platformdirs' user runtime directory, llamaterm/servers/, made 0700) holds, per server:
-    <pid>-<port>.json   its URL, pid, instance id, start time, device and models (each as its /v1/models names it,
-                        and as `run` names it: the checkpoint's path, its store name, the repo it came from)
-    <pid>-<port>.key    its local key, 0600
-Both are written once the server answers, and removed as it exits (a SIGTERM, Ctrl-C, or the engine failing too
-often); a server that is killed leaves them, and readers clean up after it.
-
-The key: each server makes a random one at start and takes it as a bearer token besides its --api-key (a keyless
-server on loopback still answers any local client without one, as before). Only the user can read the key file.
-Before a client sends a prompt or the key, it asks /health, without the key, to prove it holds the announced key (an
-HMAC of a fresh challenge under it): a process that took the port after the announced server died, or the same port
-on another address of its name, cannot, and is sent nothing. The instance id tells announcements apart (a restarted
-server may announce itself under the same file name).
-
-A reader trusts only what the user alone can have written: the folder and each file must be the user's own, closed
-to others, and regular files (no links); anything else is skipped, and under --verbose it says why. A stale
-announcement (its pid gone, or nothing listening) is skipped without a wait a user would notice (the pid first,
-then a loopback connection, refused at once where nothing listens) and removed, unless a new server has announced
-itself under its name since; one whose pid lives while another process answers on its port is skipped and kept.
+"""Servers on this machine, announced for `run`: `llamaterm serve` writes where it listens, which models it holds and a
+local key (servers_dir(): <pid>-<port>.json and .key, 0600); `run` and `chat --plain` send their request there once
+the server proves it holds the key. A reader trusts only the user's own closed files (README's How it works).
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ def open_client(model, device, config, process: bool):
 
     if not process:
         b = wl.open_engine(model, device, config)
-        return b, b.label, wl.engine_info(b.engine)
+        return b, b.label, b.engine.core.describe()
     from dataclasses import replace
 
     from llamaterm.engine.serving.process import EngineProcess
@@ -310,7 +310,7 @@ def run_bench(
     client = inline.engine if inline else opened
     try:
         ctx = client.max_context
-        vocab = client.model.config.vocab_size if inline else client.vocab_size
+        vocab = client.vocab_size
         sessions = wl.Sessions(client, what.chat, what.sampling, vocab, grammar=what.grammar)
         t = time.perf_counter()
         list(sessions.start(8, 1).events())
@@ -420,7 +420,7 @@ def serve_first(sessions, first_answer_s: float, n: int, prompt_len: int) -> dic
     """
     from llamaterm.engine import bench as wl
 
-    stats = sessions.stats()
+    stats = sessions.step_stats()
     if not (stats.graphs_ready_s or stats.graphs_pending):
         return None
     timeline = wl.graphs_timeline(sessions, n, prompt_len, 15.0)

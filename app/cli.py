@@ -135,7 +135,8 @@ def load_engine(
         model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions), **(speculate or {})
     )
     engine = Engine.from_model(config)
-    note(f"{engine.model_name} on {engine.device}: start-up {startup_split({'imports': imports, **engine.startup_s})}")
+    startup = startup_split({"imports": imports, **engine.core.startup_s})
+    note(f"{engine.model_name} on {engine.device}: start-up {startup}")
     return engine
 
 
@@ -477,8 +478,10 @@ def serve(
         fail("--api-key is empty: give a key, or leave the option out to serve without one", 2)
     with interrupts_held():
         from llamaterm.app.announcements import Announcer, served_model
-        from llamaterm.app.serve import LOOPBACK, EngineSupervisor, check_port
-        from llamaterm.app.serve import serve as serve_http
+        from llamaterm.app.server.handlers import LOOPBACK
+        from llamaterm.app.server.http_server import check_port
+        from llamaterm.app.server.http_server import serve as serve_http
+        from llamaterm.app.server.supervisor import EngineSupervisor
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess
 

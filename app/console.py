@@ -57,7 +57,7 @@ def interrupts_held():
 def imports_frozen():
     """The garbage collector paused while the engine's libraries import, and what they made frozen (left out of
     every later collection): torch's import makes a few hundred thousand objects that live to the end, and
-    collecting them as they came took about 0.1 s of it."""
+    collecting them as they came is time the import need not take."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -1,14 +1,6 @@
-"""An OpenAI-compatible server as an engine: `llamaterm serve`, vLLM, SGLang, llama.cpp's server.
-
-RemoteEngine meets engine.api.EngineClient, so the CLI and the TUI use a server as they use a local engine. Each
-request streams from /v1/chat/completions (or /v1/completions for raw prompts) in a thread of its own, which turns
-the server-sent chunks into events. Its stats are measured here, from the stream: TTFT from the submit to the first
-text, tokens/s from the chunks' arrival times (a chunk per token, as these servers send them), and the token counts
-from the usage the server sends at the end. Nothing a server sends ends anything but its own request.
-
-Every read from a server is bounded: in time (no byte for READ_TIMEOUT_S, or bytes but no reply text for as
-long: keep-alive comments and empty chunks are no progress), in size (a line of the stream, the /models reply)
-and in depth (JSON nested deeper than Python's parser goes is a reply not in OpenAI's shape).
+"""An OpenAI-compatible server as an engine (`llamaterm serve`, vLLM, SGLang, llama.cpp's server): RemoteEngine meets
+engine.api.EngineClient; each request streams in a thread of its own, its stats measured from the stream, and every
+read from a server bounded in time, size and depth (README's How it works).
 """
 
 from __future__ import annotations
@@ -20,11 +12,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import Unpack
 from urllib.parse import urlsplit
 
 import httpx2
 
-from llamaterm.engine.api import ArrivalStats, EngineStats, Event, EventStream, RequestStream, TokenLogprob
+from llamaterm.engine.api import (
+    ArrivalStats,
+    EngineStats,
+    Event,
+    EventStream,
+    RequestStream,
+    SubmitOptions,
+    TokenLogprob,
+)
 from llamaterm.engine.checkpoints.sampling_defaults import SERVER_DEFAULTS
 from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
@@ -106,7 +107,7 @@ class RemoteEngine:
             base_url=self.base_url,
             headers=headers,
             timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
-            verify=self.base_url.startswith("https:"),  # plain http needs no TLS context (its CA bundle: 50 ms)
+            verify=self.base_url.startswith("https:"),  # plain http needs no TLS context (its CA bundle loads slowly)
         )
         cards = self._models()
         card = cards[0] if model is None else next((c for c in cards if c.get("id") == model), None)
@@ -124,19 +125,17 @@ class RemoteEngine:
         self._closed = False
 
     def submit(
-        self,
-        prompt: list[dict] | str,
-        params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
+        self, prompt: list[dict] | str | None, params: SamplingParams | None = None, **options: Unpack[SubmitOptions]
     ) -> RemoteStream:
-        """Returns at once; the server's answer, a refusal included, arrives as the stream's events."""
+        """Returns at once; the server's answer, a refusal included, arrives as the stream's events. A server takes
+        text: token ids are refused here. tools go as OpenAI's, for its template to render, the reply read as text
+        (tool_choice "none")."""
         if self._closed:
             raise LlamatermError("the connection to the server is closed")
+        if options.get("prompt_ids") is not None:
+            raise RequestError("a server takes prompts as text or chat messages, not token ids")
         params = params or SamplingParams()
-        path, body = request_body(self.model_name, prompt, params, raw, enable_thinking, parse_special)
+        path, body = request_body(self.model_name, prompt or "", params, **options)
         body |= {"return_token_ids": True} if self.token_ids else {}
         try:
             content = json.dumps(body, ensure_ascii=False).encode()
@@ -369,12 +368,7 @@ def api_base(url: str) -> str:
 
 
 def request_body(
-    model: str,
-    prompt: list[dict] | str,
-    params: SamplingParams,
-    raw: bool,
-    enable_thinking: bool | None = None,
-    parse_special: bool = True,
+    model: str, prompt: list[dict] | str, params: SamplingParams, **options: Unpack[SubmitOptions]
 ) -> tuple[str, dict]:
     """The path and JSON body of a streamed request. Sampling values the user left unset (params.unset) are left
     out, for the server's defaults, so strict servers see none beyond OpenAI's own (top_k, min_p,
@@ -382,7 +376,8 @@ def request_body(
     server's default would filter). ignore_eos goes only where set; so do the template's thinking switch
     (chat_template_kwargs, as vLLM, SGLang and llama.cpp's server read it) and a raw prompt's literal reading
     (parse_special, as llama.cpp's server names it). Logprobs go as OpenAI asks for them: chat's logprobs and
-    top_logprobs, a text completion's logprobs (the count)."""
+    top_logprobs, a text completion's logprobs (the count). A chat's tools go with tool_choice "none": rendered in
+    the prompt, the reply read as text."""
     body: dict = {
         "model": model,
         "stream": True,
@@ -403,14 +398,17 @@ def request_body(
     }
     body |= {k: v for k, v in optional.items() if v is not None and k not in params.unset}
     body |= grammar_fields(params.grammar)
-    if raw:
+    if options.get("raw"):
         body |= {} if params.logprobs is None else {"logprobs": params.logprobs}  # OpenAI's older form: a count
-        return "/completions", body | {"prompt": prompt} | ({} if parse_special else {"parse_special": False})
+        literal = {} if options.get("parse_special", True) else {"parse_special": False}
+        return "/completions", body | {"prompt": prompt} | literal
     if params.logprobs is not None:
         body |= {"logprobs": True, "top_logprobs": params.logprobs}
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if enable_thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+    if (thinking := options.get("enable_thinking")) is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": thinking}
+    if tools := options.get("tools"):
+        body |= {"tools": tools, "tool_choice": "none"}
     return "/chat/completions", body | {"messages": messages}
 
 

@@ -1,18 +1,7 @@
-"""The load behind `llamaterm bench --serve [URL]`: N streaming clients of the official `openai` client, spread over
-several client processes, against `llamaterm serve` (started here) or any OpenAI-compatible server.
-
-Each client runs a closed loop: ask one streamed chat completion, wait for its end, ask again, until warm-up plus
-window have passed since a start time all processes share (time.time(), one clock for every process of the
-machine); the request in flight then is finished, not cut. From the records:
-
-- tok/s: completion tokens (the server's usage chunk) of the requests that ended inside the window, over the window;
-- TTFT: first content chunk minus send, of the requests that started inside the window;
-- errors: every failed request of the run, warm-up included.
-
-Every request ignores EOS, so each makes exactly its max_tokens. A client process holds its own asyncio loop, so
-the clients' own CPU time (JSON, SSE parsing) does not cap what a fast server can show.
-The prompts are engine/workload.py's, as the engine benchmarks send them. openai, httpx2 and the engine load only
-inside the functions, so importing this module stays cheap.
+"""The load behind `llamaterm bench --serve [URL]`: N streaming clients of the official `openai` client over several
+processes, each a closed loop of streamed chat completions from a start time all share; tok/s from the usage of the
+requests that ended inside the window, TTFT of those that started inside it, and every error. openai, httpx2 and the
+engine load only inside the functions.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Self, TypedDict, Unpack, runtime_checkable
 
 from llamaterm.engine.sampling_params import SamplingParams
 
@@ -34,9 +34,9 @@ class EngineConfig:
     speculate: str = "ngram"
     draft: str | None = None
     # drafts ride while a step samples at most this many rows (a row per sequence, one per draft): one session drafts
-    # up to 15 tokens. A step with drafts completes before the next is scheduled, which on the H200 cost 8 sessions of
-    # the default model 13-20% with drafts at 32 rows: may_draft weighs the overlap lost (0.95 of a step a sequence,
-    # speculation.py's BATCH_OVERLAP_COST) against the drafts' chances, and 8 sequences draft only near-certain drafts
+    # up to 15 tokens. A step with drafts completes before the next is scheduled, which costs a batch its overlap:
+    # the proposer weighs the overlap lost (speculation.py's BATCH_OVERLAP_COST) against the drafts' chances, so a
+    # batch drafts only near-certain drafts (BENCHMARKS.md)
     speculate_tokens: int = 16
     # under a grammar, the tokens it forces (a JSON key and its punctuation) are computed in the next step's chunk
     # without sampling, as SGLang's jump-forward does (model_runner.py); False samples every token
@@ -91,29 +91,6 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_per_s: float = 0.0  # aggregate decode rate over a sliding window
-    steps: int = 0  # steps run so far
-    host_s: float = 0.0  # of the engine loop's time so far, what it spent on the host (not waiting for the device)
-    drafted: int = 0  # draft tokens verified so far (speculative decoding), and of them those kept
-    kept: int = 0
-    draft_steps: int = 0  # steps that verified drafts
-    serial_steps: int = 0  # steps completed before the next was scheduled, as drafts were verified or may follow
-    # steps under a grammar so far, and their host time summed: masks filling (on their own thread), the engine
-    # waiting for the tokens the masks start from, and waiting for the masks (engine/serving/model_runner.py)
-    mask_steps: int = 0
-    mask_fill_s: float = 0.0
-    mask_tokens_s: float = 0.0
-    mask_wait_s: float = 0.0
-    forced_tokens: int = 0  # tokens grammars forced, computed without sampling (fast-forward)
-    # CUDA graphs captured in the background (engine/serving/cuda_graph.py), for benchmarks: (step size, seconds
-    # after the engine was ready) of each graph captured, the graphs still to capture (of them, those of step sizes
-    # in use, which serving captures first), the longest graph decode step that the work ran beside, its longest
-    # turn beside a graph step, and its slowest piece beside a step (seconds, what)
-    graphs_ready_s: tuple[tuple[int, float], ...] = ()
-    graphs_pending: int = 0
-    graphs_in_use_pending: int = 0
-    max_step_background_s: float = 0.0
-    max_background_turn_s: float = 0.0
-    slowest_background_piece: tuple[float, str] = (0.0, "")
 
 
 def decode_rate(token_times: Sequence[float]) -> float:
@@ -185,6 +162,16 @@ class RequestStream(Protocol):
     def stats(self) -> RequestStats: ...
 
 
+class SubmitOptions(TypedDict, total=False):
+    """How submit reads its prompt, one definition for every engine; an option left out takes its default."""
+
+    raw: bool  # the prompt is the model's input, no chat template (default: False)
+    parse_special: bool  # a raw prompt's special-token text ('<|im_start|>') becomes those tokens (default: True)
+    enable_thinking: bool | None  # the chat template's thinking switch (default None: the template's own)
+    prompt_ids: list[int] | None  # token ids as they are, in place of the prompt (an engine of this machine's)
+    tools: list[dict] | None  # what the chat template renders of the request's tools (engine/tool_calls.py)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What every engine offers its callers. submit and cancel return at once from any thread; events arrive on
@@ -192,9 +179,7 @@ class EngineClient(Protocol):
     which submit does not wait for, arrives as the stream's error event).
 
     sampling_defaults: the model's recommended sampling values, which user-facing commands apply to what the user
-    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here. raw: the prompt is the
-    model's input, no chat template; its special-token text ('<|im_start|>') becomes those tokens unless
-    parse_special=False."""
+    left unset (SamplingDefaults.params); a remote engine's are the server's, unknown here."""
 
     model_name: str
     device: str
@@ -202,14 +187,10 @@ class EngineClient(Protocol):
     sampling_defaults: SamplingDefaults
 
     def submit(
-        self,
-        prompt: list[dict] | str,
-        params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
-    ) -> RequestStream: ...
+        self, prompt: list[dict] | str | None, params: SamplingParams | None = None, **options: Unpack[SubmitOptions]
+    ) -> RequestStream:
+        """prompt: chat messages, or a string (a user message, or with raw the model's input)."""
+        ...
 
     def cancel(self, handle: RequestStream | int) -> None: ...
 

@@ -7,7 +7,6 @@ Every figure is measured in the calling process; nothing here prints.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import statistics
 import time
@@ -17,178 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llamaterm.engine.api import EngineConfig, EngineStats, RequestStream
-from llamaterm.engine.checkpoints.config import ModelConfig, tensor_shapes, yarn_fields
+from llamaterm.engine.api import EngineConfig, RequestStream
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
-from llamaterm.engine.serving.device import resolve_device
-from llamaterm.engine.serving.engine import Engine, Sink, triton_cache_key_beside
-from llamaterm.engine.serving.model import Model, MoE, Weight
-from llamaterm.engine.synthetic import SYNTHETIC_PREFIX, SyntheticTokenizer, is_synthetic
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.model import Model, MoE
+from llamaterm.engine.serving.step_stats import StepStats
+from llamaterm.engine.serving.synthetic_model import SYNTHETIC, parse_synthetic
+from llamaterm.engine.synthetic import is_synthetic
 from llamaterm.engine.workload import GREEDY, PromptMix, chat_message
-from llamaterm.kernels.qweight import QuantWeight
 
 if TYPE_CHECKING:
-    from llamaterm.engine.serving.process import EngineProcess  # which loads its engine through this module
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """How a synthetic model stores its matrices: bits, group size, affine (with offsets) or symmetric; the
-    embedding (and a tied lm_head) may take another width, as in GGUF files; a mixture's experts may be MXFP4
-    (gpt-oss's files: MXFP4 experts, Q8_0 elsewhere)."""
-
-    bits: int
-    group: int
-    affine: bool
-    embd_bits: int
-    mxfp4_experts: bool = False
-
-
-def _llama(name, layers, hidden, ffn, heads, kv, vocab, ctx, theta, head_dim=None, tied=False) -> ModelConfig:
-    return ModelConfig(
-        arch="llama",
-        name=name,
-        n_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        n_heads=heads,
-        n_kv_heads=kv,
-        head_dim=head_dim or hidden // heads,
-        vocab_size=vocab,
-        context_length=ctx,
-        rms_norm_eps=1e-5,
-        rope_theta=theta,
-        tie_word_embeddings=tied,
-    )
-
-
-def _gemma3(name, layers, hidden, ffn, heads, kv) -> ModelConfig:
-    """Gemma 3's text model as its GGUF holds it: five 1024-token sliding layers to one global, x8 linear RoPE on
-    the global ones."""
-    return replace(
-        _llama(name, layers, hidden, ffn, heads, kv, 262144, 131072, 1e6, head_dim=256, tied=True),
-        arch="gemma3",
-        qk_norm=True,
-        post_norms=True,
-        activation="gelu_tanh",
-        embedding_scale=hidden**0.5,
-        attention_scale=256**-0.5,
-        rope_theta_sliding=1e4,
-        rope_freq_factors=(8.0,) * 128,
-        sliding_window=1024,
-        sliding_layers=tuple(i % 6 < 5 for i in range(layers)),
-    )
-
-
-def _qwen3_moe(name, layers, hidden, heads, kv, experts, used, expert_ffn) -> ModelConfig:
-    return replace(
-        _llama(name, layers, hidden, 6144, heads, kv, 151936, 40960, 1e6, head_dim=128),
-        arch="qwen3moe",
-        rms_norm_eps=1e-6,
-        qk_norm=True,
-        n_experts=experts,
-        n_experts_used=used,
-        expert_intermediate_size=expert_ffn,
-    )
-
-
-def _gpt_oss(name, layers, experts) -> ModelConfig:
-    """gpt-oss as its config.json has it: 128-token windows on every other layer, sinks, YaRN x32 of 4096."""
-    c = replace(
-        _llama(name, layers, 2880, 2880, 64, 8, 201088, 131072, 150000.0, head_dim=64),
-        arch="gpt-oss",
-        qkv_bias=True,
-        o_bias=True,
-        attention_sinks=True,
-        moe_biases=True,
-        activation="swiglu_oai",
-        sliding_window=128,
-        sliding_layers=tuple(i % 2 == 0 for i in range(layers)),
-        n_experts=experts,
-        n_experts_used=4,
-        expert_intermediate_size=2880,
-    )
-    return replace(c, **yarn_fields(c, factor=32.0, original=4096, truncate=False))
-
-
-# Random weights in real models' shapes, so speed figures need no download. 4-bit formats as their usual files.
-SYNTHETIC: dict[str, tuple[ModelConfig, QuantFormat]] = {
-    "llama3-8b": (
-        _llama("Llama-3-8B shapes", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
-        QuantFormat(4, 128, False, 4),
-    ),
-    "llama2-7b": (
-        _llama("Llama-2-7B shapes", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
-        QuantFormat(4, 128, False, 4),
-    ),
-    "smollm2-135m": (
-        _llama("SmolLM2-135M shapes", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True),
-        QuantFormat(4, 32, True, 8),
-    ),  # the default model's Q4_1 with a Q8_0 embedding
-    "tiny": (_llama("tiny test shapes", 2, 256, 512, 8, 2, 512, 1024, 10000.0), QuantFormat(4, 32, False, 4)),
-    "qwen2.5-7b": (
-        replace(_llama("Qwen2.5-7B shapes", 28, 3584, 18944, 28, 4, 152064, 32768, 1e6), arch="qwen2", qkv_bias=True),
-        QuantFormat(4, 128, False, 4),
-    ),
-    "gemma3-4b": (_gemma3("Gemma-3-4B shapes", 34, 2560, 10240, 8, 4), QuantFormat(4, 128, False, 4)),
-    "gemma3-12b": (_gemma3("Gemma-3-12B shapes", 48, 3840, 15360, 16, 8), QuantFormat(4, 128, False, 4)),
-    # mixtures of experts: Q4_K_M's 4-bit (affine, groups of 32) throughout; gpt-oss as ggml-org's GGUF, MXFP4
-    # experts and 8-bit groups of 32 elsewhere
-    "qwen3-30b-a3b": (_qwen3_moe("Qwen3-30B-A3B shapes", 48, 2048, 32, 4, 128, 8, 768), QuantFormat(4, 32, True, 4)),
-    "gpt-oss-20b": (_gpt_oss("gpt-oss-20b shapes", 24, 32), QuantFormat(8, 32, False, 8, mxfp4_experts=True)),
-    "tiny-moe": (
-        _qwen3_moe("tiny MoE test shapes", 2, 256, 8, 2, 8, 2, 128),
-        QuantFormat(4, 32, True, 4),
-    ),
-}
-
-
-def parse_synthetic(spec: str) -> tuple[str, bool]:
-    """'synthetic:NAME' (4-bit) or 'synthetic:NAME:fp16' -> (NAME, quantized)."""
-    name, _, fmt = spec.removeprefix(SYNTHETIC_PREFIX).partition(":")
-    if name not in SYNTHETIC or fmt not in ("", "q4", "4bit", "fp16"):
-        raise LlamatermError(
-            f"unknown model {spec!r}: synthetic models are "
-            f"{', '.join(SYNTHETIC_PREFIX + n for n in SYNTHETIC)}, with :fp16 or :q4 (the default)"
-        )
-    return name, fmt != "fp16"
-
-
-def synthetic_model(name: str, quantized: bool, device: torch.device) -> Model:
-    """Random weights made on the device: speed does not depend on their values."""
-    config, fmt = SYNTHETIC[name]
-    dtype = torch.float32 if device.type == "cpu" else torch.float16
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def dense(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.02
-
-    def matrix(n: int, k: int, bits: int, mxfp4: bool) -> Weight:
-        if not quantized:
-            return dense((n, k))
-        q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8, device=device)
-        if mxfp4:  # powers of two, as E8M0 scales are
-            powers = torch.randint(-8, -5, (n, k // 32), generator=g, device=device)
-            return QuantWeight.from_values(q, torch.exp2(powers.float()).bfloat16(), None, 4, 32, codebook="e2m1")
-        scales = (torch.rand(n, k // fmt.group, generator=g, device=device) * 2e-3 + 1e-3).half()
-        offsets = -scales * (1 << (bits - 1)) if fmt.affine and bits == 4 else None
-        return QuantWeight.from_values(q, scales, offsets, bits, fmt.group)
-
-    tensors: dict[str, Weight] = {}
-    for name_, shape in tensor_shapes(config).items():
-        if name_ == "output.weight" and config.tie_word_embeddings:
-            continue
-        if len(shape) == 1 or name_.endswith(".bias"):  # norms, biases and sinks
-            tensors[name_] = torch.ones(shape, device=device) if name_.endswith("norm.weight") else dense(shape)
-        elif ".ffn_gate_inp" in name_:  # routers stay dense, as files keep them; random, so rows differ in experts
-            tensors[name_] = dense(shape) * 50
-        else:
-            *outer, k = shape
-            experts = "_exps." in name_
-            bits = 4 if experts and fmt.mxfp4_experts else fmt.embd_bits if name_ == "token_embd.weight" else fmt.bits
-            tensors[name_] = matrix(math.prod(outer), k, bits, experts and fmt.mxfp4_experts)
-    return Model(config, tensors, device, dtype)
+    from llamaterm.engine.serving.process import EngineProcess
 
 
 @dataclass
@@ -206,65 +45,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def open_engine(model: str | None, device: str | None, config: EngineConfig, sink: Sink | None = None) -> Bench:
-    """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`."""
+def open_engine(model: str | None, device: str | None, config: EngineConfig) -> Bench:
+    """A real model (store name or path; None: the default model) or `synthetic:NAME[:fp16]`, in this process."""
+    engine = Engine.from_model(replace(config, model=model, device=device))
     if not is_synthetic(model):
-        engine = Engine.from_model(replace(config, model=model, device=device), sink=sink)
         from llamaterm.engine.store.model_store import resolve_model
 
         return Bench(engine, engine.model_name, str(resolve_model(model)), True)
     assert model is not None
     name, quantized = parse_synthetic(model)
-    dev = resolve_device(device)
-    with triton_cache_key_beside(dev):
-        t = time.perf_counter()
-        m = synthetic_model(name, quantized, dev)
-        sync(dev)
-        made = time.perf_counter() - t
-    engine = Engine(m, SyntheticTokenizer(m.config.vocab_size), config, name=m.config.name, sink=sink)  # type: ignore[arg-type]
-    engine.startup_s = {"make random weights": made, **engine.startup_s}
     fmt = SYNTHETIC[name][1]
-    label = f"{m.config.name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
+    label = f"{engine.model_name}, " + (f"{fmt.bits}-bit g{fmt.group}" if quantized else "fp16")
     label += ", MXFP4 experts" if quantized and fmt.mxfp4_experts else ""
     return Bench(engine, label, None, quantized)
-
-
-def weight_bytes(model: Model) -> int:
-    """Bytes of weights one decode step reads: packed values, scales and offsets on the GPU (dense copies kept for
-    prefill are not read by decode steps); the dense copies the CPU reference path multiplies with."""
-    parts = [model.lm_head, model.output_norm]
-    for layer in model.layers:
-        parts += [*layer.matrices(), layer.attn_norm, layer.ffn_norm]
-    experts = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-    return sum(read_bytes(w) for w in parts) + sum(expert_read_bytes(moe) for moe in experts)
-
-
-def expert_read_bytes(moe: MoE) -> int:
-    """A mixture's layer at one session reads its router and the top-k experts of the one row."""
-    e = moe.experts
-    routed = sum(read_bytes(w) for w in (*e.gate_up, e.down)) * moe.top_k // e.n_experts
-    return read_bytes(moe.router) + routed
-
-
-def read_bytes(w: Weight) -> int:
-    """The bytes of w a decode step reads (see weight_bytes)."""
-    size = lambda t: 0 if t is None else t.numel() * t.element_size()
-    if not isinstance(w, QuantWeight):
-        return size(w)
-    if w.packed.device.type == "cpu" and w._dense:
-        return sum(map(size, w._dense.values()))
-    return size(w.packed) + size(w.scales) + size(w.offsets)
-
-
-def engine_info(engine: Engine) -> dict:
-    """What the bench tables need of an engine: where start-up went, the weight bytes a decode step reads, CUDA
-    graphs or not, the dense copies kept for prefill."""
-    return {
-        "startup_s": engine.startup_s,
-        "weight_bytes": weight_bytes(engine.model),
-        "cuda_graphs": engine.runner.graphs is not None,
-        "dense_weight_bytes": engine.dense_weight_bytes,
-    }
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -318,8 +111,8 @@ class Sessions:
             return self.client.submit(chat_message(self.rng, min(prompt_len, room // 2)), params)
         return self.client.submit(None, params, prompt_ids=self.prompts(min(prompt_len, room)))
 
-    def stats(self) -> EngineStats:
-        return self.client.stats()
+    def step_stats(self) -> StepStats:
+        return self.client.step_stats()
 
 
 @dataclass
@@ -330,7 +123,7 @@ class SessionLog:
     first_token: list[float]  # per finished or open session, when its first token arrived
     finished: list[float]  # when each finished session's last token arrived
     gaps: list[tuple[float, float]]  # (when, seconds since the session's last token) per token after its first
-    window_stats: list[EngineStats]  # the engine's stats at drive's `window` times (a measured window's two ends)
+    window_stats: list[StepStats]  # the engine's step stats at drive's `window` times (a measured window's two ends)
 
     def arrived(self, now: float, last: float | None, k: int) -> None:
         """k tokens of one session, seen together at `now`; its tokens before them at `last` (None: none)."""
@@ -362,7 +155,7 @@ def drive(
         time.sleep(0.002)
         now = time.perf_counter()
         if marks and now >= marks[0]:
-            log.window_stats.append(sessions.stats())
+            log.window_stats.append(sessions.step_stats())
             marks.pop(0)
         for i, h in enumerate(handles):
             if h is None:
@@ -414,7 +207,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
     rng = random.Random(1)
     client = sessions.client
     if isinstance(client, Engine):
-        client.max_step_s = 0.0
+        client.core.recorder.max_step_s = 0.0
     t0 = time.perf_counter()
     lo, hi = t0 + warmup_s, t0 + warmup_s + window_s
     log = drive(
@@ -429,7 +222,7 @@ def closed_loop(sessions: Sessions, n: int, mix: PromptMix, warmup_s: float, win
             "p99": 1e3 * percentile(gaps, 0.99),
             "max": 1e3 * max(gaps, default=0.0),
         },
-        "max_step_ms": 1e3 * client.max_step_s if isinstance(client, Engine) else None,
+        "max_step_ms": 1e3 * client.core.recorder.max_step_s if isinstance(client, Engine) else None,
     }
     if len(log.window_stats) == 2:
         a, b = log.window_stats
@@ -454,7 +247,7 @@ def graphs_timeline(sessions: Sessions, n: int, prompt_len: int, seconds: float)
     the time this returns are in graphs_ready_s too."""
     tokens = min(1024, sessions.client.max_context - prompt_len - 32)
     log = drive(sessions, n, lambda: sessions.start(prompt_len, tokens), True, seconds, (seconds - 0.1,))
-    stats = sessions.stats()
+    stats = sessions.step_stats()
     serving = log.window_stats[0] if log.window_stats else stats  # as the sessions end
     ready, captured = dict(stats.graphs_ready_s), dict(serving.graphs_ready_s)
     end = max(log.token_times, default=0.0)
@@ -476,7 +269,7 @@ def wait_for_graphs(sessions: Sessions, timeout_s: float = 120.0) -> float:
     measured after it are steady-state. A one-token request now and then brings the stats of an engine process
     up to date."""
     t0 = time.perf_counter()
-    while sessions.stats().graphs_pending and time.perf_counter() - t0 < timeout_s:
+    while sessions.step_stats().graphs_pending and time.perf_counter() - t0 < timeout_s:
         time.sleep(0.2)
         list(sessions.start(8, 1).events())
     return time.perf_counter() - t0
@@ -501,19 +294,19 @@ def launches_per_step(engine: Engine, prompt_len: int, tokens: int, prompts: Pro
     """Host launch calls and GPU kernels per engine step (torch profiler, CUDA only) while one session runs on an
     otherwise idle engine: a replayed graph is one launch for all its kernels. A 1-token prompt makes every step
     a one-token (decode) step; tokens=1 makes one prefill step."""
-    if engine.model.device.type != "cuda":
+    if engine.core.model.device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):  # a larger step size's graph is captured once two steps used it (cuda_graph.py)
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
-    while engine.runner.background_pending(idle=True):  # captured in the background
+    while engine.core.runner.background_pending(idle=True):  # captured in the background
         time.sleep(0.01)
-    steps = engine.num_steps
+    steps = engine.step_stats().steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompts(prompt_len))
-        sync(engine.model.device)
-    steps = max(1, engine.num_steps - steps)
+        sync(engine.core.model.device)
+    steps = max(1, engine.step_stats().steps - steps)
     events = prof.events()
     launches = sum(e.name in LAUNCH_CALLS for e in events)
     kernels = sum(
@@ -536,7 +329,7 @@ class GreedyRuns:
 def our_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> GreedyRuns:
     """Each prompt is new to the engine (no cached prefix), so TTFT includes the whole prefill."""
     engine = bench.engine
-    runs = GreedyRuns(sum(engine.startup_s.values()), [], [], [])
+    runs = GreedyRuns(sum(engine.core.startup_s.values()), [], [], [])
     for prompt in prompts:
         handle = engine.submit(None, SamplingParams(max_tokens=tokens, ignore_eos=True), prompt_ids=prompt)
         times: list[float] = []
@@ -558,7 +351,7 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
     import transformers
 
     engine = bench.engine
-    dev, dtype = engine.model.device, engine.model.dtype
+    dev, dtype = engine.core.model.device, engine.core.model.dtype
     t = time.perf_counter()
     hf: Any  # transformers' own stubs type .to(dtype) and the config's fields loosely
     if bench.path is not None and bench.path.endswith(".gguf"):
@@ -569,7 +362,7 @@ def hf_greedy_runs(bench: Bench, prompts: list[list[int]], tokens: int) -> Greed
     elif bench.path is not None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(bench.path, dtype=dtype)
     else:
-        c = engine.model.config
+        c = engine.core.model.config
         shapes: dict[str, Any] = dict(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
@@ -617,16 +410,16 @@ def linear_params(model: Model) -> tuple[int, int]:
 def grid_cell(engine: Engine, batch: int, prompt_len: int, out_len: int, prompts: Prompts) -> dict:
     """The ColossalAI / vLLM table's cell: a static batch of token-id prompts, greedy, prompt_len in and out_len out,
     timed whole."""
-    dev = engine.model.device
+    dev = engine.core.model.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    sessions = Sessions(engine, False, GREEDY, engine.model.config.vocab_size)
+    sessions = Sessions(engine, False, GREEDY, engine.core.model.config.vocab_size)
     sessions.prompts = prompts
     t = time.perf_counter()
     drive(sessions, batch, lambda: sessions.start(prompt_len, out_len), False)
     elapsed = time.perf_counter() - t
-    c = engine.model.config
-    blocks, head = linear_params(engine.model)
+    c = engine.core.model.config
+    blocks, head = linear_params(engine.core.model)
     total = prompt_len + out_len  # token p attends to p + 1 keys: QK^T and PV, 2 FLOPs per multiply-add
     flops = batch * (
         2 * blocks * total + 2 * head * out_len + 4 * c.n_layers * c.n_heads * c.head_dim * total * (total + 1) // 2
@@ -688,8 +481,8 @@ def speculation_run(
     engine speculating as `speculate` says: the decode rate from each wave's first token to its last, tokens per
     step, and the drafts' acceptance. Seeds are fixed, so with and without speculation the replies are the same
     tokens (checked by the caller)."""
-    engine.speculate = speculate
-    before = engine.stats()
+    engine.core.speculate = speculate
+    before = engine.step_stats()
     handles, seconds = [], 0.0
     for start in range(0, max(sessions, len(prompts)), sessions):
         wave = [
@@ -697,10 +490,10 @@ def speculation_run(
         ]
         for h in wave:
             list(h.events())
-        seconds += max(h.finish_time or 0.0 for h in wave) - min(h.seq.first_token_time or 0.0 for h in wave)
+        seconds += max(h.end or 0.0 for h in wave) - min(h.first_token or 0.0 for h in wave)
         handles += wave
-    after = engine.stats()
-    tokens = sum(len(h.seq.generated) for h in handles)
+    after = engine.step_stats()
+    tokens = sum(len(h.token_ids) for h in handles)
     drafted, kept = after.drafted - before.drafted, after.kept - before.kept
     return {
         "tok_s": (tokens - len(handles)) / seconds if seconds > 0 else 0.0,  # the tokens after each first one
@@ -711,7 +504,7 @@ def speculation_run(
         "draft_steps": after.draft_steps - before.draft_steps,
         "serial_steps": after.serial_steps - before.serial_steps,
         "acceptance": kept / drafted if drafted else None,
-        "replies": [h.seq.generated for h in handles],
+        "replies": [h.token_ids for h in handles],
     }
 
 
@@ -738,7 +531,7 @@ def speculation_table(
         progress(f"speculation: {workload}, {sampling}, {n} sessions")
         params = SamplingParams(max_tokens=max_tokens, **values)
         speculation_run(engine, prompts, n, replace(params, max_tokens=16), speculate)  # warm: graphs, buckets
-        while engine.runner.background_pending(idle=True):  # the graphs captured when idle, before the runs
+        while engine.core.runner.background_pending(idle=True):  # the graphs captured when idle, before the runs
             time.sleep(0.01)
         off = speculation_run(engine, prompts, n, params, "off")
         on = speculation_run(engine, prompts, n, params, speculate)
@@ -760,5 +553,5 @@ def speculation_table(
                 "same_tokens": on["replies"] == off["replies"],
             }
         )
-    engine.speculate = speculate
+    engine.core.speculate = speculate
     return rows

@@ -1,5 +1,6 @@
-"""Models with random weights in real models' shapes (engine/bench.py makes them), by name: `synthetic:NAME`. What
-the engine process's parent needs of them, without torch: the name's test and the tokenizer."""
+"""Models with random weights in real models' shapes (engine/serving/synthetic_model.py makes them), by name:
+`synthetic:NAME`. What the engine process's parent needs of them, without torch: the name's test and the
+tokenizer."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class SyntheticTokenizer:
     @property
     def _text(self):
         """Read at the first text prompt (token-id prompts need no model file), once: a server's first requests
-        arrive together, on threads of their own (functools.cached_property does not lock from Python 3.12: 64
-        threads each read the file, and the first tokens came 10-17 s late)."""
+        arrive together, on threads of their own (functools.cached_property does not lock from Python 3.12: each
+        thread would read the file, and the first tokens come late)."""
         with self._lock:
             if self._loaded is None:
                 from llamaterm.engine.store.loader import load_tokenizer

@@ -1,6 +1,6 @@
 """Thinking in replies: models such as Qwen3 and the DeepSeek-R1 distills reason first, between <think> and
 </think>, then answer. Where the chat template opens the block itself (the R1 distills, QwQ), the engine starts
-the reply's text with the tag (engine/serving/engine.py), so every reply that thinks opens with it.
+the reply's text with the tag (engine/serving/output_processor.py), so every reply that thinks opens with it.
 
 ThinkingSplitter parts a reply into its thinking and its answer as the text streams in, the way the CLI (thinking
 to stderr) and the TUI (thinking folded) show them. gpt-oss thinks in harmony's analysis channel instead

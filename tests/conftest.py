@@ -39,7 +39,7 @@ atexit.register(shutil.rmtree, RUNTIME_DIR, ignore_errors=True)
 
 # The fast lane (`make test-fast`, `pytest --fast`) leaves out the tests marked slow (pyproject.toml says which are),
 # and fails a test that takes longer than this there (its setup included), so that a test of many seconds added
-# without the mark shows up at once. The fast lane's own tests take under 6 s each on the 2-core CPU machine.
+# without the mark shows up at once. The fast lane's own tests take a few seconds each at most.
 FAST_TEST_S = 15.0
 TOOK = pytest.StashKey[float]()
 

@@ -1,20 +1,10 @@
-"""Block manager for the paged KV cache: fixed-size blocks, ref counts, and prefix caching.
-
-The pool itself is one tensor allocated by the model; this file only decides which block holds which tokens.
-A full block is keyed by a hash chained over its tokens and its parent block's hash, so two sequences with the
-same prefix (a shared system prompt, the next turn of a conversation) share blocks instead of recomputing them.
-Freed blocks keep their contents and hash until reused: the free queue is also the LRU list of the prefix cache.
-Set-up takes no time that grows with the pool: a block's record is made when the block is first used, and the free
-queue holds only blocks used before, beside a count of those never used (taken after the freed ones that cache
-nothing, before any cached one is evicted).
-
-With sliding-window attention in every layer (a window of W tokens), the next token at position p reads keys from
-p - W + 1 on only, so a sequence gives back the blocks wholly before that as it goes (`slide`) and holds at most
-about W / block_size + 1 blocks however long it grows; their table entries become FREED. A prefix match then needs
-only the blocks its window reaches, which it finds by chain hash even when earlier blocks were evicted.
+"""Block manager for the paged KV cache: fixed-size blocks, ref counts, and prefix caching by a hash chained over
+a block's tokens and its parent's. Freed blocks keep their contents until reused (the free queue is the prefix
+cache's LRU list); with a sliding window in every layer a sequence gives back the blocks behind it (`slide`).
 """
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llamaterm.engine.errors import LlamatermError
@@ -169,7 +159,7 @@ class BlockManager:
     def can_fork(self, num_tokens: int) -> bool:
         return num_tokens % self.block_size == 0 or self.num_free >= 1
 
-    def commit_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
+    def commit_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish blocks whose tokens are all computed, so later sequences can share them."""
         bs = self.block_size
         while table.num_hashed < min(num_computed // bs, len(table.block_ids)):

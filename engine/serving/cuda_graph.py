@@ -1,30 +1,6 @@
-"""Every step replayed from CUDA graphs: decodes, prefill chunks, and steps that mix them, each with its sampler.
-
-A step of a small model is hundreds of kernel launches that each take microseconds on the GPU, so Python and the
-launches, not the GPU, would set its time. The step's two halves (the forward pass, then the batched sampler, from
-the model runner) are captured once per token-count bucket, as two graphs, and replayed one after the other; between
-them the host may queue work of its own that the sampler reads (a grammar's token masks, computed while the forward
-pass runs; the log-probabilities of the raw logits), and other work of its own first. A bucket of T tokens holds up to
-B = min(T, max_running) sequences. The step's metadata is written into one pinned host buffer and copied with two
-transfers into fixed device buffers the graphs read, padded up to the bucket:
-- padding tokens write no KV (slot -1) and belong to no sequence: the padding sequences have no query tokens
-  (query_start_loc stays at the real token count), so the attention kernel skips them; their rows are computed
-  and dropped;
-- logits rows past the step's sampled rows have sampler slot -1, which the sampler leaves alone (a sequence with
-  drafts samples a row for each, so a bucket's B rows hold sequences or their rows, whichever are more).
-The block-table buffer is as wide as the model's context, so one graph serves every context length (the
-attention kernel sizes its KV splits from each sequence's own length, kernels/attention_triton.py).
-Buckets: powers of two up to max_running (pure decode steps), then coarser steps up to the step token budget
-(token_buckets). Serve first, capture later: nothing is captured before the first request. A bucket's steps run
-eagerly over the same padded buffers until its graph exists; the engine's loop does the rest in the background,
-a few pieces between two steps (`background`), each half a layer's kernels at most (model.py's forward pass comes
-in pieces): a bucket's first eager run over padding alone (`warm`: its kernel variants load), then its capture, most
-used buckets first. A capture records on a side stream and stays open between its pieces while live steps run on
-the engine's stream, so no step waits for a whole capture (a step's Python, some 20 ms for a small model). Every
-decode bucket is captured (every session's steady state); a larger bucket once a second step has needed it, so a
-one-shot command never captures a prefill. Padded to its bucket, an eager step launches the kernel variants its
-graph would: on a first start (compile_all) a pass over every bucket compiles them all before the first request,
-and later starts find them in Triton's cache.
+"""Every step replayed from CUDA graphs: decodes, prefill chunks and steps that mix them, two graphs a token-count
+bucket (the forward pass, then the sampler), padded up to the bucket; served first, captured later, a few pieces at a
+time between steps (README's How it works).
 """
 
 import logging
@@ -137,7 +113,7 @@ class StepGraphs:
         self.offsets, size = {}, 0
         for name, n in sizes.items():
             self.offsets[name], size = size, size + n
-        # two pinned host buffers in turn: with steps overlapped (engine.py), the next step's metadata is written
+        # two pinned host buffers in turn: with steps overlapped (engine_core.py), the next step's metadata is written
         # while this step's copy may still wait in the stream; the one before it was done when its tokens arrived
         pinned = device.type == "cuda"  # (on the CPU, tests run the padded steps with the captures stubbed)
         self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]

@@ -1,25 +1,12 @@
-"""A draft model: a small model with the target's vocabulary that proposes each drafting sequence's k tokens by k
-steps of its own, for the target to verify in one (engine/serving/speculation.py).
-
-It keeps its own KV cache, laid out as the target's: the same number of blocks of the same size, so a sequence's
-block table and slot mapping serve both models. Its cache lags the target's: each proposal first computes the tokens
-the draft has not seen (the whole prompt the first time; after a step, the token the target added), then one token
-per step. Its K/V of a position stays valid while the tokens before it do: verification keeps the drafts the target
-confirms, so `Speculation.draft_computed` only shrinks to the target's computed count. A cached prefix block holds
-the draft's K/V only if a drafting sequence computed it, so each sequence's draft starts from position 0 and
-rewrites such blocks with the values they hold anyway (the same tokens at the same positions).
-
-Each draft token is drawn as the target's next token would be (the batched sampler, the sequence's own row of the
-target's tables: temperature, filters, bias, seed), from the draft's logits. The draws share their noise with the
-target's (keyed by seed, position and token), so the closer the two distributions, the likelier a draft is the
-target's own token and kept; greedy rows draft the draft's argmax. This coupling keeps the replies exactly those
-without drafts (the model's own draws decide every token); for sampled rows it keeps fewer drafts than rejection
-sampling with min(1, p/q) would, which needs a draw of its own and so gives up that sameness.
-
-On CUDA the draft's steps replay from graphs of their own (cuda_graph.py's StepGraphs over its cache).
+"""A draft model: a small model with the target's vocabulary that proposes a sequence's k tokens by k steps of its
+own, on a KV cache laid out as the target's (the same block tables), each draw the target's draw from the draft's
+logits, so the replies stay those without drafts (README's How it works). On CUDA its steps replay from graphs of
+their own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as ReadOnly
 
 import torch
 
@@ -27,9 +14,9 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepLists, run_through
-from llamaterm.engine.serving.model_runner import device_tensors
 from llamaterm.engine.serving.sampling import Sampler
 from llamaterm.engine.serving.sequence import Sequence
+from llamaterm.engine.serving.step_inputs import device_tensors
 from llamaterm.kernels.dispatch import use_triton
 
 FAMILY = "pick a draft model of the same family (its tokenizer), or --speculate ngram"
@@ -69,17 +56,23 @@ class DraftModel:
                 self._forward, self._sample, model.device, max_running, max_batch_tokens, max_blocks
             )
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        """Fill each sequence's drafts (the scheduler placed num_drafts placeholders after its known tokens) with the
-        draft model's tokens: a step that catches the draft's cache up and samples the first, then a step a token."""
-        rounds = max(seq.num_drafts for seq in seqs)
-        for i in range(rounds):
-            live = [seq for seq in seqs if seq.num_drafts > i]
-            chunks = [(seq, self._first_computed(seq) if i == 0 else seq.num_known + i - 1) for seq in live]
-            tokens = self._step([(seq, start, seq.num_known + i) for seq, start in chunks])
-            for seq, token in zip(live, tokens, strict=True):
-                seq.token_ids[seq.num_known + i] = max(token, 0)  # -1: not finite; the target decides anyway
-        for seq in seqs:
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """k drafts for each (sequence, k) from the draft model: a step that catches the draft's cache up and samples
+        the first, then a step a token."""
+        seqs = [seq for seq, _ in wanted]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for i in range(max(k for _, k in wanted)):
+            live = [j for j, (_, k) in enumerate(wanted) if k > i]
+            chunks = []
+            for j in live:
+                seq = seqs[j]
+                start = self._first_computed(seq) if i == 0 else seq.num_known + i - 1
+                ids = seq.token_ids[start:] if i == 0 else drafts[j][-1:]
+                chunks.append((seq, start, ids))
+            for j, token in zip(live, self._step(chunks), strict=True):
+                drafts[j].append(max(token, 0))  # -1: not finite; the target decides anyway
+        for seq, proposed in zip(seqs, drafts, strict=True):
+            seq.propose(proposed)
             assert seq.speculation is not None
             seq.speculation.draft_computed = seq.num_known + seq.num_drafts - 1
 
@@ -90,20 +83,23 @@ class DraftModel:
         return min(spec.draft_computed, seq.num_known - 1)
 
     @torch.inference_mode()
-    def _step(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
-        """Compute tokens [start, end) of each sequence in the draft's cache; sample the token after each."""
+    def _step(self, chunks: list[tuple[Sequence, int, ReadOnly[int]]]) -> list[int]:
+        """Compute the tokens `ids` at positions start.. of each sequence in the draft's cache; sample the token
+        after each."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        ends: list[int] = []
         qsl, rows = [0], []
-        for seq, start, end in chunks:
-            table = seq.table.block_ids
-            ids += seq.token_ids[start:end]
+        for seq, start, chunk in chunks:
+            table, end = seq.table.block_ids, start + len(chunk)
+            ids += chunk
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + end - start)
             rows.append(qsl[-1] - 1)
+            ends.append(end)
         sampler_slots = [seq.sampler_slot for seq, _, _ in chunks]
         assert all(slot is not None for slot in sampler_slots)
         step = StepLists(
@@ -111,11 +107,11 @@ class DraftModel:
             positions,
             slots,
             [seq.table.block_ids for seq, _, _ in chunks],
-            [end for _, _, end in chunks],
+            ends,
             qsl,
             rows,
             sampler_slots,  # type: ignore[arg-type]
-            [end for _, _, end in chunks],
+            ends,
             [],
             [],
         )

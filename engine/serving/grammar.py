@@ -1,16 +1,6 @@
-"""Grammar-constrained decoding: the engine's interface to llguidance (CPU work only; no torch at import).
-
-A request's Grammar (engine/sampling_params.py) compiles once to llguidance's form (check, cached by kind and
-text). Each sequence then follows it with a GrammarMatcher, built from the grammar's compiled matcher on the
-model's vocabulary (Vocabulary.matcher, a copy of one cached per grammar). Every step, the host fills the
-next-token bitmasks of all constrained rows at once (fill_bitmasks: one call to llguidance's pool, the GIL released)
-while the GPU runs the step, and the sampler masks the logits with them.
-
-llguidance reads the vocabulary as raw bytes (the tokenizer's pieces): special tokens match no text, ids past the
-tokenizer's vocabulary (a model's padded embedding) match nothing, and the end-of-text tokens (the tokenizer's stop
-ids) are allowed where the grammar is complete. JSON comes in json.dumps' layout (", " and ": ", one line) unless
-a schema's "x-guidance" says otherwise: with free whitespace a small model pads an object with newlines until
-max_tokens.
+"""Grammar-constrained decoding: the engine's interface to llguidance (CPU work only; no torch at import). A grammar
+compiles once; each sequence follows it with a GrammarMatcher on the model's vocabulary (raw bytes), and every step
+fills the next-token bitmasks of all constrained rows in one call, the GIL released (README's How it works).
 """
 
 from __future__ import annotations
@@ -186,9 +176,8 @@ def native_tokenizer(tokenizer: Tokenizer, size: int, stops: list[int]) -> llgui
     spelled <...>, as its Hugging Face reader does): grammar text never matches those.
 
     Why: a mask tokenizes the text the grammar forces next (`", "age": ` in a JSON object, some 35 times a step for
-    64 rows). Through a Python tokenizer each of those calls waits for the GIL, which the engine's thread holds: 64
-    rows' masks took 10-14 ms a step beside a busy thread against 0.8-1.2 alone; with this one 0.7-1.1 (the 2-core
-    machine and the H200's host; BENCHMARKS.md, "Replies under a JSON schema: the masks without Python")."""
+    64 rows). Through a Python tokenizer each of those calls waits for the GIL, which the engine's thread holds, and
+    the masks took ten times as long beside a busy thread (BENCHMARKS.md, "the masks without Python")."""
     try:
         native = llguidance.LLTokenizer(tokenizer.spec(), n_vocab=size, eos_token=stops)
     except ValueError:  # a decoder or vocabulary llguidance cannot read
@@ -207,8 +196,7 @@ def native_tokenizer(tokenizer: Tokenizer, size: int, stops: list[int]) -> llgui
 
 @functools.lru_cache(maxsize=8)
 def vocabulary(tokenizer: Tokenizer, size: int) -> Vocabulary:
-    """The Vocabulary of a model's tokenizer and its logits' width `size`, built once (0.4 s for 49,152 tokens,
-    1.2 s for 152k)."""
+    """The Vocabulary of a model's tokenizer and its logits' width `size`, built once (it takes seconds)."""
     return Vocabulary(tokenizer, size)
 
 
@@ -246,8 +234,8 @@ class Vocabulary:
         ones that the token after could merge with (from the first of the last tokens' bytes that a longer piece of
         the vocabulary begins with: the `" ` of `", "` begins `"name`). llguidance leaves those to the sampler too,
         where the grammar allows such a piece; this asks the vocabulary alone, so the run is a function of the text:
-        kept by it (a schema's `", "age": ` recurs in every record of every sequence; llguidance's tokenizing it
-        costs 5x finding the text) and the same for every request, whatever came before."""
+        kept by it (a schema's `", "age": ` recurs in every record of every sequence, and finding the text costs
+        less than llguidance's tokenizing it) and the same for every request, whatever came before."""
         tokens = self._tokenizer.tokenize_bytes(text)
         tail = [len(self._tokenizer.decode_bytes([t])) for t in tokens[-LOOKBACK_TOKENS:]]
         ending = text[len(text) - sum(tail) :]
@@ -340,10 +328,8 @@ def _executor() -> llguidance.LLExecutor:
 
 def mask_threads() -> int:
     """llguidance's threads for the masks: two where the machine has 8 cores or more, else one. A step waits for
-    its masks, and 64 rows' masks of the default model's own replies under a schema fill in 0.78-0.89 ms on two
-    threads against 1.03-1.29 on one in the engine on the H200's host (16 cores; more threads gain nothing there,
-    tests/benchmarks/grammar_masks.py); on two cores 0.26-0.29 against 0.35, where a second thread would take the
-    engine's core."""
+    its masks: a second thread fills them sooner on a large host (more gain nothing, tests/benchmarks/grammar_masks.py),
+    and on two cores it would take the engine's core (BENCHMARKS.md)."""
     return int(os.environ.get("LLAMATERM_MASK_THREADS", 0)) or (2 if (os.cpu_count() or 1) >= 8 else 1)
 
 
@@ -372,5 +358,5 @@ def force_token(row: Any, token: int) -> None:
 
 def accept_tokens(matchers: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> list[bool]:
     """accept(token) for every matcher and its sampled token. One after another on the caller's thread: a token
-    costs a few microseconds, less than handing 64 of them to llguidance's threads (0.6 ms on the H200's host)."""
+    costs microseconds, less than handing 64 of them to llguidance's threads."""
     return [m.accept(t) for m, t in zip(matchers, token_ids, strict=True)]

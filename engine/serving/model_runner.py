@@ -1,36 +1,7 @@
-"""The model runner owns the step: scheduled chunks in, sampled token ids out. It builds each step's flat inputs
-(token ids, positions, slot mapping, block tables, the sampler's rows) from the chunks, runs the forward pass and the
-batched sampler (replayed from a CUDA graph where one fits), and starts the copy of the sampled tokens to the host;
-logits never leave the device. It owns the KV cache, the CUDA graphs and the sampler's tables, and warms the model
-up before the first request.
-
-Steps overlap (engine/serving/engine.py): the next step is launched before this one's tokens reach the host. The
-whole protocol lives here. From its launch until `complete`, a sampling sequence's new token is PENDING in its
-token_ids; a step whose input is a pending token takes it from the last launched step's tokens, on the device.
-
-A sequence under a grammar (engine/serving/grammar.py) needs its last token on the host before its next one is
-sampled. A launch writes the step's inputs on the host first (StepGraphs.stage), then waits for the step in flight's
-masks and queues its sampler, and then this step's forward pass, which reads that sampler's tokens on the device.
-Only then does it receive the step in flight's tokens (they arrive as the device moves on to the forward pass,
-which keeps it busy), advance the grammars and start filling their next masks on a thread of their own
-(llguidance's pool); `complete` hands the tokens out after that. The masks fill while the GPU runs the forward pass
-and the engine's thread hands out the tokens, schedules the next step and writes its inputs; the next launch
-queues the sampler that reads them (or `complete`).
-
-Where a grammar forces the tokens after a sequence's new one (a JSON key and its punctuation), `_take_runs` takes
-them unsampled (fast-forward): they go after that token, or, where the step being launched samples the sequence
-already, that step's mask forces the run's first token and the rest go after its PENDING one; they are handed out with
-the token before them, and the next step computes them in one chunk and samples after them. Taking a run costs the
-engine's thread some microseconds (finding the forced text, consuming its tokens; GrammarMatcher.fast_forward), so the
-masks of the sequences whose grammars force nothing next start filling first, and the others' once their runs are
-taken.
-
-A sequence with drafts (engine/serving/speculation.py) has them in its token_ids, then its PENDING token; its chunk
-samples a row at its last known token and one at each draft, and `complete` puts the drafts the sampled tokens
-confirm and the token after them in place of the drafts and PENDING (Scheduler.drop_rejected then shrinks its
-cache). Drafts are proposed from tokens on the host, so a step with drafts completes before the next one is
-scheduled, as does the step before one that may draft (engine.py): no step in flight holds drafts when the
-scheduler runs, and no input of a step is a draft step's pending token.
+"""The model runner owns the step: scheduled chunks in, sampled token ids out. It builds the step's inputs, runs the
+forward pass and the batched sampler (replayed from CUDA graphs where they fit), overlaps a step with the next,
+fills grammar masks beside the GPU and takes the runs grammars force, and calls the proposer for drafts; it owns the
+KV cache, the graphs, the sampler's tables and the draft model. README's How it works says how steps overlap.
 """
 
 from __future__ import annotations
@@ -53,13 +24,15 @@ import torch
 
 from llamaterm.engine.api import TokenLogprob
 from llamaterm.engine.serving.cuda_graph import StepGraphs
+from llamaterm.engine.serving.draft_model import DraftModel
 from llamaterm.engine.serving.grammar import GrammarMatcher, accept_tokens, fill_bitmasks, force_token
 from llamaterm.engine.serving.logprobs import StepLogprobs
 from llamaterm.engine.serving.model import DeviceStep, Model, Pieces, StepInput, StepLists, run_through
+from llamaterm.engine.serving.proposer import Proposer
 from llamaterm.engine.serving.sampling import Sampler, penalised
 from llamaterm.engine.serving.scheduler import ScheduledChunk, is_prefilling
 from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
-from llamaterm.engine.serving.speculation import accepted
+from llamaterm.engine.serving.step_inputs import device_tensors, step_lists
 from llamaterm.kernels.dispatch import use_triton
 from llamaterm.kernels.sampling_tables import bitmask_words
 
@@ -67,10 +40,6 @@ log = logging.getLogger(__name__)
 # the prompt the warm-up readies a step for, besides a decode: a one-line question in a chat template
 FIRST_PROMPT = 64
 
-# A token sampled by a step in flight: its value is on the device (the next step reads it there) and reaches
-# token_ids when that step completes. Only the last tokens of a sequence can be pending, but for tokens its grammar
-# forced after them (Sequence.num_forced), which are handed out with the pending token before them.
-PENDING = -1
 # What `complete` gives for a token the sequence's grammar refused (the sampler keeps to the grammar's mask, so
 # only a fault gets here); -1 is a row whose logits were not finite (kernels/sampling.py)
 REFUSED = -2
@@ -113,9 +82,7 @@ class LaunchedStep:
     received: tuple[list[int], set[int]] | None = None  # its tokens on the host, and the rows refused (receive)
     runs_taken: bool = False  # the runs its grammars force next are found (_take_runs)
     outcome: list[Sampled] | None = None  # complete()'s answer, kept
-    # grammar fast-forward (_take_runs), by row: the tokens placed after a sequence's PENDING one (one run, or two
-    # where the chunk after it was cut short), and the token its mask forces, which its grammar has consumed already
-    forced: dict[int, list[int]] = field(default_factory=dict)
+    # grammar fast-forward (_take_runs), by row: the token its mask forces, which its grammar has consumed already
     forced_first: dict[int, int] = field(default_factory=dict)
     verified: int = 0  # drafts verified by complete(), and of them those kept
     kept: int = 0
@@ -145,15 +112,22 @@ class ModelRunner:
         max_rows: int | None = None,
         max_drafts: int = 0,
         fast_forward: bool = True,
+        draft: Model | None = None,
     ):
         """max_rows: the most rows a step samples (a row per sequence, one per draft; None: max_running);
-        max_drafts: the most drafts a step holds; fast_forward: tokens a grammar forces skip the sampler."""
+        max_drafts: the most drafts a step holds; fast_forward: tokens a grammar forces skip the sampler; draft: the
+        model that drafts (None: prompt lookup), on a cache of its own with the pool's blocks."""
         rows = max_rows or max_running
         self.model, self.block_size = model, block_size
         self.startup_s: dict[str, float] = {}  # where start-up time went, for `llamaterm bench`
         with self._timed("KV cache"):
             self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
             self.sampler = Sampler(max_running, model.config.vocab_size, model.device, max_drafts)
+        drafter = None
+        if draft is not None:
+            limits = max_running, max_batch_tokens, cuda_graphs
+            drafter = DraftModel(draft, num_blocks, block_size, self.sampler, *limits)
+        self.proposer = Proposer(drafter)
         pinned = model.device.type == "cuda"
         self._host_tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         # the grammars' masks on their way to the sampler's tables, two buffers in turn: a step's copy from one may
@@ -199,11 +173,16 @@ class ModelRunner:
         busy, or idle. Returns whether it waits for a thread of its own."""
         return self.graphs is not None and self.graphs.background(budget_s, idle)
 
+    def propose(self, running: list[Sequence], rows: int) -> None:
+        """Drafts for the next step from the running sequences' tokens on the host (proposer.py), in `rows`."""
+        self.proposer.propose(running, rows)
+
     def launch(self, chunks: list[ScheduledChunk], start: float) -> LaunchedStep:
         """Run one step's forward pass on the device, and its sampler unless that waits for grammar masks (the
         next launch or `complete` queues it then); nothing here waits for the device, but for the step in flight's
         masks and tokens where a grammar needs them. Each sampling sequence gets a PENDING token."""
         sampling = [c.seq for c in chunks if c.samples]
+        self.proposer.fill(sampling)
         # as the scheduler paces them: a decode with drafts or a forced run is a row, a prompt's chunk its tokens
         paced = [is_prefilling(c.seq) for c in chunks]
         prefill = sum(c.length for c, p in zip(chunks, paced, strict=True) if p)
@@ -237,9 +216,8 @@ class ModelRunner:
         masks = self._start_masks(constrained, last) if constrained else None
         self._copy_blocks([c.block_copy for c in chunks if c.block_copy])  # after the forward pass wrote them
         for seq in sampling:
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
-        drafts = [seq.token_ids[len(seq.token_ids) - 1 - seq.num_drafts : -1] for seq in sampling]
+            seq.launch()
+        drafts = [list(seq.drafts) for seq in sampling]
         launched = self._last = LaunchedStep(sampling, drafts, start, decode_rows, prefill, sample, graphed)
         if self._forced_next:  # runs forced after the tokens this step samples: its masks force their first token
             runs = {i: self._forced_next.pop(seq.id) for i, seq in enumerate(sampling) if seq.id in self._forced_next}
@@ -268,7 +246,7 @@ class ModelRunner:
         row, used, out = 0, 0, []
         for seq in sampling:
             if seq.num_drafts and penalised(seq.params):
-                drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
+                drafts = list(seq.drafts)
                 first = self.sampler.first_draft_slot + used
                 slots = list(range(first, first + len(drafts)))
                 step.sampler_slots[row + 1 : row + 1 + len(drafts)] = slots
@@ -286,7 +264,7 @@ class ModelRunner:
         follows start after their runs are found (_take_runs), the others' before."""
         times, t = self.mask_times, time.perf_counter()
         ahead: set[int] = set()  # sequences whose grammars force bytes next
-        if last is not None and any(seq.num_pending for seq in constrained):
+        if last is not None and any(seq.num_inflight for seq in constrained):
             self._receive(last)
             if self.fast_forward:
                 ahead = {seq.id for seq in constrained if cast(GrammarMatcher, seq.grammar).forces_next()}
@@ -323,10 +301,9 @@ class ModelRunner:
         slots = [cast(int, seq.sampler_slot) for seq in seqs]
         times = self.mask_times
         # The masks' thread needs the GIL for a moment to start llguidance (which then releases it); with Python's
-        # switch interval, 5 ms, it would wait for the engine's thread to block instead of filling beside it. The
-        # last fill waiting to start sets the interval back: at 0.1 ms the engine's thread would hand the GIL to
-        # every thread that waits for it (the engine process's forwarder) in the midst of its own work, which then
-        # runs 1.5-2x slower
+        # switch interval it would wait for the engine's thread to block instead of filling beside it. The last fill
+        # waiting to start sets the interval back: at MASK_SWITCH_S the engine's thread would hand the GIL to every
+        # thread that waits for it (the engine process's forwarder) in the midst of its own work, which slows it
         with self._fills_lock:
             self._fills_waiting += 1
             sys.setswitchinterval(MASK_SWITCH_S)
@@ -383,23 +360,16 @@ class ModelRunner:
             if seq.status is Status.FINISHED:  # stopped or cancelled while the step ran
                 continue
             first = first_rows[i]
-            if drafts:  # the drafts the target confirms and its token after them replace the drafts and PENDING
-                kept = accepted(drafts, tokens[first : first_rows[i + 1]])
-                new = tokens[first : first + kept + 1]
-                del seq.token_ids[seq.num_known :]
-                seq.token_ids += new
-                seq.num_drafts = 0
+            if drafts:  # the drafts the target confirms and its token after them
+                new = seq.settle(tokens[first : first_rows[i + 1]])
+                kept = len(new) - 1
                 assert seq.speculation is not None
                 seq.speculation.observe(len(drafts), kept, seq.num_generated)
                 if penalised(seq.params):
                     self.sampler.count_tokens([(seq, new[1:])])  # (the first: its own row counted it)
                 step.verified, step.kept = step.verified + len(drafts), step.kept + kept
             else:  # its token, and any run its grammar forced after it
-                forced, at = step.forced.get(i, []), seq.num_known  # at: its first PENDING token
-                seq.token_ids[at] = REFUSED if i in refused else tokens[first]
-                new = [seq.token_ids[at], *forced]
-                seq.num_forced -= len(forced)
-            seq.num_pending -= 1
+                new = seq.settle([REFUSED if i in refused else tokens[first]])
             step.outcome += [
                 (seq, token, logprobs.get(first + j) if j <= len(drafts) else None) for j, token in enumerate(new)
             ]
@@ -466,12 +436,9 @@ class ModelRunner:
     def _place_forced(self, step: LaunchedStep, runs: dict[int, list[int]]) -> None:
         """Forced runs at the end of the sequences of rows of `step`, by row: after the row's PENDING token and any
         run placed after it already (a chunk cut short by the step's budget did not sample in the step after), in
-        their token_ids and penalties' counts, handed out with that token by complete()."""
+        their tails and penalties' counts, handed out with that token by complete() (Sequence.settle)."""
         for i, forced in runs.items():
-            seq = step.sampling[i]
-            seq.token_ids += forced
-            seq.num_forced += len(forced)
-            step.forced.setdefault(i, []).extend(forced)
+            step.sampling[i].force(forced)
         self.sampler.count_tokens(
             [(step.sampling[i], f) for i, f in runs.items() if penalised(step.sampling[i].params)]
         )
@@ -502,12 +469,6 @@ class ModelRunner:
         inputs = StepInput(one(0), one(0), one(0), one([0], dtype=torch.int32), one(1), one(0, 1), one(0))
         step = DeviceStep(inputs, one(-1), one(0), one(), one())
         self._sample(step, run_through(self._forward(step)))
-
-
-def drop_pending(seq: Sequence) -> None:
-    """A finished sequence's samples past its end and drafts, never read."""
-    del seq.token_ids[seq.num_known :]
-    seq.num_pending = seq.num_drafts = seq.num_forced = 0
 
 
 def take_pending(device_step: DeviceStep, step: StepLists, last: LaunchedStep | None) -> None:
@@ -567,64 +528,3 @@ class HostTokens:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
-
-
-def step_lists(chunks: list[ScheduledChunk], block_size: int, last_rows: dict[int, int]) -> StepLists:
-    """The step as flat lists; last_rows maps a sequence id to its row in the last launched step. On the host path
-    of every step, so locals rather than attribute lookups."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl, sampler_slots, pending, pending_from = [0], [], [], []
-    rows: list[int] = []
-    sample_positions: list[int] = []
-    for c in chunks:
-        seq, start, end = c.seq, c.start, c.start + c.length
-        table, known = seq.table.block_ids, len(seq.token_ids)
-        ids += seq.token_ids[start:end]
-        if seq.num_pending and start <= (at := seq.num_known) < end:  # the step in flight's sample (its last token,
-            pending.append(len(ids) - end + at)  # or before a run its grammar forced)
-            ids[pending[-1]] = 0
-            pending_from.append(last_rows[seq.id])
-        positions += range(start, end)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        qsl.append(qsl[-1] + c.length)
-        if end == known:  # the chunk samples (ScheduledChunk.samples): its last token, and each draft; a fork's (no
-            # tokens) the chunk before's row
-            assert seq.sampler_slot is not None  # admitted
-            drafts = seq.num_drafts
-            rows += range(qsl[-1] - 1 - drafts, qsl[-1])
-            sampler_slots += [seq.sampler_slot] * (1 + drafts)
-            sample_positions += range(end - drafts, end + 1)
-    return StepLists(
-        ids,
-        positions,
-        slots,
-        [c.seq.table.block_ids for c in chunks],
-        [c.start + c.length for c in chunks],
-        qsl,
-        rows,
-        sampler_slots,
-        sample_positions,
-        pending,
-        pending_from,
-    )
-
-
-def device_tensors(step: StepLists, device: torch.device) -> DeviceStep:
-    """Tensors of exactly the step's size, for the eager forward pass."""
-    width = max(len(t) for t in step.block_tables)
-    tables = [t + [0] * (width - len(t)) for t in step.block_tables]
-    as_tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)
-    inputs = StepInput(
-        input_ids=as_tensor(step.input_ids),
-        positions=as_tensor(step.positions),
-        slot_mapping=as_tensor(step.slot_mapping),
-        block_tables=as_tensor(tables, torch.int32),
-        context_lens=as_tensor(step.context_lens),
-        query_start_loc=as_tensor(step.query_start_loc),
-        logits_indices=as_tensor(step.logits_indices),
-    )
-    # no index tensors to build (and copy to the device) for a step with no pending inputs
-    pending = (as_tensor(step.pending_rows), as_tensor(step.pending_from)) if step.pending_rows else (None, None)
-    return DeviceStep(inputs, as_tensor(step.sampler_slots), as_tensor(step.sample_positions), *pending)

@@ -9,6 +9,7 @@ prompts), so the last encodings are kept.
 import json
 from collections import OrderedDict
 
+from llamaterm.engine.api import SubmitOptions
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.thinking import opens_thinking
@@ -21,20 +22,13 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self._cache: OrderedDict[str, tuple[list[int], bool]] = OrderedDict()
 
-    def prompt_ids(
-        self,
-        prompt: list[dict] | str | None,
-        raw: bool,
-        enable_thinking: bool | None,
-        given: list[int] | None,
-        parse_special: bool = True,
-        tools: list[dict] | None = None,
-    ) -> tuple[list[int], bool]:
+    def prompt_ids(self, prompt: list[dict] | str | None, options: SubmitOptions) -> tuple[list[int], bool]:
         """A request's (ids, whether a thinking block is open): the token ids it gives as they are, else its
-        prompt encoded."""
-        if given is not None:
+        prompt encoded as its options say (engine.api.SubmitOptions)."""
+        if (given := options.get("prompt_ids")) is not None:
             return list(given), False
-        return self.encode(prompt or "", raw, enable_thinking, parse_special, tools)
+        raw, parse_special = options.get("raw", False), options.get("parse_special", True)
+        return self.encode(prompt or "", raw, options.get("enable_thinking"), parse_special, options.get("tools"))
 
     def encode(
         self,

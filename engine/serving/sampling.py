@@ -52,7 +52,7 @@ class Sampler:
         if penalised(p):
             t.counts[slot].zero_()
             t.in_prompt[slot].zero_()
-            prompt = self._staged(seq.token_ids[: seq.num_prompt_tokens], torch.int64)
+            prompt = self._staged(seq.prompt_token_ids, torch.int64)
             t.in_prompt[slot].index_fill_(0, prompt.to(self.device, non_blocking=True), 1)
 
     def _staged(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +93,7 @@ class Sampler:
 
     def _count(self, slots: list[int], tokens: list[int]) -> None:
         """counts[slots[i], tokens[i]] += 1 for each i, in one kernel: an index_add_ into the table's flat view
-        (an accumulating index_put_ sorts its indices first: several kernels and 0.15 ms of the host a call)."""
+        (an accumulating index_put_ sorts its indices first: several kernels and host time each call)."""
         if slots:
             counts, vocab = self.tables.counts, self.tables.counts.shape[1]
             flat = self._staged([s * vocab + t for s, t in zip(slots, tokens, strict=True)], torch.int64)

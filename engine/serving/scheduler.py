@@ -1,22 +1,7 @@
-"""Continuous batching: which tokens of which sequences run in the next step.
-
-Each step packs, under a token budget, one decode token for every running sequence plus chunks of prompts
-(chunked prefill), so a long new prompt never stalls the others for more than one chunk. When the cache runs out
-of blocks, the newest running sequence is preempted: its blocks are freed and it is recomputed later (its prefix
-may still be cached). Sequences join and leave between steps.
-
-Prefill tokens ride beside decode rows only as far as keeps the step's time within PACE times a decode step's
-(`Pace`, from the measured times of the steps so far), so a long prompt arriving costs the sessions already
-streaming a steady, small slowdown rather than a stall: a session's gap between two tokens stays near the median.
-
-A prompt that begins as one being computed right now (clients with the same long system prompt arriving together)
-waits until that prefill has passed their common part, then takes it from the prefix cache. A prompt equal to one
-whose last chunk is in the step forks from it instead: a chunk of no tokens right after that one, which samples its
-own token from the same logits, and a block table that shares the full blocks and starts with a copy of the
-partial last one; so n choices of a prompt compute it once.
-
-Each sequence holds a sampler slot (its row of the sampler's tables, engine/serving/sampling.py) from its first
-admission until it finishes, through preemptions too, so at most max_running sequences are ever under way.
+"""Continuous batching: which tokens of which sequences run in the next step, under a token budget: decodes first,
+prompt chunks paced beside them (`Pace`), the newest sequence preempted when blocks run out, prompts that share a
+prefix being computed made to wait for it, and n choices of one prompt forked from its last chunk (README's How it
+works).
 """
 
 import os
@@ -25,7 +10,6 @@ from dataclasses import dataclass
 
 from llamaterm.engine.serving.block_manager import BlockManager
 from llamaterm.engine.serving.sequence import FORCED_MOST, Sequence, Status
-from llamaterm.engine.serving.speculation import BATCH_OVERLAP_COST
 
 
 @dataclass
@@ -39,7 +23,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
-        return self.start + self.length == len(self.seq.token_ids)
+        return self.start + self.length == self.seq.num_tokens
 
 
 PACE = 2.0  # a step that carries prefill tokens takes at most this many times a decode step of every session
@@ -81,14 +65,12 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         speculate_tokens: int = 0,
-        draft_model: bool = False,
     ):
         self.blocks = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         # drafts ride only while the step's sampled rows (a row per sequence, one per draft) stay within this
         self.speculate_tokens = speculate_tokens
-        self.draft_model = draft_model  # drafts come from a draft model, which fills them in after scheduling
         self.pace = Pace(max_batch_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is the one preempted
@@ -111,18 +93,13 @@ class Scheduler:
         budget = self.max_batch_tokens
         prefill: int | None = None  # prefill tokens left for this step; set when the first chunk is placed
         chunks: list[ScheduledChunk] = []
-        # drafts only where they pay for the overlap they give up (may_draft), in the rows the step has left; weighed
-        # only where some sequence has all its tokens on the host (not after an overlapped step: the common one)
-        may = any(seq.speculation is not None and not seq.num_pending for seq in self.running) and self.may_draft()
-        drafts = self._draft_rows() if may else 0
         for seq in sorted(self.running, key=is_prefilling):
             if seq.status is not Status.RUNNING or seq.done_sampling:  # preempted earlier in this loop, or its
-                continue  # last token is sampled and only waits to reach the host (engine.py: steps overlap)
+                continue  # last token is sampled and only waits to reach the host (engine_core.py: steps overlap)
             n = min(seq.num_to_compute, budget)
             prefilling = is_prefilling(seq)
-            if n == 1 and drafts > 0 and seq.speculation is not None and not seq.num_pending:
-                n += self._draft(seq, min(drafts, budget - 1))
-                drafts -= n - 1
+            if seq.num_drafts:
+                n = self._fit_drafts(seq, n)
             if prefilling:
                 prefill = self._prefill_left(prefill, chunks)
                 n = min(n, prefill)
@@ -138,55 +115,25 @@ class Scheduler:
                 prefill = self._prefill_left(prefill, chunks) - n
         return chunks, prefill
 
-    def _draft(self, seq: Sequence, most: int) -> int:
-        """Append up to `most` drafts to a decoding sequence's tokens (its adaptive draft length, its tokens left,
-        and the blocks free without preempting anyone allowing); returns how many."""
-        spec = seq.speculation
-        assert spec is not None
-        k = min(most, spec.length.k(seq.num_generated), seq.max_tokens - seq.num_generated - 1)
-        if self.draft_model:  # placeholders, which the draft model fills in before the step launches (engine.py)
-            proposed = [0] * max(k, 0)
-        else:
-            proposed = spec.index.propose(seq.token_ids, len(seq.token_ids), k)
-        if not proposed or not self.blocks.can_allocate(seq.table, len(seq.token_ids) + len(proposed)):
-            return 0
-        seq.token_ids += proposed
-        seq.num_drafts = len(proposed)
-        return len(proposed)
+    def _fit_drafts(self, seq: Sequence, n: int) -> int:
+        """A decoding sequence's chunk of n tokens within the step's budget, with the drafts proposed for it
+        (engine/serving/proposer.py) that it leaves room for and the free blocks hold, no one preempted for them;
+        the rest go. Returns its length."""
+        if n > 1 and not self.blocks.can_allocate(seq.table, seq.num_computed + n):
+            n = 1
+        if n <= seq.num_drafts:
+            seq.drop(keep_drafts=max(0, n - 1))
+        return n
 
-    def may_draft(self) -> bool:
-        """Drafting pays in the next step, so the engine completes the step in flight before it schedules (engine.py:
-        drafts are proposed from tokens on the host), giving up the overlap of the two: the drafts the step has rows
-        for (speculate_tokens, less a row per sequence) are expected to bring more tokens than that costs a batch,
-        BATCH_OVERLAP_COST of a step of every running sequence. A draft is expected to bring the chance it is kept
-        (DraftLength.chances); a sequence drafts when it is not pausing and, with prompt lookup, a proposal is likely
-        to follow its known tokens. A lone sequence's drafting is its DraftLength's to weigh: it pauses when its drafts
-        are seldom kept, and starts again afresh, where a weighing here would hold it back for good on a low average
-        (the offline replay of tests/benchmarks/draft_policy.py: editing at one session 1.66x against 2.25x)."""
-        rows = self._draft_rows()
-        if rows <= 0:
-            return False
-        chances = sorted(
-            (
-                chance
-                for seq in self.running
-                if (spec := seq.speculation) is not None
-                and (self.draft_model or spec.index.may_match(seq.token_ids, seq.num_known))
-                for chance in spec.length.chances(seq.num_generated)
-            ),
-            reverse=True,
-        )
-        return sum(chances[:rows]) > (BATCH_OVERLAP_COST * len(self.running) if len(self.running) > 1 else 0.0)
-
-    def _draft_rows(self) -> int:
+    def draft_rows(self) -> int:
         """The rows of speculate_tokens a step leaves for drafts: every running and admitted sequence samples one."""
         return self.speculate_tokens - min(self.max_running, len(self.running) + len(self.waiting))
 
     def drop_rejected(self, seq: Sequence) -> None:
-        """After a step verified a sequence's drafts (its token_ids hold the kept ones and the target's next
-        token): the cache keeps the K/V of the tokens before that next token, and the blocks past them go back; a
-        draft model's cache keeps no more (its K/V of refused drafts is stale, whether or not the next step drafts)."""
-        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
+        """After a step verified a sequence's drafts (its tokens hold the kept ones and the target's next token):
+        the cache keeps the K/V of the tokens before that next token, and the blocks past them go back; a draft
+        model's cache keeps no more (its K/V of refused drafts is stale, whether or not the next step drafts)."""
+        seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
         self.blocks.truncate(seq.table, seq.num_computed)
         if seq.speculation is not None:
             seq.speculation.draft_computed = min(seq.speculation.draft_computed, seq.num_computed)
@@ -196,9 +143,8 @@ class Scheduler:
         returns the chunks without those of the preempted."""
         while not self.blocks.can_allocate(seq.table, seq.num_computed + n):
             victim = self.running[-1]
-            if victim.num_drafts:  # drafted earlier in this loop (no step in flight holds drafts: engine.py)
-                del victim.token_ids[-victim.num_drafts :]
-                victim.num_drafts = 0
+            if victim.num_drafts:  # proposed for this step (no step in flight holds drafts: engine_core.py)
+                victim.drop()
             self.preempt(victim)
             chunks = [c for c in chunks if c.seq is not victim]
             if victim is seq:
@@ -243,12 +189,12 @@ class Scheduler:
         chunk of no tokens placed after that chunk (step_lists gives it the same logits row)."""
         if seq.table.block_ids or seq.num_computed or seq.num_generated:
             return False
-        n = len(seq.token_ids)
+        n = seq.num_tokens
         # not from drafts: their blocks are written again where they are rejected
         same = lambda c: (
             c.length
             and c.samples
-            and not c.seq.num_pending
+            and not c.seq.num_inflight
             and not c.seq.num_drafts
             and c.seq.token_ids == seq.token_ids
         )
@@ -269,11 +215,11 @@ class Scheduler:
         again (seq holds no blocks yet; what is computed is in the prefix cache once its blocks are full)."""
         if seq.table.block_ids:
             return False
-        bs, prompt = self.blocks.block_size, seq.token_ids[: seq.num_prompt_tokens]
+        bs, prompt = self.blocks.block_size, seq.prompt_token_ids
         for other in self.running:
             if other.num_computed >= other.num_prompt_tokens or other.token_ids[:bs] != prompt[:bs]:
                 continue
-            common = len(os.path.commonprefix([prompt, other.token_ids[: other.num_prompt_tokens]]))
+            common = len(os.path.commonprefix([prompt, other.prompt_token_ids]))
             if other.num_computed // bs < common // bs:
                 return True
         return False
@@ -281,9 +227,9 @@ class Scheduler:
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """A sequence that holds no blocks starts after the longest prefix of it the cache holds."""
         if seq.num_computed == 0 and not seq.table.block_ids:
-            cached = self.blocks.match_prefix(seq.token_ids, seq.table)
+            cached = self.blocks.match_prefix(seq.tokens(0, seq.num_tokens), seq.table)
             seq.num_computed = cached
-            if seq.first_token_time is None:
+            if seq.num_known == seq.num_prompt_tokens:  # its first admission, or one before its first token
                 seq.num_cached = cached
 
     def _admit(self, seq: Sequence, n: int) -> None:

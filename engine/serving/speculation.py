@@ -1,45 +1,7 @@
-"""Speculative decoding: draft tokens proposed cheaply, verified by one step of the target model.
-
-Drafts come from a small draft model (engine/serving/draft_model.py), or from prompt lookup: the longest suffix of
-the sequence's tokens (MIN_NGRAM .. MAX_NGRAM of them) that occurred before, prompt and reply alike, is found, and
-the k tokens that followed its latest earlier occurrence are proposed. A reply that repeats its prompt (an edited
-text, a quoted passage, code with a name changed) is then drafted many tokens at a time, at no cost but a
-dictionary lookup. `NgramIndex` keeps every n-gram's latest end position, updated as tokens become known, so a
-proposal costs O(MAX_NGRAM + k) and each token O(MAX_NGRAM ** 2) once.
-
-Why at least MIN_NGRAM = 3 tokens: how often the token after a match is the one that followed it before grows with
-the match's length. On the default model's replies to the editing and open chat requests of `llamaterm bench
---speculate` (tests/benchmarks/draft_policy.py) the first draft was kept 13-21% of the time after a match of one
-token, 35-42% after two, 53-71% after three and 75-97% after eight or more; a step with drafts costs about 0.6 of
-a plain step more (below), so drafts after shorter matches cost more than they bring.
-
-Verification (engine/serving/scheduler.py places the chunk, model_runner.py samples it): the step computes the
-sequence's last token and its k drafts as one chunk, and samples every position's logits in the batched sampler,
-each row keyed by its own position as a decode step would be. Draft i is kept while the target's token at its
-position equals it; the target's token at the first mismatch (or after the last draft) follows them. The tokens
-kept are exactly those that decoding one token a step gives: the target's token at each position is drawn from
-the same logits with the same noise (kernels/sampling.py keys it by seed, position and token). For a greedy row
-that is "accept while the argmax equals the draft". For a sampled row with a draft that is one token (a point mass,
-as every prompt-lookup draft is) it is the rejection sampling of Leviathan et al.: the draft d is kept with
-probability p(d) (p: the target's distribution after every filter), and otherwise the token comes from p with d
-removed, renormalised, which is the target's draw given that it is not d. So every filter, bias and seed holds.
-
-Repetition, presence and frequency penalties count the tokens sampled before each position: a penalised sequence's
-rows at its drafts sample from slots of their own whose counts hold the drafts before them, and the drafts kept are
-counted in its slot after the step (Sampler.write_draft_rows, count_tokens). A sequence under a grammar is not drafted
-(its matcher would have to be advanced through the drafts for their masks), nor a penalised one with a draft model
-(its draws from the sequence's slot would count up its tokens).
-
-How many tokens to draft adapts to each sequence's measured acceptance (`DraftLength`), and the scheduler turns
-drafting off where the step would stop being cheap: more than `EngineConfig.speculate_tokens` rows sampled in the
-step. What drafting costs where it does not pay: a step with drafts completes before the next is scheduled, and the
-engine completes the step in flight before scheduling one that may draft (scheduler.py's may_draft), so the host's
-work stops hiding under the device's; on the H200 a step with drafts at one session of the default model took
-1.55-1.6x a plain step (OVERLAP_COST). So may_draft asks `NgramIndex.may_match` (did the last MIN_NGRAM known tokens
-occur before, so that with the token in flight a match of MIN_NGRAM + 1 may follow?) and a sequence gives up its
-steps' overlap only where a proposal is likely to follow: a match of MIN_NGRAM alone after the token in flight
-(its last two tokens occurred before) held too little promise, 7-23% of a reply's steps giving up their overlap for
-no drafts (the offline replay of tests/benchmarks/draft_policy.py, against 3-11% now).
+"""Speculative decoding's parts: prompt lookup (`NgramIndex`: the tokens that followed the longest earlier match of
+the sequence's last 3-8 tokens), verification (`accepted`: drafts kept while the target's tokens equal them), and
+each sequence's adaptive draft length (`DraftLength`). The proposer (proposer.py) decides who drafts; README's How it
+works has the design, BENCHMARKS.md the measurements behind its constants.
 """
 
 from __future__ import annotations
@@ -58,12 +20,11 @@ PAUSE_TOKENS = 32  # tokens decoded one at a time before drafting is tried again
 MAX_PAUSE_DOUBLINGS = 4
 MIN_GAIN = 0.1  # a k-th draft is worth its row while it is kept with at least this chance (acceptance ** k)
 # What a step costs more when it is launched after the one before completed on the host (drafts are proposed from
-# tokens there) than beside it, in steps: the host's work no longer hides under the device's (the default model at
-# one session on the H200, its kernels launched dependent: 0.55-0.6 ms against a plain step's 0.91, BENCHMARKS.md).
+# tokens there) than beside it, in steps: the host's work no longer hides under the device's (tests/benchmarks/
+# draft_policy.py weighs policies with it). A batch of n sequences that gives up its overlap pays BATCH_OVERLAP_COST
+# * n tokens, and drafts where its drafts are expected to bring more (Proposer.may_draft). Both measured:
+# BENCHMARKS.md's History.
 OVERLAP_COST = 0.6
-# The same for a batch: 8 sessions of sampled editing (6e702ca, weighed at 0.6) completed 25 steps of 122 on the
-# host at 0.94 of a plain step each, and drafted in 16, for 0.89x. A step of n sequences that gives up its overlap
-# pays BATCH_OVERLAP_COST * n tokens: a batch drafts where its drafts are expected to bring more (Scheduler.may_draft).
 BATCH_OVERLAP_COST = 0.95
 
 
@@ -72,15 +33,14 @@ class NgramIndex:
     """The latest end position of every n-gram among a sequence's known tokens but for those that end at the last
     one (they are the suffix looked up, and have no follower yet): of MIN_NGRAM tokens for may_match, which the
     scheduler asks of every running sequence while a step could draft, and of MIN_NGRAM .. MAX_NGRAM for propose.
-    Each is built on first use: a prompt of 500 tokens takes 0.1 ms for the first and 0.8 ms for the others on a
-    2-core machine, which sequences that never draft do not pay."""
+    Each is built on first use, which sequences that never draft do not pay."""
 
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)  # MIN_NGRAM .. MAX_NGRAM
     indexed: int = 0  # n-grams ending before this position are in `latest`
     short: dict[tuple[int, ...], int] = field(default_factory=dict)  # MIN_NGRAM
     short_indexed: int = 0
 
-    def propose(self, tokens: list[int], known: int, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], known: int, k: int) -> list[int]:
         """The k tokens that followed the latest earlier occurrence of the longest suffix of tokens[:known] that
         occurred before (n from MAX_NGRAM down to MIN_NGRAM); [] if none did."""
         if k <= 0 or known < 2:
@@ -97,7 +57,7 @@ class NgramIndex:
                 return drafts
         return []
 
-    def may_match(self, tokens: list[int], known: int) -> bool:
+    def may_match(self, tokens: Sequence[int], known: int) -> bool:
         """Whether the next token is likely to give tokens[:known] and it a suffix that propose finds: the last
         MIN_NGRAM known tokens occurred before, with a known token after them (if the next is that token, a match of
         MIN_NGRAM + 1 follows)."""
@@ -107,7 +67,9 @@ class NgramIndex:
         return tuple(tokens[known - MIN_NGRAM : known]) in self.short
 
 
-def index(latest: dict[tuple[int, ...], int], lengths: Sequence[int], tokens: list[int], start: int, known: int) -> int:
+def index(
+    latest: dict[tuple[int, ...], int], lengths: Sequence[int], tokens: Sequence[int], start: int, known: int
+) -> int:
     """Record in `latest` the n-grams (n in lengths) of tokens[:known] that end at positions start .. known - 2
     (each has a known token after it); returns the position indexed up to."""
     for end in range(start, known - 1):

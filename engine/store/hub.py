@@ -1,13 +1,6 @@
-"""Pull models from the Hugging Face Hub into the store: `llamaterm pull REPO[:QUANT]`.
-
-huggingface_hub lists the repo (sizes, LFS sha256, the commit), builds URLs and headers (HF_ENDPOINT, the
-token from HF_TOKEN or `hf auth login`) and maps HTTP errors. The download itself is ours: since
-huggingface_hub 1.18 an interrupted hf_hub_download is not resumed by the next process (its file_download.py),
-and resuming is the point.
-
-Each file streams into `<file>.part` in a hidden staging folder, resuming with a Range request; it is checked
-against the Hub's hash (sha256 for LFS files, the git blob id for small ones) and only then renamed. When
-every file is there, the folder is renamed into the store: a model is visible whole or not at all.
+"""Pull models from the Hugging Face Hub into the store: `llamaterm pull REPO[:QUANT]`. huggingface_hub lists the repo;
+the download is ours, so that it resumes: each file into `<file>.part` with a Range request, checked against the
+Hub's hash, then renamed, and the model's folder renamed into the store whole.
 """
 
 import errno

@@ -160,7 +160,7 @@ def test_bench_beside_transformers_on_cpu():
 
 def test_bench_help_names_every_synthetic_model():
     """The CLI cannot import the engine's list (torch) at start-up, so its help names the shapes itself."""
-    from llamaterm.engine.bench import SYNTHETIC
+    from llamaterm.engine.serving.synthetic_model import SYNTHETIC
 
     help_text = " ".join(llamaterm("bench", "--help").stdout.split())
     assert all(name in help_text for name in SYNTHETIC), help_text

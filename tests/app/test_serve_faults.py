@@ -15,7 +15,7 @@ import httpx2
 import psutil
 import pytest
 
-from llamaterm.app import serve
+from llamaterm.app.server import handlers, http_server, requests, supervisor
 from tests.support.fake_engine import FakeEngine
 from tests.support.serve_support import LLAMATERM, app_server, free_port, metrics, served
 from tests.support.tiny_models import write_tiny_llama
@@ -155,7 +155,7 @@ def test_a_killed_engine_ends_every_stream_and_restarts(tiny):
 
 def test_the_third_engine_failure_in_ten_minutes_stops_the_server(tiny):
     with serve_tiny(tiny) as server:
-        for _ in range(serve.MAX_FAILURES):
+        for _ in range(supervisor.MAX_FAILURES):
             wait_healthy(server.url, timeout=server.startup_s)
             child = engine_child(server.process)
             child.kill()
@@ -185,7 +185,7 @@ def test_a_sigterm_drains_for_the_shutdown_timeout_then_ends_the_streams(tiny):
             assert 2 <= s.times[-1] - sent < 3
             assert any(sent + 1 < t < sent + 2 for t in s.times)  # it streamed during the drain
         assert server.process.wait(timeout=5) == 0
-        assert time.monotonic() - sent < 2 + serve.SHUTDOWN_GRACE_S + 1
+        assert time.monotonic() - sent < 2 + http_server.SHUTDOWN_GRACE_S + 1
         assert not server.announcement.exists() and not server.announcement.with_suffix(".key").exists()
 
 
@@ -302,8 +302,8 @@ def test_the_key_is_a_bearer_token_in_any_case_and_metrics_need_it(keyed):
 @pytest.fixture
 def quick_timeouts(monkeypatch):
     """A server in this process (on a fake engine) whose header and body deadlines are 1 s, and what it logs."""
-    monkeypatch.setattr(serve, "HEADERS_TIMEOUT_S", 1)
-    monkeypatch.setattr(serve, "BODY_TIMEOUT_S", 1)
+    monkeypatch.setattr(http_server, "HEADERS_TIMEOUT_S", 1)
+    monkeypatch.setattr(handlers, "BODY_TIMEOUT_S", 1)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -359,7 +359,7 @@ def test_a_big_prompt_being_tokenized_does_not_stall_the_streams(tmp_path):
         words = [
             random.choice(["hello", "world", "ünïcode", "tokens", "123", "foo_bar", "日本語"]) for _ in range(400_000)
         ]
-        prompt = " ".join(words)[: serve.PROMPT_BYTES_PER_TOKEN * 131072 // 2]  # 1 MB: allowed, and slow to tokenize
+        prompt = " ".join(words)[: requests.PROMPT_BYTES_PER_TOKEN * 131072 // 2]  # 1 MB: allowed, and slow to tokenize
         sent = time.monotonic()
         reply = ask(server.url, {"model": model_of(server.url), "messages": [{"role": "user", "content": prompt}]})
         done = time.monotonic()

@@ -109,7 +109,7 @@ def test_the_figures_are_of_the_window():
 
 
 def test_a_client_process_that_sends_nothing_says_so():
-    """On the H200 a run ended with no request and no error; a process whose clients never asked now reports it."""
+    """A run once ended with no request and no error; a process whose clients never asked now reports it."""
     import asyncio
 
     from llamaterm.app.serve_load import Job, make_client, run_clients

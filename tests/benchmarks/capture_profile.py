@@ -38,9 +38,9 @@ import triton.compiler.compiler as triton_compiler
 import triton.runtime.jit as triton_jit
 from torch.profiler import ProfilerActivity, profile
 
-from llamaterm.engine import bench as wl
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.model_runner import ModelRunner
+from llamaterm.engine.serving.synthetic_model import parse_synthetic, synthetic_model
 
 
 class Tally:
@@ -158,7 +158,9 @@ def ms(x: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-m", "--model", default="synthetic:llama3-8b", help="synthetic:NAME (engine/bench.py)")
+    parser.add_argument(
+        "-m", "--model", default="synthetic:llama3-8b", help="synthetic:NAME (engine/serving/synthetic_model.py)"
+    )
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--buckets", default="", help="comma-separated; default: the decode buckets, 1 upward")
@@ -167,9 +169,9 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda")
-    name, quantized = wl.parse_synthetic(args.model)
+    name, quantized = parse_synthetic(args.model)
     t = time.perf_counter()
-    model = wl.synthetic_model(name, quantized, device)
+    model = synthetic_model(name, quantized, device)
     torch.cuda.synchronize(device)
     made = time.perf_counter() - t
     block_size, num_blocks = 16, 4096  # the pool's size does not change what a step launches

@@ -63,10 +63,12 @@ def replies(max_tokens: int, per_prompt: int) -> list[Reply]:
             for sampling, values in wl.SPECULATION_SAMPLINGS.items():
                 n = len(prompts) * (1 if sampling == "greedy" else per_prompt)
                 params = [SamplingParams(max_tokens=max_tokens, seed=i, **values) for i in range(n)]
-                handles = [engine.submit(prompts[i % len(prompts)], params[i]) for i in range(n)]
-                for h in handles:
+                asked = [prompts[i % len(prompts)] for i in range(n)]
+                handles = [engine.submit(prompt, params[i]) for i, prompt in enumerate(asked)]
+                for prompt, h in zip(asked, handles, strict=True):
                     list(h.events())
-                out += [Reply(workload, sampling, h.seq.token_ids, h.seq.num_prompt_tokens) for h in handles]
+                    ids = engine.encode_prompt(prompt)
+                    out.append(Reply(workload, sampling, ids + h.token_ids, len(ids)))
     return out
 
 

@@ -52,7 +52,7 @@ def composition(d: int, p: int, context: int, prefill_start: int, block_size: in
 
 
 def step_ms(engine, step: StepLists) -> tuple[int, float, torch.cuda.CUDAGraph]:
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     bucket, device_step = graphs.prepare(step)
     if bucket not in graphs.graphs:
         graphs.warm(bucket)
@@ -63,7 +63,7 @@ def step_ms(engine, step: StepLists) -> tuple[int, float, torch.cuda.CUDAGraph]:
 
 def forget(engine) -> None:
     """Drop the captured graphs above the decode buckets, so the next steps capture with the current linears."""
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     for bucket in [b for b in graphs.graphs if b > graphs.max_running]:
         del graphs.graphs[bucket]
 
@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     bench = wl.open_engine(args.model, "cuda", EngineConfig(max_running=64, kv_tokens=200_000))
     engine = bench.engine
-    model, bm = engine.model, engine.block_manager
+    model, bm = engine.core.model, engine.core.block_manager
     flop_rate = matmul_rate(model.device)
     params, _ = wl.linear_params(model)
     sizes = [int(p) for p in args.prefill.split(",")]

@@ -22,6 +22,8 @@ import torch
 
 from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.serving.weight_bytes import weight_bytes
+from llamaterm.engine.synthetic import SYNTHETIC_PREFIX
 from tests.benchmarks.step_profile import kernel_table, replay_ms
 
 LLAMA_CPP = {"qwen3-30b-a3b": {"H100": 194, "H200": 204}, "gpt-oss-20b": {"H100": 286, "H200": 292}}
@@ -41,7 +43,7 @@ def matmul_rate(n: int = 8192) -> float:
 
 
 def prefill_flops(engine, n: int) -> float:
-    c = engine.model.config
+    c = engine.core.model.config
     lm_head = c.vocab_size * c.hidden_size
     attention = 2 * 2 * c.n_layers * c.n_heads * c.head_dim * n * (n + 1) / 2  # q.k and p.v, causal
     return 2 * (c.active_parameters() - lm_head) * n + 2 * lm_head + attention
@@ -85,17 +87,17 @@ def main() -> None:
     print(f"{gpu}: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     rows = []
     for name in args.models.split(","):
-        bench = wl.open_engine(wl.SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=200_000))
+        bench = wl.open_engine(SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=200_000))
         engine = bench.engine
-        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)
+        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.core.model.config.vocab_size)
         try:
-            read = wl.weight_bytes(engine.model)
+            read = weight_bytes(engine.core.model)
             one = wl.static_rate(sessions, 1, 128, 256)
             # replayed while the buffers hold that one-session step (a later prefill's rows would not fit its graph),
             # once the engine's thread has captured its graphs (it captures while idle)
-            while engine.runner.background_pending(idle=True):
+            while engine.core.runner.background_pending(idle=True):
                 time.sleep(0.01)
-            graph = engine.runner.graphs.graphs[1].forward
+            graph = engine.core.runner.graphs.graphs[1].forward
             print(f"\n{bench.label}: a one-session step's graph alone {replay_ms(graph):.3f} ms")
             print("\n".join(kernel_table(graph, rows=16)))
             print("\n".join(layer_kernels(graph)))
@@ -104,7 +106,7 @@ def main() -> None:
             limit = bandwidth / read
             peer = LLAMA_CPP.get(name, {}).get(card)
             rows.append(
-                f"| {engine.model.config.name} | {read / 1e9:.2f} GB | {one:,.0f} | {100 * one / limit:.0f}% of "
+                f"| {engine.core.model.config.name} | {read / 1e9:.2f} GB | {one:,.0f} | {100 * one / limit:.0f}% of "
                 f"{limit:,.0f} | {f'{one / peer:.2f}x {peer}' if peer else '-'} | {many:,.0f} | "
                 f"{ttft * 1e3:.1f} ms | {100 * prefill_flops(engine, args.prefill) / ttft / flops:.0f}% |"
             )

@@ -13,6 +13,9 @@ import torch
 
 from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.serving.synthetic_model import SYNTHETIC
+from llamaterm.engine.serving.weight_bytes import weight_bytes
+from llamaterm.engine.synthetic import SYNTHETIC_PREFIX
 from tests.benchmarks.step_profile import kernel_table, replay_ms
 
 CONTROL = "gemma-dims-as-llama"
@@ -22,9 +25,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=f"llama3-8b,qwen2.5-7b,gemma3-4b,{CONTROL},gemma3-12b")
     args = parser.parse_args()
-    wl.SYNTHETIC[CONTROL] = (
+    SYNTHETIC[CONTROL] = (
         wl._llama("Gemma-3-4B dims as Llama", 34, 2560, 10240, 8, 4, 262144, 131072, 1e6, head_dim=256, tied=True),
-        wl.SYNTHETIC["gemma3-4b"][1],
+        SYNTHETIC["gemma3-4b"][1],
     )
     bandwidth = wl.copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -34,17 +37,17 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        bench = wl.open_engine(wl.SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
+        bench = wl.open_engine(SYNTHETIC_PREFIX + name, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
         engine = bench.engine
-        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)
+        sessions = wl.Sessions(engine, False, wl.GREEDY, engine.core.model.config.vocab_size)
         try:
-            gb = wl.weight_bytes(engine.model) / 1e9
+            gb = weight_bytes(engine.core.model) / 1e9
             one = wl.static_rate(sessions, 1, 128, 128)
             many = wl.static_rate(sessions, 64, 128, 128)
-            graph = engine.runner.graphs.graphs[1].forward
+            graph = engine.core.runner.graphs.graphs[1].forward
             kernels = kernel_table(graph, rows=0)[0].split()[0]
             print(
-                f"| {engine.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "
+                f"| {engine.core.model.config.name} | {gb:.3f} GB | {one:,.1f} | {gb * one:,.0f} | "
                 f"{100 * gb * one * 1e9 / bandwidth:.0f}% | {replay_ms(graph):.3f} ms | {kernels} | {many:,.1f} |",
                 flush=True,
             )

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
+from llamaterm.engine.serving.weight_bytes import read_bytes
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 100) -> float:
@@ -100,19 +101,19 @@ def main() -> None:
     bandwidth = wl.copy_bandwidth(torch.device("cuda"))  # before the engine takes the memory
     bench = wl.open_engine(args.model, "cuda", EngineConfig(max_running=64, kv_tokens=100_000))
     engine = bench.engine
-    layer = engine.model.layers[0]
+    layer = engine.core.model.layers[0]
     linears = [
-        (name, wl.read_bytes(w))
+        (name, read_bytes(w))
         for name, ws in (("qkv", layer.qkv), ("o", [layer.o]), ("mlp", layer.mlp.matrices()))
         for w in ws
     ]
-    sessions = wl.Sessions(engine, False, wl.GREEDY, engine.model.config.vocab_size)
+    sessions = wl.Sessions(engine, False, wl.GREEDY, engine.core.model.config.vocab_size)
     try:
         for n in map(int, args.sessions.split(",")):
             rate = wl.static_rate(sessions, n, 128, 128)
-            while engine.runner.background_pending(idle=True):  # no capture open while the profiler synchronizes
+            while engine.core.runner.background_pending(idle=True):  # no capture open while the profiler synchronizes
                 time.sleep(0.01)
-            graph = engine.runner.graphs.graphs[n].forward  # captured while the batch ran (its bucket in use)
+            graph = engine.core.runner.graphs.graphs[n].forward  # captured while the batch ran (its bucket in use)
             gpu = replay_ms(graph)
             print(
                 f"{bench.label}, {n} sessions: {rate:,.1f} tok/s = {1e3 * n / rate:.3f} ms per step; the step's "

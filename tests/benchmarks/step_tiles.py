@@ -60,7 +60,7 @@ class Sweep:
     def graph_ms(self, overrides: dict[Shape, Config]) -> float | None:
         """The forward graph's replay time under `overrides`; None if a config failed to compile or run."""
         self.overrides = overrides
-        graphs = self.engine.runner.graphs
+        graphs = self.engine.core.runner.graphs
         bucket, _ = graphs.prepare(self.step)
         graphs.graphs.pop(bucket, None)
         try:
@@ -94,7 +94,7 @@ def main() -> None:
     bench = decode_engine(args.model, args.sessions, args.context)
     try:
         engine = bench.engine
-        step = verify_step(args.sessions, 0, args.context, engine.block_manager.block_size)
+        step = verify_step(args.sessions, 0, args.context, engine.core.block_manager.block_size)
         sweep = Sweep(engine, step)
         base = sweep.graph_ms({})
         assert base is not None
@@ -103,7 +103,7 @@ def main() -> None:
         )
         print("config: (block_m, block_n, split_k, num_warps, num_stages)")
         best: dict[Shape, Config] = {}
-        for name, shape, steps in shapes(engine.model):
+        for name, shape, steps in shapes(engine.core.model):
             default = sweep.chosen[shape]
             timed = []
             for cfg in candidates(default, steps):

@@ -96,10 +96,10 @@ def main() -> None:
         time.sleep(5)  # the graphs of the other step sizes, captured while the engine idles
         for _ in range(args.rounds):
             for name, grammar in (("free", None), ("schema", schema)):
-                first = engine.num_steps
+                first = engine.step_stats().steps
                 with traced() as spans:
                     n, seconds = run(engine, args.sessions, args.tokens, grammar)
-                report(name, n, seconds, engine.num_steps - first, spans)
+                report(name, n, seconds, engine.step_stats().steps - first, spans)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def verify_step(sessions: int, drafts: int, context: int, block_size: int) -> St
 
 def graph_ms(engine, step: StepLists) -> tuple[int, float, float]:
     """The bucket, and its forward and sampler graphs' times (captured here if the engine has not yet)."""
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     bucket, _ = graphs.prepare(step)
     if bucket not in graphs.graphs:
         graphs.warm(bucket)
@@ -56,7 +56,7 @@ def graph_ms(engine, step: StepLists) -> tuple[int, float, float]:
 def wait_for_captures(engine, timeout: float = 300.0) -> None:
     """The engine captures its decode graphs in the background once idle: done before this script uses them."""
     deadline = time.monotonic() + timeout
-    while engine.runner.background_pending(idle=True):
+    while engine.core.runner.background_pending(idle=True):
         assert time.monotonic() < deadline, "the engine's background captures did not finish"
         time.sleep(0.05)
 
@@ -65,7 +65,7 @@ def decode_engine(model: str, sessions: int, context: int) -> wl.Bench:
     """An engine on CUDA with room for `sessions` sequences of `context` tokens, its decode graphs captured."""
     config = EngineConfig(kv_tokens=sessions * (context + 64) + 1024, max_running=64, speculate="off")
     bench = wl.open_engine(model, "cuda", config)
-    assert bench.engine.runner.graphs is not None, "CUDA graphs are needed (a CUDA device)"
+    assert bench.engine.core.runner.graphs is not None, "CUDA graphs are needed (a CUDA device)"
     wait_for_captures(bench.engine)
     return bench
 
@@ -99,7 +99,7 @@ def main() -> None:
         )
         base = None
         for k in (int(x) for x in args.drafts.split(",")):
-            step = verify_step(args.sessions, k, args.context, engine.block_manager.block_size)
+            step = verify_step(args.sessions, k, args.context, engine.core.block_manager.block_size)
             bucket, forward, sample = graph_ms(engine, step)
             total = forward + sample
             base = base or total  # the first row's

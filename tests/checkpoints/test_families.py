@@ -420,8 +420,8 @@ def test_ministral_interleaved_sliding_and_full_layers_match_transformers(tmp_pa
     byte_level_bpe(tmp_path, VOCAB, ["<|im_start|>", "<|im_end|>"])
     engine = ours(tmp_path)
     try:
-        assert [engine.model.config.layer_window(i) for i in range(2)] == [8, None]
-        assert engine.block_manager.window is None
+        assert [engine.core.model.config.layer_window(i) for i in range(2)] == [8, None]
+        assert engine.core.block_manager.window is None
         want = hf_logits(model, PROMPT)[-1]
         assert (our_last_logits(engine, PROMPT) - want).abs().max() <= 1e-4 * (want.max() - want.min())
         assert greedy(engine, PROMPT, GREEDY_STEPS) == hf_greedy(model, PROMPT, GREEDY_STEPS)
@@ -532,7 +532,7 @@ def test_sliding_window_caps_kv_use_of_a_long_generation(family_model):
         EngineConfig(model=str(folder), device="cpu", kv_tokens=64, block_size=block_size, max_batch_tokens=16)
     )
     try:
-        assert engine.block_manager.num_blocks == 4
+        assert engine.core.block_manager.num_blocks == 4
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         handle = engine.submit(None, params, prompt_ids=fam.prompt)
         tokens, most = [], 0

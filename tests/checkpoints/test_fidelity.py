@@ -67,7 +67,7 @@ def test_logits_and_greedy_match_transformers(engine, hf_model, chat):
     span = (theirs.max() - theirs.min()).item()
     assert (ours - theirs).abs().max().item() <= 1e-3 * span
     _, handle = engine.generate(chat, SamplingParams(max_tokens=64, ignore_eos=True))
-    assert handle.seq.generated == hf_greedy(hf_model, ids, 64)
+    assert handle.token_ids == hf_greedy(hf_model, ids, 64)
 
 
 def test_run_answers_paris():

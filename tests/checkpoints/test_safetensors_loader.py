@@ -282,7 +282,8 @@ def test_gptq_with_short_last_groups_runs_like_transformers(tmp_path):
     prompt = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 300, 12]
     engine = Engine.from_model(EngineConfig(model=str(tmp_path), device="cpu", kv_tokens=512))
     try:
-        assert engine.model.layers[0].o.group_size == 128 and engine.model.layers[0].o.scales.shape == (576, 5)
+        o = engine.core.model.layers[0].o
+        assert o.group_size == 128 and o.scales.shape == (576, 5)
         want = hf_logits(model, prompt)[-1]
         assert (our_last_logits(engine, prompt) - want).abs().max() <= 1e-4 * (want.max() - want.min())
         assert greedy(engine, prompt, 16) == hf_greedy(model, prompt, 16)

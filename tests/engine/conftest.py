@@ -1,3 +1,4 @@
 """Fixtures the engine's test modules share."""
 
-from tests.support.tiny_engine import tiny  # noqa: F401  (a fixture: a tiny random Llama and its tokenizer)
+from tests.support.tiny_engine import alone, tiny  # noqa: F401  (fixtures: a tiny random Llama and its tokenizer,
+# and the replies of requests run alone on it)

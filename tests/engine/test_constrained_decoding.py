@@ -18,7 +18,8 @@ from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving import model_runner
 from llamaterm.engine.serving.engine import Engine
-from tests.engine.test_speculation import assert_every_block_back
+from llamaterm.engine.serving.grammar import Vocabulary
+from tests.support.engine_checks import assert_every_block_back
 from tests.support.tiny_models import write_tiny_llama
 
 
@@ -129,10 +130,12 @@ def test_a_first_fill_that_fails_ends_its_step_s_requests_too(engine, monkeypatc
             raise RuntimeError("the masks broke")
         fill(matchers, *args)
 
+    made, matcher = [], Vocabulary.matcher  # the matchers of the requests' sequences, as the engine makes them
+    monkeypatch.setattr(Vocabulary, "matcher", lambda self, g: made.append(matcher(self, g)) or made[-1])
     monkeypatch.setattr(model_runner, "fill_bitmasks", first_of_two_fails)
     a = engine.submit("Hi", SamplingParams(grammar=PERSON, seed=3, **SAMPLED))
     b = engine.submit("Hi", SamplingParams(grammar=PERSON, seed=4, logprobs=0, **SAMPLED))
-    asked.add(id(b.seq.grammar))
+    asked.add(id(made[-1]))  # b's
     ends = [list(h.events())[-1] for h in (a, b)]
     assert failed and all(e.finish_reason == "error" and "the masks broke" in e.error for e in ends), ends
 
@@ -140,7 +143,7 @@ def test_a_first_fill_that_fails_ends_its_step_s_requests_too(engine, monkeypatc
 def test_python_s_switch_interval_is_its_own_after_a_step_s_two_fills(engine):
     """A fill lowers Python's switch interval until it starts (model_runner._fill): a step's two fills, both
     waiting to start, put it back (the second found the lowered one and kept it, for good)."""
-    before, runner, gate = sys.getswitchinterval(), engine.runner, threading.Event()
+    before, runner, gate = sys.getswitchinterval(), engine.core.runner, threading.Event()
     runner._mask_filler.submit(gate.wait)  # the masks' thread busy: neither fill starts before both are queued
     try:
         bitmask = torch.zeros(1, 1, dtype=torch.int32)
@@ -183,16 +186,19 @@ def stream(engine: Engine, grammar: Grammar, **params) -> list:
 def test_tokens_a_grammar_forces_are_taken_without_sampling_each(engine):
     """Fast-forward: a reply the grammar spells out takes a few steps, not one a token (its tokens are computed in
     one chunk, unsampled), and arrives whole; under the schema, a reply's keys and punctuation are forced."""
-    steps = engine.num_steps
+    steps = engine.step_stats().steps
     events = stream(engine, Grammar("regex", re.escape(FORCED)), seed=1)
     tokens = [t for e in events for t in e.token_ids]
     assert "".join(e.text for e in events) == FORCED and events[-1].finish_reason == "stop"
-    assert len(tokens) >= 10 and engine.num_steps - steps <= 4, (len(tokens), engine.num_steps - steps)
-    steps = engine.num_steps
+    assert len(tokens) >= 10 and engine.step_stats().steps - steps <= 4, (
+        len(tokens),
+        engine.step_stats().steps - steps,
+    )
+    steps = engine.step_stats().steps
     events = stream(engine, PERSON, seed=2)
     tokens = [t for e in events for t in e.token_ids]
     Person.model_validate_json("".join(e.text for e in events))
-    assert engine.num_steps - steps <= len(tokens) - 5, (len(tokens), engine.num_steps - steps)
+    assert engine.step_stats().steps - steps <= len(tokens) - 5, (len(tokens), engine.step_stats().steps - steps)
     assert_every_block_back(engine)
 
 
@@ -236,10 +242,10 @@ def test_a_forced_run_counts_in_the_penalties(tmp_path):
     with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=False)) as engine:
         events = stream(engine, Grammar("regex", re.escape(FORCED) + " ?"), seed=1, presence_penalty=1.0)
         tokens = [t for e in events for t in e.token_ids]
-        slot = engine.scheduler.free_slots[-1]  # the slot it had, free again
-        counts = engine.runner.sampler.tables.counts[slot]
+        slot = engine.core.scheduler.free_slots[-1]  # the slot it had, free again
+        counts = engine.core.runner.sampler.tables.counts[slot]
         expected = torch.bincount(torch.tensor(tokens), minlength=counts.numel()).to(counts.dtype)
-        assert engine.num_steps <= len(tokens) - 5 and torch.equal(counts, expected)
+        assert engine.step_stats().steps <= len(tokens) - 5 and torch.equal(counts, expected)
 
 
 @pytest.mark.parametrize("limits", [{"max_batch_tokens": 8}, {"kv_tokens": 200}], ids=["chunks cut short", "preempted"])
@@ -251,8 +257,8 @@ def test_forced_runs_whole_where_chunks_are_cut_short_or_preempted(tmp_path, lim
     text = (FORCED + " ") * 2
     preemptions = []
     with Engine.from_model(EngineConfig(model=str(model), device="cpu", overlap=True, **limits)) as engine:
-        preempt = engine.scheduler.preempt
-        engine.scheduler.preempt = lambda seq: preemptions.append(seq) or preempt(seq)
+        preempt = engine.core.scheduler.preempt
+        engine.core.scheduler.preempt = lambda seq: preemptions.append(seq) or preempt(seq)
         grammar = Grammar("regex", re.escape(text))
         handles = [engine.submit("Hi", SamplingParams(grammar=grammar, seed=s, **SAMPLED)) for s in range(6)]
         for handle in handles:
@@ -296,5 +302,5 @@ def test_no_grammar_is_fast_forwarded_while_its_mask_fills(tmp_path, monkeypatch
             assert events[-1].error is None, events[-1].error
             text = "".join(e.text for e in events)
             assert text == FORCED if grammar is spelled else Person.model_validate_json(text)
-        assert engine.runner.mask_times.forced_tokens > 0
+        assert engine.core.runner.mask_times.forced_tokens > 0
         assert_every_block_back(engine)

@@ -14,11 +14,12 @@ import torch
 from llamaterm.app.bench import format_serve_first
 from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import WAITING, StepGraphs, on_a_thread, token_buckets
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import StepLists, run_through
+from llamaterm.engine.serving.synthetic_model import synthetic_model
 from llamaterm.engine.synthetic import SyntheticTokenizer
 from tests.support.graphs import record_without_running
 
@@ -49,9 +50,9 @@ def engines(monkeypatch):
     model = synthetic_model("tiny", True, torch.device("cpu"))
     # without drafts, which would take random weights' repeated tokens several a step
     config = EngineConfig(max_running=4, max_batch_tokens=64, cuda_graphs=False, speculate="off")
-    eager = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)  # type: ignore[arg-type]
-    served = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)  # type: ignore[arg-type]
-    runner = served.runner
+    eager = Engine(EngineCore(model, SyntheticTokenizer(model.config.vocab_size), config))  # type: ignore[arg-type]
+    served = Engine(EngineCore(model, SyntheticTokenizer(model.config.vocab_size), config))  # type: ignore[arg-type]
+    runner = served.core.runner
     max_blocks = -(-model.config.context_length // config.block_size)
     runner.graphs = StepGraphs(runner._forward, runner._sample, model.device, 4, 64, max_blocks)  # before a request
     yield eager, served, runner.graphs
@@ -68,7 +69,7 @@ def generated(engine: Engine, prompt: list[int]):
 
 def wait_idle_work(engine: Engine, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while engine.runner.background_pending(idle=True):
+    while engine.core.runner.background_pending(idle=True):
         assert time.monotonic() < deadline, "the background captures did not finish"
         time.sleep(0.01)
 
@@ -79,11 +80,11 @@ def test_a_request_is_answered_before_any_graph_and_as_without_graphs(engines):
     expected, _ = generated(eager, prompt)
     tokens, handle = generated(served, prompt)
     assert tokens == expected
-    first_token = handle.seq.first_token_time
+    first_token = handle.first_token
     assert first_token is not None and min(graphs.ready_at.values()) > first_token  # served first, captured later
     # its decode bucket was captured after its first decode step, a piece between steps, and the steps launched
     # after that replayed it: every token read after it was ready but the two steps then launched, eager
-    after = sum(t > graphs.ready_at[1] for t in handle.seq.token_times)
+    after = sum(t > graphs.ready_at[1] for t in handle.token_times)
     assert graphs.graphs[1].forward.replays == graphs.graphs[1].sample.replays >= max(1, after - 2)
 
 
@@ -91,7 +92,7 @@ def test_graphs_are_captured_in_use_first_and_the_rest_when_idle(engines):
     eager, served, graphs = engines
     prompt = list(range(30, 50))
     _, handle = generated(served, prompt)
-    busy = {b for b, t in graphs.ready_at.items() if t < handle.finish_time}
+    busy = {b for b, t in graphs.ready_at.items() if t < handle.end}
     assert busy == {1}  # while it ran, only the bucket its steps used: a one-shot command's steps make way for it
     wait_idle_work(served)
     assert sorted(graphs.graphs) == [1, 2, 4]  # idle: every decode bucket; not 32, which one step used
@@ -104,17 +105,17 @@ def test_graphs_are_captured_in_use_first_and_the_rest_when_idle(engines):
     assert 32 in graphs.graphs and graphs.uses[32] == 2
     assert generated(served, prompt[::-1])[0] == generated(eager, prompt[::-1])[0]
     assert graphs.graphs[32].forward.replays == 1
-    assert served.block_manager.num_free == served.block_manager.num_blocks
+    assert served.core.block_manager.num_free == served.core.block_manager.num_blocks
 
 
 def test_the_bench_times_the_captures_while_sessions_run(engines):
     """engine/bench.py's graphs_timeline (what `llamaterm bench` prints as serve-first figures): 3 sessions from
     start-up use the 4 bucket, captured while they run; the engine's stats say when, and what a capture held up."""
     _, served, graphs = engines
-    sessions = wl.Sessions(served, False, wl.GREEDY, served.model.config.vocab_size)
+    sessions = wl.Sessions(served, False, wl.GREEDY, served.core.model.config.vocab_size)
     timeline = wl.graphs_timeline(sessions, 3, 8, seconds=1.5)
     ready = timeline["graphs_ready_s"]
-    assert 4 in ready and ready == {b: t - served.ready_at for b, t in graphs.ready_at.items()}
+    assert 4 in ready and ready == {b: t - served.core.ready_at for b, t in graphs.ready_at.items()}
     # full speed: the sessions' own step size captured, and no step size in use left to capture as they ended;
     # others may be captured after, as the engine idles
     assert ready[4] <= timeline["full_graph_speed_s"] <= max(ready.values())
@@ -127,7 +128,7 @@ def test_the_bench_times_the_captures_while_sessions_run(engines):
     }
 
     assert timeline["pending_after"] == len(graphs.wanted(idle=True))
-    assert wl.wait_for_graphs(sessions) < 20 and served.stats().graphs_pending == 0
+    assert wl.wait_for_graphs(sessions) < 20 and served.step_stats().graphs_pending == 0
     lines = format_serve_first({"first_answer_s": 0.5, **timeline, "idle_captures_s": 0.1})
     assert lines[0].startswith("first answer 0.50 s after the imports; 3 sessions") and "4 " in lines[1]
 
@@ -137,7 +138,7 @@ def test_a_step_of_more_rows_than_the_largest_bucket_holds_runs_eagerly(engines)
     than its bucket has sequences: with 2 tokens a step at most, the largest bucket holds 2 sequences, and a step
     of 2 tokens and 3 rows does not fit it (it runs eagerly) where one of 2 rows does."""
     _, served, _ = engines
-    runner = served.runner
+    runner = served.core.runner
     graphs = StepGraphs(runner._forward, runner._sample, runner.model.device, 4, 2, 4)
 
     def step(rows: int) -> StepLists:
@@ -163,7 +164,7 @@ def test_a_bucket_is_warmed_and_captured_half_a_layer_at_a_time(engines):
     """The background work comes in pieces of half a layer's kernels at most, so that a turn of it between two steps can
     be short: with no time to spend, each turn is one piece; with time, a turn goes on to the next bucket."""
     _, served, _ = engines
-    runner = served.runner
+    runner = served.core.runner
     layers = len(runner.model.layers)
     graphs = StepGraphs(runner._forward, runner._sample, runner.model.device, 4, 64, 4)
     turns = 0

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import SYNTHETIC, synthetic_model
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import RequestError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.synthetic_model import SYNTHETIC, synthetic_model
 from llamaterm.kernels.qweight import QuantWeight
 from tests.support.tiny_engine import make_engine
 from tests.support.tiny_models import write_tiny_llama
@@ -25,7 +26,7 @@ from tests.support.tiny_models import write_tiny_llama
 def run_alone(engine: Engine, prompt_ids, params) -> list[int]:
     handle = engine.submit(None, params, prompt_ids=prompt_ids)
     list(handle.events())
-    return handle.seq.generated
+    return handle.token_ids
 
 
 def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
@@ -52,15 +53,10 @@ def random_requests(n: int, seed: int, max_prompt=60, max_new=24):
     return out
 
 
-def solo_outputs(tiny, requests) -> list[list[int]]:
-    with make_engine(tiny) as engine:
-        return [run_alone(engine, p, sp) for p, sp in requests]
-
-
 @pytest.mark.parametrize("overlap", [False, True])
-def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
+def test_batch_invariance_with_staggered_arrivals(tiny, alone, overlap):
     requests = random_requests(8, seed=1)
-    expected = solo_outputs(tiny, requests)
+    expected = alone(requests)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=64) as engine:
         handles = []
         for prompt, params in requests:
@@ -68,8 +64,8 @@ def test_batch_invariance_with_staggered_arrivals(tiny, overlap):
             time.sleep(0.005)
         for h in handles:
             list(h.events())
-        assert [h.seq.generated for h in handles] == expected
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert [h.token_ids for h in handles] == expected
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -95,7 +91,7 @@ def test_choices_forked_from_one_prefill_sample_as_if_alone(tiny, overlap, promp
             assert [t for t, _ in got] == [t for t, _ in want]
             assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)
         assert [h.stats().cached_tokens for h in handles] == [0] + [prompt_len] * 4  # computed once
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_an_empty_prompt_is_refused(tiny):
@@ -110,20 +106,20 @@ def test_a_request_submitted_as_the_engine_shuts_down_ends_as_cancelled(tiny):
     cancelled, as those in flight do: its caller never waits for an event that would not come."""
     engine = make_engine(tiny)
     stepping, go_on = threading.Event(), threading.Event()
-    launch = engine._launch
+    launch = engine.core._launch
 
     def slow_launch():
         stepping.set()
         go_on.wait()
         return launch()
 
-    engine._launch = slow_launch
+    engine.core._launch = slow_launch
     running = engine.submit(None, SamplingParams(max_tokens=400, ignore_eos=True), prompt_ids=[5, 6, 7])
     stepping.wait()
     queued = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=[8, 9])
     stopper = threading.Thread(target=engine.shutdown)
     stopper.start()
-    while not engine._stopped:
+    while not engine.core._stopped:
         time.sleep(0.001)
     go_on.set()
     stopper.join(timeout=30)
@@ -131,12 +127,12 @@ def test_a_request_submitted_as_the_engine_shuts_down_ends_as_cancelled(tiny):
         last = handle.events_queue.get(timeout=30)
         while not last.finished:
             last = handle.events_queue.get(timeout=30)
-        assert last.finish_reason == "cancelled" and handle.finished
+        assert last.finish_reason == "cancelled" and handle.stats().finished
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
-def test_small_pool_preempts_and_recomputes(tiny, overlap):
+def test_small_pool_preempts_and_recomputes(tiny, alone, overlap):
     prompts = [p for p, _ in random_requests(16, seed=2, max_prompt=50)]
     # penalties too: their token counts stay on the device through a preemption
     requests = [
@@ -148,19 +144,19 @@ def test_small_pool_preempts_and_recomputes(tiny, overlap):
         )
         for i, p in enumerate(prompts)
     ]
-    expected = solo_outputs(tiny, requests)
+    expected = alone(requests)
     # 16 blocks: ~3 requests at a time
     with make_engine(tiny, overlap=overlap, kv_tokens=16 * 16, block_size=16) as engine:
         preempted = []
-        preempt = engine.scheduler.preempt
-        engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
+        preempt = engine.core.scheduler.preempt
+        engine.core.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
         handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in requests]
         for h in handles:
             events = list(h.events())
             assert events[-1].finish_reason == "length"
-        assert [h.seq.generated for h in handles] == expected
+        assert [h.token_ids for h in handles] == expected
         assert preempted  # the pool was too small: some sequences were recomputed
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -175,47 +171,47 @@ def test_next_turn_reuses_cached_prefix(tiny, overlap):
         assert first.stats().cached_tokens == 0
         assert second.stats().cached_tokens >= 16 * ((first.stats().prompt_tokens - 1) // 16)
         assert second.stats().cached_tokens > 0
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
     with make_engine(tiny) as cold:
         _, cold_second = cold.generate(turn2, params)
         assert cold_second.stats().cached_tokens == 0
-        assert cold_second.seq.generated == second.seq.generated
+        assert cold_second.token_ids == second.token_ids
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, overlap):
+def test_cancel_in_prefill_and_decode_frees_blocks_and_spares_others(tiny, alone, overlap):
     others = random_requests(3, seed=3)
-    expected = solo_outputs(tiny, others)
+    expected = alone(others)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=32) as engine:
         long_prompt = list(range(100, 400))  # ten 32-token chunks of prefill
         in_prefill = engine.submit(None, SamplingParams(max_tokens=5), prompt_ids=long_prompt)
         in_decode = engine.submit(None, SamplingParams(max_tokens=400, ignore_eos=True), prompt_ids=[5, 6, 7])
         handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in others]
         engine.cancel(in_prefill)
-        while in_decode.seq.num_generated < 3:
+        while in_decode.stats().generated_tokens < 3:
             time.sleep(0.001)
         engine.cancel(in_decode)
         assert list(in_prefill.events())[-1].finish_reason == "cancelled"
         assert list(in_decode.events())[-1].finish_reason == "cancelled"
-        assert in_decode.seq.num_generated < 400
+        assert in_decode.stats().generated_tokens < 400
         for h in handles:
             list(h.events())
-        assert [h.seq.generated for h in handles] == expected
+        assert [h.token_ids for h in handles] == expected
         engine.cancel(in_decode)  # finished: a no-op
         engine.cancel(12345)  # unknown: a no-op
         time.sleep(0.05)
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
-def test_stress_random_arrivals_cancels_and_stop_strings(tiny, overlap):
+def test_stress_random_arrivals_cancels_and_stop_strings(tiny, alone, overlap):
     rng = random.Random(4)
     requests = []
     for prompt, params in random_requests(200, seed=5, max_prompt=40, max_new=16):
         stop = tuple(rng.sample(["e", " the", "a", "\n", "ing"], rng.randint(0, 2)))
         requests.append((prompt, SamplingParams(**{**params.__dict__, "stop": stop})))
-    expected = solo_outputs(tiny, requests)
+    expected = alone(requests)
     engine = make_engine(tiny, overlap=overlap, kv_tokens=64 * 16, max_batch_tokens=128)
     cancelled = set(rng.sample(range(200), 30))
     handles = {}
@@ -237,9 +233,9 @@ def test_stress_random_arrivals_cancels_and_stop_strings(tiny, overlap):
             assert events[-1].finished
             if i not in cancelled:
                 assert events[-1].finish_reason in ("stop", "length")
-                assert h.seq.generated == expected[i]
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
-        assert not engine.scheduler.running and not engine.scheduler.waiting
+                assert h.token_ids == expected[i]
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
+        assert not engine.core.scheduler.running and not engine.core.scheduler.waiting
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -278,24 +274,24 @@ def test_bad_requests_fail_alone(tiny, overlap, monkeypatch):
         # max_tokens past the pool is clamped, with finish reason "length"
         h = engine.submit(None, SamplingParams(max_tokens=10_000, ignore_eos=True), prompt_ids=[5] * 300)
         events = list(h.events())
-        assert events[-1].finish_reason == "length" and h.seq.num_generated == 320 - 300
+        assert events[-1].finish_reason == "length" and h.stats().generated_tokens == 320 - 300
         # an exception while serving one request fails that request alone
-        from llamaterm.engine.serving import engine as engine_module
+        from llamaterm.engine.serving.detokenizer import IncrementalDetokenizer
 
-        real_push = engine_module.OutputState.push
+        real_push = IncrementalDetokenizer.push
 
         def flaky(self, token_id):
             if self.stop == ("boom",):
                 raise ValueError("detokenizer exploded")
             return real_push(self, token_id)
 
-        monkeypatch.setattr(engine_module.OutputState, "push", flaky)
+        monkeypatch.setattr(IncrementalDetokenizer, "push", flaky)
         bad = engine.submit(None, SamplingParams(max_tokens=5, stop=("boom",)), prompt_ids=[7, 8, 9])
         good = engine.submit(None, SamplingParams(max_tokens=5, ignore_eos=True), prompt_ids=[7, 8, 9])
         bad_events = list(bad.events())
         assert bad_events[-1].finish_reason == "error" and "exploded" in bad_events[-1].error
-        assert list(good.events())[-1].finish_reason == "length" and good.seq.num_generated == 5
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert list(good.events())[-1].finish_reason == "length" and good.stats().generated_tokens == 5
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -312,16 +308,14 @@ def test_a_request_whose_logits_are_nan_ends_alone(tmp_path, overlap):
         ([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True)),
         ([9, 10, 11], SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3, ignore_eos=True)),
     ]
-    with Engine(model, tokenizer, EngineConfig(overlap=overlap)) as engine:
+    with Engine(EngineCore(model, tokenizer, EngineConfig(overlap=overlap))) as engine:
         expected = [run_alone(engine, p, sp) for p, sp in good]
         bad = engine.submit(None, SamplingParams(max_tokens=12, temperature=0.8), prompt_ids=[5, 42, 7])
         handles = [engine.submit(None, sp, prompt_ids=p) for p, sp in good]
         last = list(bad.events())[-1]
         assert last.finish_reason == "error" and "NaN or infinite" in last.error
-        assert [(list(h.events())[-1].finish_reason, h.seq.generated) for h in handles] == [
-            ("length", e) for e in expected
-        ]
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert [(list(h.events())[-1].finish_reason, h.token_ids) for h in handles] == [("length", e) for e in expected]
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_dense_prefill_weights_only_within_budget():
@@ -343,7 +337,7 @@ def test_triton_hashes_its_library_beside_the_loading():
     block loads the model, and is ready when the block ends; elsewhere nothing happens."""
     from triton.runtime.cache import triton_key
 
-    from llamaterm.engine.serving.engine import triton_cache_key_beside
+    from llamaterm.engine.serving.engine_core import triton_cache_key_beside
 
     triton_key.cache_clear()
     with triton_cache_key_beside(torch.device("cpu")):

@@ -25,7 +25,7 @@ def test_same_tokens_as_in_process(tiny):
     prompts = ["Once upon a time", "The quick brown fox", "In a hole in the ground"]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
     with Engine.from_model(EngineConfig(model=tiny, device="cpu")) as local:
-        expected = [local.generate(p, params, raw=True)[1].seq.generated for p in prompts]
+        expected = [local.generate(p, params, raw=True)[1].token_ids for p in prompts]
     with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         handles = [remote.submit(p, params, raw=True) for p in prompts]
         for handle, ids in zip(handles, expected, strict=True):
@@ -43,7 +43,7 @@ def test_choices_submitted_together_fork_from_one_prefill(tiny):
     prompt = [(13 * t) % 30000 + 5 for t in range(150)]
     params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=3 + i) for i in range(4)]
     with Engine.from_model(EngineConfig(model=tiny, device="cpu")) as local:
-        expected = [local.generate(None, p, prompt_ids=prompt)[1].seq.generated for p in params]
+        expected = [local.generate(None, p, prompt_ids=prompt)[1].token_ids for p in params]
     with EngineProcess(EngineConfig(model=tiny, device="cpu")) as remote:
         with remote.together():
             handles = [remote.submit(None, p, prompt_ids=prompt) for p in params[:2]]
@@ -110,7 +110,7 @@ def test_a_missing_model_fails_at_start():
 
 
 def test_a_message_s_grammars_are_readied_before_the_engine_s_lock_is_taken():
-    """The child builds what a message's grammars need (the model's grammar vocabulary, 0.4-1.2 s the first time;
+    """The child builds what a message's grammars need (the model's grammar vocabulary, seconds the first time;
     each grammar's compiled matcher) before together() takes the engine's lock, which its steps wait for; then it
     submits the message's requests under that lock."""
     grammar = Grammar("json")
@@ -126,12 +126,12 @@ def test_a_message_s_grammars_are_readied_before_the_engine_s_lock_is_taken():
             yield
             calls.append("unlock")
 
-        def submit(self, prompt, params, *, prompt_ids, request_id):
-            calls.append(("submit", request_id))
+        def add(self, request_id, prompt_ids, params):
+            calls.append(("add", request_id))
 
     messages = iter(
         [[Submit(1, [5, 6], SamplingParams(grammar=grammar)), Submit(2, [7], SamplingParams())], Shutdown()]
     )
     conn = SimpleNamespace(recv=lambda: next(messages))
-    take_requests(conn, Recorder(), lambda records, stats: None)
-    assert calls == [("ready", [grammar]), "lock", ("submit", 1), ("submit", 2), "unlock"]
+    take_requests(conn, Recorder(), lambda outputs, cached: None)
+    assert calls == [("ready", [grammar]), "lock", ("add", 1), ("add", 2), "unlock"]

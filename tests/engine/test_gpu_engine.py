@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import SyntheticTokenizer, synthetic_model
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
+from llamaterm.engine.serving.synthetic_model import synthetic_model
+from llamaterm.engine.synthetic import SyntheticTokenizer
 from tests.support.engine_checks import assert_greedy_choices
 from tests.support.tiny_models import write_tiny_llama
 
@@ -42,14 +44,16 @@ def small_llama(tmp_path, seed: int):
 
 def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
     ckpt = small_llama(tmp_path, seed=5)
-    cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer())
+    cpu = Engine(EngineCore(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer()))
     # 4 sequences at most and 64 tokens a step: 12 requests queue, and the long prompts run in chunks
     gpu = Engine(
-        Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
-        SyntheticTokenizer(),
-        EngineConfig(max_running=4, max_batch_tokens=64),
+        EngineCore(
+            Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
+            SyntheticTokenizer(),
+            EngineConfig(max_running=4, max_batch_tokens=64),
+        )
     )
-    captured_at_start = set(gpu.runner.graphs.graphs)  # (serve first: none, unless the loop idled already)
+    captured_at_start = set(gpu.core.runner.graphs.graphs)  # (serve first: none, unless the loop idled already)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (1, 5, 17, 40, 64, 65, 100, 300, 700, 3, 9, 129)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -71,8 +75,8 @@ def test_requests_during_captures_and_steps_past_the_buckets(tmp_path):
             generated = [t for e in events for t in e.token_ids]
             assert len(generated) == 16
             assert_greedy_choices(cpu, prompt, generated)
-        assert set(gpu.runner.graphs.graphs) > captured_at_start  # graphs captured while requests streamed
-        assert gpu.block_manager.num_free == gpu.block_manager.num_blocks
+        assert set(gpu.core.runner.graphs.graphs) > captured_at_start  # graphs captured while requests streamed
+        assert gpu.core.block_manager.num_free == gpu.core.block_manager.num_blocks
     finally:
         gpu.shutdown()
         cpu.shutdown()
@@ -87,8 +91,8 @@ def test_the_same_tokens_before_and_after_the_graphs_are_captured():
     # one token a step (no drafts, which random weights' repeated tokens would take several a step): the decodes
     # use bucket 1
     config = EngineConfig(max_running=8, kv_tokens=8192, speculate="off")
-    gpu = Engine(model, SyntheticTokenizer(model.config.vocab_size), config)
-    graphs = gpu.runner.graphs
+    gpu = Engine(EngineCore(model, SyntheticTokenizer(model.config.vocab_size), config))
+    graphs = gpu.core.runner.graphs
     params = SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True)
     prompts = [list(range(100 + 12 * i, 112 + 12 * i)) for i in range(3)]
     run = lambda p: [t for e in gpu.submit(None, params, prompt_ids=p).events() for t in e.token_ids]
@@ -96,7 +100,7 @@ def test_the_same_tokens_before_and_after_the_graphs_are_captured():
         before = [run(p) for p in prompts]
         assert 1 in graphs.graphs  # captured between the first request's steps
         deadline = time.monotonic() + 60
-        while gpu.runner.background_pending(idle=True):
+        while gpu.core.runner.background_pending(idle=True):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert {1, 2, 4, 8} <= set(graphs.graphs)
@@ -130,12 +134,14 @@ def test_seeded_sampling_alone_and_in_a_batch_on_the_gpu(tmp_path):
             )
         )
         requests.append((prompt, params))
-    with Engine(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), SyntheticTokenizer()) as gpu:
-        alone = [gpu.generate(None, p, prompt_ids=ids)[1].seq.generated for ids, p in requests]
+    with Engine(
+        EngineCore(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), SyntheticTokenizer())
+    ) as gpu:
+        alone = [gpu.generate(None, p, prompt_ids=ids)[1].token_ids for ids, p in requests]
         handles = [gpu.submit(None, p, prompt_ids=ids) for ids, p in requests]
         for h in handles:
             list(h.events())
-        together = [h.seq.generated for h in handles]
+        together = [h.token_ids for h in handles]
     assert all(len(t) == 24 for t in together)
     assert sum(a == t for a, t in zip(alone, together, strict=True)) >= 6, (alone, together)
 
@@ -148,14 +154,16 @@ def test_forked_choices_on_the_gpu_sample_as_if_alone(tmp_path, prompt_len):
     prompt = [(7 * t) % 511 + 1 for t in range(prompt_len)]
     filters = dict(temperature=0.9, top_k=40, repetition_penalty=1.1, ignore_eos=True)
     params = [SamplingParams(max_tokens=24, seed=100 + i, **filters) for i in range(5)]
-    with Engine(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), SyntheticTokenizer()) as gpu:
-        alone = [gpu.generate(None, p, prompt_ids=prompt)[1].seq.generated for p in params]
+    with Engine(
+        EngineCore(Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16), SyntheticTokenizer())
+    ) as gpu:
+        alone = [gpu.generate(None, p, prompt_ids=prompt)[1].token_ids for p in params]
         with gpu.together():
             handles = [gpu.submit(None, p, prompt_ids=prompt) for p in params]
         for h in handles:
             list(h.events())
         assert [h.stats().cached_tokens for h in handles[1:]] == [prompt_len] * 4  # forks
-        together = [h.seq.generated for h in handles]
+        together = [h.token_ids for h in handles]
     assert sum(a == t for a, t in zip(alone, together, strict=True)) >= 4, (alone, together)
 
 
@@ -168,10 +176,10 @@ def test_out_of_memory_at_start_up_says_which_kv_tokens_to_try():
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (256 << 20)) / total)
     try:
         with pytest.raises(LlamatermError, match=r"ran out of memory .*give a smaller --kv-tokens \(e\.g\. \d+\)"):
-            Engine(model, SyntheticTokenizer())
+            Engine(EngineCore(model, SyntheticTokenizer()))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     with Engine(
-        model, SyntheticTokenizer(), EngineConfig(kv_tokens=4096)
+        EngineCore(model, SyntheticTokenizer(), EngineConfig(kv_tokens=4096))
     ) as engine:  # the advice works, in the same process
         assert engine.generate(None, SamplingParams(max_tokens=4), prompt_ids=[5, 6, 7])[1].stats().generated_tokens

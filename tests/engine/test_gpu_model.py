@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import synthetic_model
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.engine import Engine
 from llamaterm.engine.serving.model import StepLists
-from llamaterm.engine.serving.model_runner import device_tensors, take_pending
+from llamaterm.engine.serving.model_runner import take_pending
+from llamaterm.engine.serving.step_inputs import device_tensors
+from llamaterm.engine.serving.synthetic_model import synthetic_model
 from llamaterm.engine.store.model_store import resolve_model
 from tests.support.engine_checks import assert_greedy_choices, assert_same_until_near_tie, logits_at
 from tests.support.tiny_models import write_tiny_llama
@@ -57,10 +58,10 @@ def test_gpu_matches_cpu_reference(engines, chat):
     print(f"max logit error on the GPU: {error:.4f} (logit span {span:.1f})")  # the figure BENCHMARKS.md reports
     assert error <= 1e-2 * span  # fp16 activations against fp32
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    generated = gpu.generate(chat, params)[1].seq.generated
+    generated = gpu.generate(chat, params)[1].token_ids
     assert len(generated) == 32
     assert_greedy_choices(cpu, ids, generated)
-    assert_same_until_near_tie(cpu, ids, generated, cpu.generate(chat, params)[1].seq.generated)
+    assert_same_until_near_tie(cpu, ids, generated, cpu.generate(chat, params)[1].token_ids)
 
 
 def test_gpu_batch_matches_solo(engines):
@@ -69,14 +70,14 @@ def test_gpu_batch_matches_solo(engines):
     against the fp32 reference."""
     cpu, gpu = engines
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    solo = [gpu.generate(c, params)[1].seq.generated for c in PROMPTS * 4]
+    solo = [gpu.generate(c, params)[1].token_ids for c in PROMPTS * 4]
     handles = [gpu.submit(c, params) for c in PROMPTS * 4]
     for h in handles:
         list(h.events())
     for chat, h, alone in zip(PROMPTS * 4, handles, solo, strict=True):
-        assert_greedy_choices(cpu, cpu.tokenizer.encode_chat(chat), h.seq.generated)
+        assert_greedy_choices(cpu, cpu.tokenizer.encode_chat(chat), h.token_ids)
         assert_greedy_choices(cpu, cpu.tokenizer.encode_chat(chat), alone)
-    assert sum(h.seq.generated == alone for h, alone in zip(handles, solo, strict=True)) >= 4
+    assert sum(h.token_ids == alone for h, alone in zip(handles, solo, strict=True)) >= 4
 
 
 def paged_step(vocab: int, bs: int, lens: list[int], queries: list[int], gen: torch.Generator) -> StepLists:
@@ -187,4 +188,4 @@ def test_a_capture_open_between_live_steps_records_the_step_alone():
 
 def test_engine_replays_every_step_kind(engines):
     _, gpu = engines
-    assert gpu.runner.graphs is not None and gpu.runner.graphs.buckets[-1] == 2048  # the step token budget
+    assert gpu.core.runner.graphs is not None and gpu.core.runner.graphs.buckets[-1] == 2048  # the step token budget

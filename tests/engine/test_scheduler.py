@@ -3,14 +3,32 @@ a step within PACE decode steps, from the step times it is told; a prompt alone 
 
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager
-from llamaterm.engine.serving.scheduler import MIN_PREFILL, PACE, Pace, Scheduler
+from llamaterm.engine.serving.proposer import Proposer
+from llamaterm.engine.serving.scheduler import MIN_PREFILL, PACE, Pace, ScheduledChunk, Scheduler
 from llamaterm.engine.serving.sequence import Sequence
 from llamaterm.engine.serving.speculation import NgramIndex, Speculation
 
 
 def sequence(i: int, prompt: int) -> Sequence:
     """Prompts of their own tokens: no prefix shared with another's."""
-    return Sequence(i, [1000 * i + t for t in range(prompt)], prompt, SamplingParams(max_tokens=50), 50)
+    return Sequence(i, [1000 * i + t for t in range(prompt)], SamplingParams(max_tokens=50), 50)
+
+
+def may_draft(s: Scheduler) -> bool:
+    """The engine core's question before it schedules: would the next step's drafts pay for the overlap given up?"""
+    return Proposer().may_draft(s.running, s.draft_rows())
+
+
+def schedule(s: Scheduler) -> list[ScheduledChunk]:
+    """A step as the engine core places it: drafts proposed by prompt lookup, then the step scheduled."""
+    Proposer().propose(s.running, s.draft_rows())
+    return s.schedule()
+
+
+def sampled(seq: Sequence, token: int) -> None:
+    """The model runner's part: a step samples the sequence's next token, and completes."""
+    seq.launch()
+    seq.settle([token])
 
 
 def test_pace_learns_the_prefill_allowance():
@@ -39,7 +57,7 @@ def test_prompts_beside_decodes_are_paced_and_alone_take_the_budget():
     assert [(c.seq.id, c.length) for c in chunks] == [(1, 512)]
     s.advance(chunks)
     s.advance(s.schedule())  # the rest of the prompt
-    first.token_ids.append(5)  # its first sampled token: it decodes now
+    sampled(first, 5)  # its first sampled token: it decodes now
     s.add(sequence(2, 600))
     chunks = s.schedule()
     assert [(c.seq.id, c.length) for c in chunks] == [(1, 1), (2, 150)]  # one decode, then a paced chunk
@@ -56,7 +74,7 @@ def prompt_tokens_computed(s: Scheduler, seqs: list[Sequence]) -> int:
         for c in chunks:
             computed += c.length if c.seq.num_computed <= c.seq.num_prompt_tokens else 0
             if c.samples and c.seq.num_generated == 0:
-                c.seq.token_ids.append(7)  # its first token
+                sampled(c.seq, 7)  # its first token
     return computed
 
 
@@ -65,7 +83,7 @@ def test_choices_of_one_prompt_compute_it_once():
     choices fork from it in the step of its last chunk, which they sample beside."""
     s = Scheduler(BlockManager(1000, 16), max_batch_tokens=2048, max_running=16)
     prompt = [(7 * t) % 5000 for t in range(512)]
-    choices = [Sequence(i, list(prompt), 512, SamplingParams(max_tokens=50), 50) for i in range(8)]
+    choices = [Sequence(i, list(prompt), SamplingParams(max_tokens=50), 50) for i in range(8)]
     for q in choices:
         s.add(q)
     assert prompt_tokens_computed(s, choices) == 512
@@ -79,7 +97,7 @@ def test_a_fork_waits_for_the_last_chunk_and_copies_the_partial_last_block():
     blocks = BlockManager(100, 16)
     s = Scheduler(blocks, max_batch_tokens=512, max_running=4)
     prompt = [(3 * t) % 911 for t in range(700)]
-    choices = [Sequence(i, list(prompt), 700, SamplingParams(max_tokens=50), 50) for i in range(3)]
+    choices = [Sequence(i, list(prompt), SamplingParams(max_tokens=50), 50) for i in range(3)]
     for q in choices:
         s.add(q)
     first = s.schedule()
@@ -101,8 +119,8 @@ def test_a_fork_waits_for_the_last_chunk_and_copies_the_partial_last_block():
 
 def test_a_prompt_that_only_begins_like_one_being_computed_does_not_fork():
     s = Scheduler(BlockManager(100, 16), max_batch_tokens=512, max_running=4)
-    a = Sequence(0, list(range(100)), 100, SamplingParams(), 50)
-    b = Sequence(1, list(range(100)) + [5], 101, SamplingParams(), 50)
+    a = Sequence(0, list(range(100)), SamplingParams(), 50)
+    b = Sequence(1, list(range(100)) + [5], SamplingParams(), 50)
     s.add(a)
     s.add(b)
     assert [(c.seq.id, c.length) for c in s.schedule()] == [(0, 100)]  # b waits for a's 6 full blocks
@@ -113,16 +131,16 @@ def test_prompts_that_share_only_a_beginning_wait_for_it_alone():
     computes the rest; a prompt with nothing in common with them is not held up."""
     s = Scheduler(BlockManager(1000, 16), max_batch_tokens=2048, max_running=16)
     common = list(range(100, 200))
-    a = Sequence(1, common + [1] * 300, 400, SamplingParams(), 50)
-    b = Sequence(2, common + [2] * 50, 150, SamplingParams(), 50)
+    a = Sequence(1, common + [1] * 300, SamplingParams(), 50)
+    b = Sequence(2, common + [2] * 50, SamplingParams(), 50)
     other = sequence(3, 64)
     for q in (a, b, other):
         s.add(q)
     first = s.schedule()
     assert [(c.seq.id, c.length) for c in first] == [(1, 400), (3, 64)]  # b waits
     s.advance(first)
-    a.token_ids.append(7)
-    other.token_ids.append(7)
+    sampled(a, 7)
+    sampled(other, 7)
     assert prompt_tokens_computed(s, [b]) == 150 - 96 and b.num_cached == 96
 
 
@@ -132,23 +150,22 @@ def test_a_prompt_equal_to_a_sequence_with_its_drafts_does_not_fork_from_them():
     its prompt instead, and every block a later step writes is its writer's alone."""
     blocks, spec = BlockManager(100, 4), Speculation()
     s = Scheduler(blocks, max_batch_tokens=64, max_running=4, speculate_tokens=8)
-    a = Sequence(0, [1, 2, 3, 1, 2, 3], 6, SamplingParams(max_tokens=50), 50, speculation=spec)
+    a = Sequence(0, [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=50), 50, speculation=spec)
     s.add(a)
-    s.advance(s.schedule())
-    a.token_ids.append(1)  # its first token, on the host
-    drafts = NgramIndex().propose(a.token_ids, len(a.token_ids), spec.length.k(1))
+    s.advance(schedule(s))
+    sampled(a, 1)  # its first token, on the host
+    drafts = NgramIndex().propose(a.token_ids, a.num_known, spec.length.k(1))
     assert drafts == [2, 3, 1, 2]  # past a block's start: the block of tokens 4..7 holds the first
-    b = Sequence(1, a.token_ids + drafts, 11, SamplingParams(max_tokens=50), 50)
+    b = Sequence(1, [*a.token_ids, *drafts], SamplingParams(max_tokens=50), 50)
     s.add(b)
-    step = s.schedule()
+    step = schedule(s)
     assert a.num_drafts == 4 and not any(c.seq is b and c.length == 0 for c in step)
     s.advance(step)
-    del a.token_ids[a.num_known :]  # the target rejected every draft: its token at the first one follows
-    a.token_ids.append(9)
-    a.num_drafts = 0
+    a.launch()
+    assert a.settle([9] * 5) == [9]  # the target rejected every draft: its token at the first one follows
     s.drop_rejected(a)
-    b.token_ids.append(5)
-    for c in s.schedule():
+    sampled(b, 5)
+    for c in schedule(s):
         written = {c.seq.table.block_ids[p // 4] for p in range(c.start, c.start + c.length)}
         others = {x for q in (a, b) if q is not c.seq for x in q.table.block_ids}
         assert not written & others, (c.seq.id, written & others)
@@ -158,12 +175,11 @@ def drafting_batch(n: int) -> tuple[Scheduler, list[Sequence]]:
     """A scheduler of 8 rows for drafts and sequences, n of them running past their prompts, which repeat: a
     proposal may follow."""
     s = Scheduler(BlockManager(200, 16), max_batch_tokens=512, max_running=8, speculate_tokens=8)
-    running = [sequence(i, 20) for i in range(n)]
+    running = [Sequence(i, [1000 * i + t for t in range(10)] * 2, SamplingParams(max_tokens=50), 50) for i in range(n)]
     for q in running:
-        q.token_ids = q.token_ids[:10] * 2
         q.speculation = Speculation()
         s.add(q)
-    s.advance(s.schedule())
+    s.advance(schedule(s))
     return s, running
 
 
@@ -171,10 +187,10 @@ def test_no_overlap_is_given_up_for_drafts_the_step_has_no_room_for():
     """The engine completes the step in flight first when the next may carry drafts (may_draft); drafts ride only
     while the running and waiting sequences leave rows of speculate_tokens: 2 running with 6 waiting leave none."""
     s, _ = drafting_batch(2)
-    assert s.may_draft()  # two decoding sequences that may draft
+    assert may_draft(s)  # two decoding sequences that may draft
     for i in range(2, 8):
         s.waiting.append(sequence(i, 20))
-    assert not s.may_draft()
+    assert not may_draft(s)
 
 
 def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_it():
@@ -185,24 +201,24 @@ def test_a_batch_gives_up_overlap_only_where_its_drafts_are_expected_to_pay_for_
     have five rows, 0.9 * 3 + 0.81 * 2 = 4.32 > 2.85."""
     s, running = drafting_batch(7)
     assert running[0].speculation.length.acceptance == 0.6
-    assert not s.may_draft()
+    assert not may_draft(s)
     for q in running:  # each sampled a token that continues its repeat: a proposal follows
-        q.token_ids.append(q.token_ids[10])
-    step = s.schedule()
+        sampled(q, q.token_ids[10])
+    step = schedule(s)
     assert [c.length for c in step] == [1] * 7  # nor does the step draft into its one row
     s.advance(step)
     for q in running:
-        q.token_ids.append(q.token_ids[11])
+        sampled(q, q.token_ids[11])
     s.running = s.running[:2]
-    assert s.may_draft()
-    assert sum(c.length - 1 for c in s.schedule()) == 6  # drafts in the six rows
+    assert may_draft(s)
+    assert sum(c.length - 1 for c in schedule(s)) == 6  # drafts in the six rows
     for q in running:
         q.speculation.length.acceptance = 0.45
-    assert not s.may_draft()
+    assert not may_draft(s)
     for q in running:
         q.speculation.length.acceptance = 0.9
     s.running = running[:3]
-    assert s.may_draft()
+    assert may_draft(s)
 
 
 def test_overlap_is_given_up_only_where_a_proposal_can_follow():
@@ -213,11 +229,13 @@ def test_overlap_is_given_up_only_where_a_proposal_can_follow():
     q = sequence(0, 20)
     q.speculation = Speculation()
     s.add(q)
-    s.advance(s.schedule())
-    q.token_ids.append(-1)  # its first token, in flight
-    q.num_pending = 1
-    assert not s.may_draft()  # a prompt of distinct tokens
-    q.token_ids[-1:] = [*q.token_ids[5:8], -1]  # the reply quotes the prompt's 6th to 8th tokens
-    assert s.may_draft()
+    s.advance(schedule(s))
+    q.launch()  # its first token, in flight
+    assert not may_draft(s)  # a prompt of distinct tokens
+    q.settle([q.token_ids[5]])  # the reply quotes the prompt's 6th to 8th tokens, its fourth token in flight
+    sampled(q, q.token_ids[6])
+    sampled(q, q.token_ids[7])
+    q.launch()
+    assert may_draft(s)
     q.speculation.length.paused_until = q.num_generated + 1
-    assert not s.may_draft()
+    assert not may_draft(s)

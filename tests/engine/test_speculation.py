@@ -11,21 +11,23 @@ import pytest
 import torch
 
 from llamaterm.engine.api import EngineConfig
-from llamaterm.engine.bench import EditText, SyntheticTokenizer
+from llamaterm.engine.bench import EditText
 from llamaterm.engine.checkpoints.gguf import load_gguf
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
-from llamaterm.engine.serving import scheduler, speculation
+from llamaterm.engine.serving import proposer, speculation
 from llamaterm.engine.serving.cuda_graph import StepGraphs
 from llamaterm.engine.serving.draft_model import DraftModel
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.serving.sampling import as_int64
 from llamaterm.engine.serving.speculation import MAX_NGRAM, MIN_NGRAM, NgramIndex, accepted
+from llamaterm.engine.synthetic import SyntheticTokenizer
 from llamaterm.kernels.sampling import sample_ref
 from llamaterm.kernels.sampling_tables import MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingTables
 from tests.support.cli import llamaterm
-from tests.support.engine_checks import assert_greedy_choices, our_last_logits
+from tests.support.engine_checks import assert_every_block_back, assert_greedy_choices, our_last_logits
 from tests.support.graphs import record_without_running
 from tests.support.tiny_engine import make_engine
 from tests.support.tiny_models import write_tiny_llama
@@ -90,6 +92,12 @@ def test_prompt_lookup_drafts_a_quoted_prompt():
     assert NgramIndex().propose([5, 6, 7, 8, 9, 6, 7, 8, 1, 2, 5, 6, 7, 8], 14, 2) == [9, 6]
 
 
+def sweep(values, fast) -> list:
+    """A sweep's values, those not in `fast` marked slow: the fast lane runs a case of each behaviour (a sequence's
+    token tail is unit-tested in test_sequence.py), `make test` the whole sweep."""
+    return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 @pytest.fixture
 def fixed_k(monkeypatch):
     """Draft exactly k tokens wherever the lookup finds them and the step has rows for them (the adaptive length's
@@ -99,7 +107,7 @@ def fixed_k(monkeypatch):
     def use(k: int, shortest: int = MIN_NGRAM) -> None:
         monkeypatch.setattr(speculation.DraftLength, "k", lambda self, generated: k)
         monkeypatch.setattr(speculation, "MIN_NGRAM", shortest)
-        monkeypatch.setattr(scheduler, "BATCH_OVERLAP_COST", 0.0)
+        monkeypatch.setattr(proposer, "BATCH_OVERLAP_COST", 0.0)
 
     return use
 
@@ -118,39 +126,26 @@ def replies(engine, requests) -> list[list[int]]:
     handles = [engine.submit(None, params, prompt_ids=prompt) for prompt, params in requests]
     for h in handles:
         list(h.events())
-    return [h.seq.generated for h in handles]
+    return [h.token_ids for h in handles]
 
 
-def alone_without_drafts(tiny, requests) -> list[list[int]]:
-    """The oracle: each request's reply run alone on an engine that never drafts."""
-    with make_engine(tiny, speculate="off") as engine:
-        return [replies(engine, [r])[0] for r in requests]
-
-
-def assert_every_block_back(engine) -> None:
-    bm = engine.block_manager
-    assert bm.num_free == bm.num_blocks
-    assert all(block.ref_count == 0 for block in bm.blocks.values())  # none freed twice (it would be -1)
-    assert sorted(bm.free) == sorted(bm.blocks)  # every block used is in the free queue
-
-
-@pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_replies_are_those_without_speculation(tiny, fixed_k, k):
+@pytest.mark.parametrize("k", sweep(range(1, 9), fast=(1, 4, 8)))
+def test_greedy_replies_are_those_without_speculation(tiny, alone, fixed_k, k):
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     requests = [(p, greedy) for p in repetitive_prompts(4, seed=k)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k)
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
-        assert engine.stats().kept > 0
+        assert engine.step_stats().kept > 0
         assert_every_block_back(engine)
 
 
-def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k):
+def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, alone, fixed_k):
     """A step hands out the drafts it confirms and the token after them; where the reply stops at one of them, the
     tokens after it were never the reply's: its sequence and stats end at the stop, as the stream does."""
     prompt = [11, 22, 33, 44, 55, 66] * 6  # the tiny model goes on repeating itself: drafts are confirmed in runs
-    (reply,) = alone_without_drafts(tiny, [(prompt, SamplingParams(max_tokens=40, ignore_eos=True))])
+    (reply,) = alone([(prompt, SamplingParams(max_tokens=40, ignore_eos=True))], speculate="off")
     text = lambda n: tiny[1].decode(reply[:n])
     fixed_k(8)
     with make_engine(tiny) as engine:
@@ -159,24 +154,24 @@ def test_a_reply_that_stops_inside_a_run_of_kept_drafts_ends_there(tiny, fixed_k
             handle = engine.submit(None, stop, prompt_ids=prompt)
             streamed = [t for event in handle.events() for t in event.token_ids]
             ends = next(i for i in range(1, n + 1) if text(n) in text(i))
-            assert streamed == reply[:ends] == handle.seq.generated and handle.stats().generated_tokens == ends
-        assert engine.stats().kept >= 8
+            assert streamed == reply[:ends] == handle.token_ids and handle.stats().generated_tokens == ends
+        assert engine.step_stats().kept >= 8
         assert_every_block_back(engine)
 
 
-def test_an_engine_for_one_request_drafts_too(tiny, fixed_k):
+def test_an_engine_for_one_request_drafts_too(tiny, alone, fixed_k):
     """`llamaterm run` prepares an engine for one sequence: its steps still have a row for each of 8 drafts."""
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in repetitive_prompts(2, seed=50)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(8)
     with make_engine(tiny, max_running=1) as engine:
         assert replies(engine, requests) == expected
-        assert engine.stats().drafted >= 8 and engine.stats().steps < 40
+        assert engine.step_stats().drafted >= 8 and engine.step_stats().steps < 40
         assert_every_block_back(engine)
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
+@pytest.mark.parametrize("k", sweep([1, 4, 8], fast=(8,)))
+def test_penalised_replies_with_drafts_are_those_without(tiny, alone, fixed_k, k):
     """Repetition, presence and frequency penalties count the drafts before each row's position, and the kept ones
     after the step: greedy and seeded replies as without drafts, alone and together."""
     penalties = {"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.1, "ignore_eos": True}
@@ -186,12 +181,12 @@ def test_penalised_replies_with_drafts_are_those_without(tiny, fixed_k, k):
         SamplingParams(max_tokens=40, repetition_penalty=1.05, ignore_eos=True),
     ]
     requests = [(p, kinds[i % 3]) for i, p in enumerate(repetitive_prompts(6, seed=70 + k))]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k, shortest=1)  # drafts after a match of one token too: the model refuses many of them
     with make_engine(tiny) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected
         assert replies(engine, requests) == expected
-        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert 0 < engine.step_stats().kept < engine.step_stats().drafted
         assert_every_block_back(engine)
 
 
@@ -210,14 +205,14 @@ def mixed_batch(seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("k", [2, 5, 8])
-def test_batches_beside_sessions_that_never_draft(tiny, fixed_k, k, overlap):
+@pytest.mark.parametrize("k", sweep([2, 5, 8], fast=(5,)))
+def test_batches_beside_sessions_that_never_draft(tiny, alone, fixed_k, k, overlap):
     requests = mixed_batch(seed=10 + k)
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k)
     with make_engine(tiny, overlap=overlap, max_batch_tokens=64, kv_tokens=40 * 16) as engine:
         assert replies(engine, requests) == expected
-        assert engine.stats().drafted > 0
+        assert engine.step_stats().drafted > 0
         assert_every_block_back(engine)
 
 
@@ -225,16 +220,16 @@ def assert_preempting_replies(engine, requests, expected) -> None:
     """The engine's replies, on a pool small enough that sequences are preempted: as expected, with drafts, and
     every block back at the end."""
     preempted = []
-    preempt = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
+    preempt = engine.core.scheduler.preempt
+    engine.core.scheduler.preempt = lambda seq: (preempted.append(seq.id), preempt(seq))
     assert replies(engine, requests) == expected
-    assert preempted and engine.stats().drafted > 0
+    assert preempted and engine.step_stats().drafted > 0
     assert_every_block_back(engine)
 
 
-def test_a_small_pool_preempts_sequences_with_drafts(tiny, fixed_k):
+def test_a_small_pool_preempts_sequences_with_drafts(tiny, alone, fixed_k):
     requests = [(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in repetitive_prompts(10, seed=3)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(6)
     with make_engine(tiny, kv_tokens=14 * 16, block_size=16, overlap=True) as engine:
         assert_preempting_replies(engine, requests, expected)
@@ -245,7 +240,7 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed
     tokens its sequence kept."""
     fixed_k(8)
     with make_engine(tiny, block_size=4) as engine:
-        bm, scheduler = engine.block_manager, engine.scheduler
+        bm, scheduler = engine.core.block_manager, engine.core.scheduler
         seen = []
         drop = scheduler.drop_rejected
 
@@ -259,7 +254,7 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_cached(tiny, fixed
         scheduler.drop_rejected = checked
         prompt = repetitive_prompts(1, seed=4)[0]
         replies(engine, [(prompt, SamplingParams(max_tokens=50, ignore_eos=True))])
-        assert seen and 0 < engine.stats().kept < engine.stats().drafted
+        assert seen and 0 < engine.step_stats().kept < engine.step_stats().drafted
         assert_every_block_back(engine)
 
 
@@ -385,28 +380,29 @@ def draft_engine(tiny, draft_path, **kwargs) -> Engine:
     draft = load_gguf(draft_path)
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
     draft_model = Model(draft.config, draft.tensors, torch.device("cpu"), torch.float32)
-    return Engine(model, tokenizer, EngineConfig(speculate="draft", **kwargs), draft=draft_model)
+    return Engine(EngineCore(model, tokenizer, EngineConfig(speculate="draft", **kwargs), draft=draft_model))
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
-def test_a_draft_models_replies_are_those_without_speculation(tiny, drafts, fixed_k, k):
+@pytest.mark.parametrize("k", sweep([1, 3, 8], fast=(3,)))
+def test_a_draft_models_replies_are_those_without_speculation(tiny, alone, drafts, fixed_k, k):
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(3, seed=20 + k)]
     requests += [
         (p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=i))
         for i, (p, _) in enumerate(requests)
     ]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(k)
     with draft_engine(tiny, drafts["draft"]) as engine:
         assert [replies(engine, [r])[0] for r in requests] == expected  # alone
-        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert 0 < engine.step_stats().kept < engine.step_stats().drafted
         assert_every_block_back(engine)
 
 
+@pytest.mark.slow  # (the fast lane batches a draft model's sequences in test_a_draft_models_steps_through_its_graphs)
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, drafts, fixed_k, overlap):
+def test_a_draft_model_in_a_batch_beside_sessions_that_never_draft(tiny, alone, drafts, fixed_k, overlap):
     requests = mixed_batch(seed=30)
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], overlap=overlap, max_batch_tokens=64, kv_tokens=20 * 16) as engine:
         assert_preempting_replies(engine, requests, expected)
@@ -418,12 +414,12 @@ def test_a_draft_model_reads_only_what_it_computed_for_the_tokens_there_now(tiny
     drafts' K/V counted as the draft's (it did, where the verification lowered only the target's count)."""
     written: dict[int, dict[int, int]] = {}  # by sequence: the token at each position of the draft's cache
     stale: list[tuple[int, int]] = []
-    step, first_computed, draft = DraftModel._step, DraftModel._first_computed, scheduler.Scheduler._draft
+    step, first_computed, length = DraftModel._step, DraftModel._first_computed, proposer.Proposer._draft_length
     turns = itertools.count()
 
     def recording_step(self, chunks):
-        for seq, start, end in chunks:
-            written.setdefault(seq.id, {}).update((q, seq.token_ids[q]) for q in range(start, end))
+        for seq, start, ids in chunks:
+            written.setdefault(seq.id, {}).update(zip(range(start, start + len(ids)), ids, strict=True))
         return step(self, chunks)
 
     def checked_first_computed(seq):
@@ -433,12 +429,14 @@ def test_a_draft_model_reads_only_what_it_computed_for_the_tokens_there_now(tiny
 
     monkeypatch.setattr(DraftModel, "_step", recording_step)
     monkeypatch.setattr(DraftModel, "_first_computed", staticmethod(checked_first_computed))
-    monkeypatch.setattr(scheduler.Scheduler, "_draft", lambda *a: draft(*a) if next(turns) % 2 else 0)
+    monkeypatch.setattr(
+        proposer.Proposer, "_draft_length", staticmethod(lambda *a: length(*a) if next(turns) % 2 else 0)
+    )
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"]) as engine:
         prompt = repetitive_prompts(1, seed=50)[0]
         replies(engine, [(prompt, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=1))])
-        assert 0 < engine.stats().kept < engine.stats().drafted
+        assert 0 < engine.step_stats().kept < engine.step_stats().drafted
     assert not stale, stale[:5]
 
 
@@ -462,21 +460,23 @@ def test_greedy_drafts_on_the_gpu_through_graphs_and_overlapped_steps(tmp_path, 
         tmp_path / "tiny.gguf", vocab_from=None, vocab_size=512, hidden=256, n_heads=8, intermediate=512, seed=5
     )
     ckpt = load_gguf(path)
-    cpu = Engine(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer())
+    cpu = Engine(EngineCore(Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32), SyntheticTokenizer()))
     fixed_k(k)
     gpu = Engine(
-        Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
-        SyntheticTokenizer(),
-        EngineConfig(max_running=8, max_batch_tokens=64),
+        EngineCore(
+            Model(ckpt.config, ckpt.tensors, torch.device("cuda"), torch.float16),
+            SyntheticTokenizer(),
+            EngineConfig(max_running=8, max_batch_tokens=64),
+        )
     )
     try:
-        assert gpu.runner.graphs is not None and gpu.overlap
+        assert gpu.core.runner.graphs is not None and gpu.core.overlap
         prompts = [[p % 512 for p in prompt] for prompt in repetitive_prompts(6, seed=40 + k)]
         requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
         for prompt, generated in zip(prompts, replies(gpu, requests), strict=True):
             assert len(generated) == 40
             assert_greedy_choices(cpu, prompt, generated)
-        assert gpu.stats().kept > 0
+        assert gpu.step_stats().kept > 0
         assert_every_block_back(gpu)
     finally:
         gpu.shutdown()
@@ -511,12 +511,12 @@ def test_the_default_model_replies_with_drafts_as_without(tmp_path, fixed_k):
             assert run(engine, requests[:1]) == expected[:1], k
         fixed_k(5)
         assert run(engine, requests) == expected
-        assert engine.stats().kept > 0
+        assert engine.step_stats().kept > 0
         assert_every_block_back(engine)
     draft = write_tiny_llama(tmp_path / "draft.gguf", n_layers=1, seed=3)
     with Engine.from_model(EngineConfig(device="cpu", speculate="draft", draft=str(draft))) as engine:
         assert run(engine, requests) == expected
-        assert engine.stats().drafted > 0
+        assert engine.step_stats().drafted > 0
         assert_every_block_back(engine)
 
 
@@ -533,7 +533,7 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
     prompt = [1, 2, 0, 1, 2, 1, 1, 2, 2, 1, 2, 3, 1, 2]
     model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
     # rows for 64 sequences and a draft each, however many wait
-    with Engine(model, SyntheticTokenizer(vocab), EngineConfig(speculate_tokens=128)) as engine:
+    with Engine(EngineCore(model, SyntheticTokenizer(vocab), EngineConfig(speculate_tokens=128))) as engine:
         p = lambda ids: torch.softmax(our_last_logits(engine, prompt + ids).double() / temperature, -1)
         expected = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
         for a in range(vocab):
@@ -542,7 +542,7 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
         params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=temperature, seed=i) for i in range(n)]
         handles = [engine.submit(None, sp, prompt_ids=prompt) for sp in params]
         triples = [[t for e in h.events() for t in e.token_ids] for h in handles]
-        stats = engine.stats()
+        stats = engine.step_stats()
     assert stats.drafted == n and 0 < stats.kept < n  # every request drafted its second token; some were kept
     observed = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
     for a, b, c in triples:
@@ -550,18 +550,18 @@ def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, fi
     assert chi_square_p(observed.flatten(), expected.flatten()) > 1e-4
 
 
-def test_a_draft_models_steps_through_its_graphs(tiny, drafts, fixed_k, monkeypatch):
+def test_a_draft_models_steps_through_its_graphs(tiny, alone, drafts, fixed_k, monkeypatch):
     """The draft model's steps through StepGraphs of its own (on the CPU, captures stubbed as in test_cuda_graph):
     eager until a bucket is captured between two draft steps, replayed after; the replies as without drafts."""
     monkeypatch.setattr(StepGraphs, "_record", record_without_running)
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in repetitive_prompts(4, seed=60)]
-    expected = alone_without_drafts(tiny, requests)
+    expected = alone(requests, speculate="off")
     fixed_k(4)
     with draft_engine(tiny, drafts["draft"], max_running=4, max_batch_tokens=64) as engine:
-        draft = engine.draft
-        max_blocks = -(-engine.max_context // engine.block_manager.block_size)
+        draft = engine.core.runner.proposer.draft
+        max_blocks = -(-engine.max_context // engine.core.block_manager.block_size)
         draft.graphs = StepGraphs(draft._forward, draft._sample, torch.device("cpu"), 4, 64, max_blocks)
         assert replies(engine, requests) == expected
-        assert engine.stats().drafted > 0
+        assert engine.step_stats().drafted > 0
         assert sum(g.forward.replays for g in draft.graphs.graphs.values()) > 0  # captured, then replayed
         assert_every_block_back(engine)

@@ -10,7 +10,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from llamaterm.app import cli
 from llamaterm.app.remote import request_body
-from llamaterm.app.serve import parse_request
+from llamaterm.app.server.requests import parse_request
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS
 from llamaterm.engine.sampling_params import SamplingParams
@@ -93,14 +93,14 @@ def test_a_template_that_opens_the_block_starts_the_reply_with_the_tag(qwen3_dir
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with Engine.from_model(EngineConfig(model=str(folder), device="cpu", kv_tokens=512)) as e:
         text, handle = e.generate(CHAT, SamplingParams(max_tokens=3, ignore_eos=True))
-        assert text == "<think>" + e.tokenizer.decode(handle.seq.generated)
+        assert text == "<think>" + e.tokenizer.decode(handle.token_ids)
         raw, handle = e.generate("<think>", SamplingParams(max_tokens=3, ignore_eos=True), raw=True)
-        assert raw == e.tokenizer.decode(handle.seq.generated)  # a raw prompt is the caller's: nothing added
+        assert raw == e.tokenizer.decode(handle.token_ids)  # a raw prompt is the caller's: nothing added
         # with tools (the server's path): the engine renders them, and the reply opens with the tag as well
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         handle = e.submit(CHAT, SamplingParams(max_tokens=3, ignore_eos=True), tools=[tool])
         text = "".join(event.text for event in handle.events())
-        assert text == "<think>" + e.tokenizer.decode(handle.seq.generated)
+        assert text == "<think>" + e.tokenizer.decode(handle.token_ids)
 
 
 def test_the_switch_reaches_every_engine_and_server():

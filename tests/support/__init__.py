@@ -10,7 +10,8 @@
     safetensors_files  a small dense Llama in the Hugging Face layout; HF -> GGUF tensor names
     tokenizer_files  small SentencePiece and byte-level vocabularies, GGUF metadata, Qwen3's real files
     family_oracle    tiny transformers models per family, their logits and greedy tokens, llama.cpp's converter
-    engine_checks    our engine's logits and greedy tokens; the GPU's greedy choices against the fp32 CPU path
+    engine_checks    our engine's logits and greedy tokens; the GPU's greedy choices against the fp32 CPU path;
+                     every KV block back
     kernel_cases     random quantized weights and paged KV caches for the kernel tests
     sampling_cases   sampler rows in the engine's tables, and logits shaped like a model's
     sampling_oracle  the row-by-row sampler, the batched one's oracle

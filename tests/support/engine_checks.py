@@ -1,5 +1,6 @@
 """Our engine's side of the model oracles: the logits of one prefill on a cache of its own, the greedy tokens of
-a request, and the GPU's greedy choices checked against the fp32 CPU path's logits."""
+a request, and the GPU's greedy choices checked against the fp32 CPU path's logits; and every KV block back in
+the pool once an engine's requests have ended."""
 
 import torch
 
@@ -10,7 +11,7 @@ from llamaterm.engine.serving.model import StepInput
 
 def our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """A single prefill through the model, on a cache of our own (the engine's pool stays untouched)."""
-    model, n = engine.model, len(ids)
+    model, n = engine.core.model, len(ids)
     bs = 16
     nb = -(-n // bs)
     cache = model.allocate_kv_cache(nb, bs)
@@ -34,7 +35,7 @@ def greedy(engine: Engine, ids: list[int], steps: int) -> list[int]:
 
 def logits_at(engine: Engine, ids: list[int], first: int) -> torch.Tensor:
     """Logits predicting ids[first + 1:] and the token after ids, from one forward pass over ids."""
-    model, n, bs = engine.model, len(ids), 16
+    model, n, bs = engine.core.model, len(ids), 16
     nb = -(-n // bs)
     cache = model.allocate_kv_cache(nb, bs)
     dev = model.device
@@ -75,3 +76,10 @@ def assert_same_until_near_tie(cpu: Engine, prompt: list[int], generated: list[i
     ref = logits_at(cpu, prompt + expected[:-1], len(prompt) - 1)
     tie = next((t for t in range(len(expected)) if top2_margin(ref[t]) <= MARGIN), len(expected))
     assert generated[:tie] == expected[:tie], (tie, generated, expected)
+
+
+def assert_every_block_back(engine: Engine) -> None:
+    bm = engine.core.block_manager
+    assert bm.num_free == bm.num_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks.values())  # none freed twice (it would be -1)
+    assert sorted(bm.free) == sorted(bm.blocks)  # every block used is in the free queue

@@ -16,8 +16,17 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
-from llamaterm.engine.api import EngineStats, Event, EventStream, RequestStats, RequestStream, TokenLogprob
+from llamaterm.engine.api import (
+    EngineStats,
+    Event,
+    EventStream,
+    RequestStats,
+    RequestStream,
+    SubmitOptions,
+    TokenLogprob,
+)
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
@@ -130,15 +139,12 @@ class FakeEngine:
 
     def submit(
         self,
-        messages: list[dict] | str,
+        messages: list[dict] | str | None,
         params: SamplingParams | None = None,
-        *,
-        raw: bool = False,
-        enable_thinking: bool | None = None,
-        parse_special: bool = True,
-        tools: list[dict] | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> FakeHandle:
         params = params or SamplingParams()
+        messages = messages or ""  # (its replies are canned: token ids read as no words)
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         prompt = [tok for m in messages for tok in [f"<{m['role']}>", *words(m["content"])]]
@@ -151,7 +157,7 @@ class FakeEngine:
             self._prompts.append(prompt)
             handle = FakeHandle(next(self._ids), prompt, words(self.reply(messages)), params, cached, self)
             self.submitted.append((messages, params))
-            self.thinking_switches.append(enable_thinking)
+            self.thinking_switches.append(options.get("enable_thinking"))
             self._live.append(handle)
             self._cv.notify()
         return handle

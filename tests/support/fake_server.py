@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from llamaterm.app.announcements import Announcer, ServedModel
-from llamaterm.app.serve import EngineSupervisor, serve
+from llamaterm.app.server.http_server import serve
+from llamaterm.app.server.supervisor import EngineSupervisor
 from tests.support.fake_engine import FakeEngine
 from tests.support.serve_support import NeverExits
 

@@ -15,6 +15,7 @@ from llamaterm.engine.checkpoints.checkpoint_info import read_checkpoint
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.engine_core import EngineCore
 from llamaterm.engine.serving.model import Model
 from llamaterm.engine.store.loader import load_checkpoint
 from tests.support.capped import cap_memory
@@ -25,7 +26,7 @@ def try_case(path: str) -> dict:
         read_checkpoint(Path(path))
         ckpt, tokenizer, _ = load_checkpoint(path)
         model = Model(ckpt.config, ckpt.tensors, torch.device("cpu"), torch.float32)
-        with Engine(model, tokenizer, EngineConfig(kv_tokens=256, cuda_graphs=False)) as engine:
+        with Engine(EngineCore(model, tokenizer, EngineConfig(kv_tokens=256, cuda_graphs=False))) as engine:
             engine.generate([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=2))
         return {"outcome": "ok"}
     except LlamatermError as e:

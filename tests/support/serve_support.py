@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx2
 
 from llamaterm.app.announcements import Announcer, servers_dir
-from llamaterm.app.serve import EngineSupervisor, Server, Service
+from llamaterm.app.server.handlers import Service
+from llamaterm.app.server.http_server import Server
+from llamaterm.app.server.supervisor import EngineSupervisor
 
 LLAMATERM = str(Path(sys.executable).parent / "llamaterm")
 

@@ -3,8 +3,9 @@ engine.api.EngineClient."""
 
 from llamaterm.app.remote import RemoteEngine, RemoteStream
 from llamaterm.engine.api import EngineClient, RequestStream
-from llamaterm.engine.serving.engine import Engine, RequestHandle
-from llamaterm.engine.serving.process import EngineProcess, ProcessHandle
+from llamaterm.engine.serving.engine import Engine
+from llamaterm.engine.serving.output_processor import RequestState
+from llamaterm.engine.serving.process import EngineProcess
 from tests.support.fake_engine import FakeEngine, FakeHandle
 
 
@@ -12,5 +13,5 @@ def clients(local: Engine, child: EngineProcess, fake: FakeEngine, remote: Remot
     return [local, child, fake, remote]
 
 
-def streams(local: RequestHandle, child: ProcessHandle, fake: FakeHandle, remote: RemoteStream) -> list[RequestStream]:
-    return [local, child, fake, remote]
+def streams(local: RequestState, fake: FakeHandle, remote: RemoteStream) -> list[RequestStream]:
+    return [local, fake, remote]

@@ -48,8 +48,8 @@ MAX_PANES = 8
 TICK_HZ = 20
 STATS_HZ = 1
 # The UI thread's share of the wall time; past it, streamed text waits, at most RENDER_MAX_WAIT_S (see RenderBudget).
-# Chosen with tests/benchmarks/tui_bench.py on the 2-core CPU machine, where a draw of 8 panes costs 0.1-0.5 s of
-# UI thread: a smaller share or a longer wait bought no throughput there that the noise did not hide, only staler panes.
+# Chosen with tests/benchmarks/tui_bench.py on a 2-core machine, where drawing 8 panes takes much of the UI thread: a
+# smaller share or a longer wait bought no throughput there that the noise did not hide, only staler panes.
 RENDER_SHARE = 0.05
 RENDER_MAX_WAIT_S = 4.0
 

@@ -1,11 +1,10 @@
-"""A request's text as its tokens arrive: incremental detokenization (UTF-8 safe), and stop strings held back
-until they can no longer begin in the text not yet emitted. Runs where the text is wanted: in the engine's loop for
-the engine in this process, in the parent for the engine in a child process (engine/serving/process.py)."""
+"""A reply's text as its tokens arrive: incremental detokenization (UTF-8 safe), and stop strings held back until
+they can no longer begin in the text not yet emitted. Runs in the output processor (output_processor.py)."""
 
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 
 
-class OutputState:
+class IncrementalDetokenizer:
     """Turns sampled tokens into text deltas: incremental detokenization, stop strings held back until safe."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], prefix: str = ""):
