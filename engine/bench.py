@@ -203,7 +203,18 @@ def engine_info(engine: Engine) -> dict:
         "weight_bytes": weight_bytes(engine.model),
         "cuda_graphs": engine.runner.graphs is not None,
         "dense_weight_bytes": engine.dense_weight_bytes,
+        "kv_tokens": engine.pool_tokens(),
+        "memory_bytes": memory_held(engine),
     }
+
+
+def memory_held(engine: Engine) -> int:
+    """What the engine holds of its device's memory (`llamaterm ps`): on a GPU, torch's reservation; on the CPU,
+    the weights and the KV cache."""
+    device = engine.model.device
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    return weight_bytes(engine.model) + engine.pool_tokens() * engine.model.kv_bytes_per_token()
 
 
 def copy_bandwidth(device: torch.device) -> float:
