@@ -50,7 +50,7 @@ def ps(as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list."
     if not rows:
         say("No llamaterm serve runs on this machine: `llamaterm serve` starts one.")
         return
-    header = ("MODEL", "URL", "PID", "DEVICE", "CONTEXT", "RUNNING", "WAITING", "KV CACHE", "MEMORY", "UP", "UNLOADS")
+    header = ("MODEL", "URL", "PID", "DEVICE", "CONTEXT", "RUNNING", "WAITING", "KV TOKENS", "MEMORY", "UP", "UNLOADS")
     table: list[tuple[str, ...]] = [header, *(shown_row(r) for r in rows)]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
@@ -181,7 +181,7 @@ def shown_row(r: dict[str, Any]) -> tuple[str, ...]:
         str(r["context"]),
         str(r["running"]),
         str(r["waiting"]),
-        f"{used / total:.0%} of {r['kv_tokens']}" if loaded and total else "-",
+        f"{used * r['kv_tokens'] // total}/{r['kv_tokens']}" if loaded and total else "-",  # tokens, as blocks hold
         format_size(r["memory_bytes"]) if loaded else "-",
         up(r["started"]),
         unloads,

@@ -105,7 +105,7 @@ def test_ps_lists_the_servers_with_their_models_and_sessions(tmp_path):
         assert row["kv_blocks_total"] == 1024 and row["keep_alive_s"] == 0
         table = llamaterm("ps").stdout.splitlines()
         assert table[0].split() == [
-            "MODEL", "URL", "PID", "DEVICE", "CONTEXT", "RUNNING", "WAITING", "KV", "CACHE", "MEMORY", "UP", "UNLOADS"
+            "MODEL", "URL", "PID", "DEVICE", "CONTEXT", "RUNNING", "WAITING", "KV", "TOKENS", "MEMORY", "UP", "UNLOADS"
         ]  # fmt: skip
         assert table[1].split()[:7] == ["fake-llama", found.url, str(os.getpid()), "cpu", "2048", "1", "0"]
         assert table[1].split()[-1] == "never"
