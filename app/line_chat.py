@@ -56,11 +56,7 @@ class LineChat:
 
     def next_prompt(self) -> str | None:
         """The next prompt, after any commands before it; None to quit."""
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                return None
+        while (line := read_line("> ")) is not None:
             if line.strip() == MULTILINE:
                 return self.lines()
             if not line.startswith("/"):
@@ -69,18 +65,16 @@ class LineChat:
             if command.split()[0] in QUIT:
                 return None
             self.command(command)
+        return None
 
     def lines(self) -> str | None:
         """The lines up to the closing \"\"\" (None: the input ended first)."""
         lines: list[str] = []
-        while True:
-            try:
-                line = input(". ")
-            except EOFError:
-                return None
+        while (line := read_line(". ")) is not None:
             if line.strip() == MULTILINE:
                 return "\n".join(lines)
             lines.append(line)
+        return None
 
     def command(self, command: str) -> None:
         name, _, rest = command.partition(" ")
@@ -123,3 +117,11 @@ class LineChat:
         for name in SAMPLING_TYPES:
             value = self.given.get(name) if name not in resolved else resolved[name].value
             say(f"  {name:<20}{'default' if value is None else value}")
+
+
+def read_line(prompt: str) -> str | None:
+    """A line of input; None once it ends (Ctrl-D, or the pipe's end)."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None

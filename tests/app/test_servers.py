@@ -21,17 +21,8 @@ from tests.support.cli import llamaterm
 from tests.support.fake_engine import FakeEngine
 from tests.support.serve_support import app_server, free_port, metrics, served
 
-pytestmark = pytest.mark.slow  # `llamaterm` and servers in subprocesses
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_announcements")]  # `llamaterm`, servers: subprocesses
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def no_announcements() -> Iterator[None]:
-    """Each test starts with no server announced, and leaves none."""
-    folder = servers_dir()
-    for file in folder.glob("*") if folder.exists() else []:
-        file.unlink()
-    yield
 
 
 def model_file(folder: Path, name: str = "model.gguf") -> Path:
