@@ -182,13 +182,16 @@ def preset_named(name: str | None):
         fail(str(e), 2)
 
 
-def sampling_with_preset(preset, default_max_tokens: int, **given) -> dict:
-    """The sampling values the user gave (None: not given), the preset's where none was given, and the command's
-    default_max_tokens where neither gave it; checked."""
-    given = preset.fill(given) if preset is not None else given
+def with_preset(name: str | None, system: str | None, default_max_tokens: int, **given) -> tuple[str | None, dict]:
+    """The system prompt and sampling values a command runs with: what the user gave (None: not given), --preset's
+    where the user gave none, and the command's default_max_tokens where neither did; checked."""
+    preset = preset_named(name)
+    if preset is not None:
+        system = preset.system if system is None else system
+        given = preset.fill(given)
     if given["max_tokens"] is None:
         given = given | {"max_tokens": default_max_tokens}
-    return checked_sampling(**given)
+    return system, checked_sampling(**given)
 
 
 def checked_sampling(**given) -> dict:
@@ -366,10 +369,9 @@ def run(
 
     Examples: llamaterm run "What is the capital of France?"   |   llamaterm run --json --seed 1 --temperature 0.7 "Hi"
     """
-    chosen = preset_named(preset)
-    system = system if system is not None or chosen is None else chosen.system
-    given = sampling_with_preset(
-        chosen,
+    system, given = with_preset(
+        preset,
+        system,
         512,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -468,9 +470,7 @@ def chat(
 
     Examples: llamaterm chat --sessions 4   |   llamaterm chat --preset coder --ctx 4096   |   llamaterm chat --plain
     """
-    chosen = preset_named(preset)
-    system = system if system is not None or chosen is None else chosen.system
-    given = sampling_with_preset(chosen, 1024, temperature=temperature, max_tokens=max_tokens)
+    system, given = with_preset(preset, system, 1024, temperature=temperature, max_tokens=max_tokens)
     shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
     if not plain:
         from llamaterm.app.tui.app import run_tui

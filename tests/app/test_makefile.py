@@ -1,5 +1,5 @@
 """Every Makefile target works: CI runs `make lint` and `make test` (.ci/run); this runs the others as a user runs
-them, shortened where the target takes a knob for it (a few seconds of fuzzing, a short bench, a narrow fast lane).
+them, shortened where the target takes a knob for it (10 s of fuzzing, a short bench, a narrow fast lane).
 `make chat` starts the TUI: it runs here under a pseudo-terminal, answers a question (sampled: what it says varies,
 that it answers does not), and quits on ctrl+q."""
 
@@ -66,7 +66,7 @@ def test_make_test_fast_runs_the_fast_lane(user):
 
 
 def test_make_fuzz(user):
-    out = make("fuzz", user | {"LLAMATERM_FUZZ_SEED": "1"}, "FUZZ_SECONDS=3")  # a seed of its own: CI's runs one
+    out = make("fuzz", user | {"LLAMATERM_FUZZ_SEED": "1"}, "FUZZ_SECONDS=10")  # 50 cases at least; a seed of its own
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 passed" in out.stdout
 
