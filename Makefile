@@ -58,8 +58,11 @@ fuzz: setup
 	LLAMATERM_FUZZ_SEED=$${LLAMATERM_FUZZ_SEED:-$$(date +%s)} LLAMATERM_FUZZ_CASES=1000000 \
 	LLAMATERM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/checkpoints/test_fuzz.py
 
+# CPU decode beside Hugging Face transformers on the default model; BENCH_ARGS adds flags (a test runs it shorter:
+# tests/app/test_makefile.py)
+BENCH_ARGS ?=
 bench-cpu: setup
-	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1
+	$(BIN)/llamaterm bench --device cpu --peer hf --sessions 1 $(BENCH_ARGS)
 
 # What CI checks before the tests: ruff's lints, that the code is as ruff format leaves it, and mypy over the
 # whole llamaterm package (tests/typing/check.py)

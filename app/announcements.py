@@ -237,7 +237,15 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process: not the user's server, which ran as the user
         return False
-    return True
+    return not zombie(pid)
+
+
+def zombie(pid: int) -> bool:
+    """A process that has exited and waits for its parent to read its exit code (Linux's /proc says)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def proof(key: str, challenge: str) -> str:
@@ -246,33 +254,49 @@ def proof(key: str, challenge: str) -> str:
 
 
 def check_alive(found: Announcement, key: str) -> None:
-    """Skipped unless the announced server answers, as itself, and takes requests. (http.client: a GET on loopback
-    needs no more, and it loads at once.)"""
+    """Skipped unless the announced server answers, as itself, and takes requests."""
+    status, body = health(found, key)
+    if status != 200:
+        raise Skipped(f"the server at {found.url.removesuffix('/v1')} takes no requests now ({body.get('status')})")
+
+
+def health(found: Announcement, key: str) -> tuple[int, dict]:
+    """The announced server's /health (its HTTP status and body), once it has proved it is that server; Skipped
+    where it is gone, silent, or another. (http.client: a GET on loopback needs no more, and it loads at once.)"""
+    if not pid_alive(found.pid):
+        raise Skipped(f"its server (pid {found.pid}) is gone", stale=True)
+    challenge = secrets.token_hex(CHALLENGE_CHARS // 2)
+    status, body = get(found, f"/health?challenge={challenge}")  # no key: it goes only to a server that proves
+    if not isinstance(body, dict) or not hmac.compare_digest(str(body.get("proof")), proof(key, challenge)):
+        raise Skipped(f"another server answers at {found.url.removesuffix('/v1')}")  # (its pid lives: the files stay)
+    return status, body
+
+
+def get(found: Announcement, path: str, key: str | None = None) -> tuple[int, object]:
+    """GET `path` of the announced server: (the HTTP status, the body: JSON, else text); Skipped where nothing
+    answers."""
     import http.client
     from urllib.parse import urlsplit
 
-    if not pid_alive(found.pid):
-        raise Skipped(f"its server (pid {found.pid}) is gone", stale=True)
     root = found.url.removesuffix("/v1")
     connection = http.client.HTTPConnection(urlsplit(root).hostname or "", found.port, timeout=CONNECT_TIMEOUT_S)
     try:
         connection.connect()
         assert connection.sock is not None
         connection.sock.settimeout(HEALTH_TIMEOUT_S)
-        challenge = secrets.token_hex(CHALLENGE_CHARS // 2)
-        connection.request("GET", f"/health?challenge={challenge}")  # no key: it goes only to a server that proves
+        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
         reply = connection.getresponse()
-        body = json.loads(reply.read(MAX_BYTES))
+        data = reply.read(MAX_BYTES)
     except ConnectionRefusedError:
         raise Skipped(f"nothing listens at {root}", stale=True) from None
-    except (OSError, http.client.HTTPException, ValueError, RecursionError) as e:
-        raise Skipped(f"the server at {root} did not answer /health ({type(e).__name__})") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise Skipped(f"the server at {root} did not answer {path.split('?')[0]} ({type(e).__name__})") from None
     finally:
         connection.close()
-    if not isinstance(body, dict) or not hmac.compare_digest(str(body.get("proof")), proof(key, challenge)):
-        raise Skipped(f"another server answers at {root}")  # (its pid lives: the files stay)
-    if reply.status != 200:
-        raise Skipped(f"the server at {root} takes no requests now ({body.get('status')})")
+    try:
+        return reply.status, json.loads(data)
+    except (ValueError, RecursionError):
+        return reply.status, data.decode(errors="replace")
 
 
 def remove_if_unchanged(found: Announcement) -> None:

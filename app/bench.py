@@ -129,6 +129,15 @@ def bench(
     warmup: Annotated[float, typer.Option(min=0.0, help="Seconds the closed loop runs before that.")] = 3.0,
     eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs: launch every kernel.")] = False,
     kv_tokens: Annotated[int | None, typer.Option(min=16, help="KV cache pool size in tokens.")] = None,
+    ctx: Annotated[
+        int | None,
+        typer.Option(
+            "--ctx",
+            min=16,
+            help="Context length (default: the model's own), as chat, run and serve take it.",
+            show_default=False,
+        ),
+    ] = None,
     json_schema: Annotated[
         Path | None,
         typer.Option(
@@ -175,7 +184,8 @@ def bench(
     if workload not in WORKLOADS:
         fail(f"unknown workload {workload!r}: chat or ids", 2)
     prompts, sampler, kind = WORKLOADS[workload]
-    sampler, kind = sampling or sampler, engine_kind or kind
+    # the peer and the grid measure the engine in this process: they take it unless --engine says otherwise
+    sampler, kind = sampling or sampler, engine_kind or ("inline" if peer or grid else kind)
     for name, value, choices in (
         ("--sampling", sampler, ("filters", "greedy")),
         ("--engine", kind, ("process", "inline")),
@@ -185,7 +195,7 @@ def bench(
         if value not in choices:
             fail(f"unknown {name} {value!r}: {' or '.join(choices)}", 2)
     if (peer or grid) and kind != "inline":
-        fail("--peer and --grid measure the engine in this process: add --engine inline (or --workload ids)", 2)
+        fail("--peer and --grid measure the engine in this process: leave out --engine process", 2)
     try:
         counts = [int(s) for s in (sessions or ("1,2,4,8,16,32,64" if scaling else "1,8,64")).split(",")]
     except ValueError:
@@ -218,6 +228,7 @@ def bench(
             tokens,
             eager,
             kv_tokens,
+            ctx,
         )
         typer.echo(json.dumps(result, indent=1) if as_json else format_speculation(result))
         return
@@ -234,12 +245,13 @@ def bench(
             window_s=window,
             sampling=FILTERS if sampler == "filters" else GREEDY,
             prompts=mix,
+            ctx=ctx,
         )
         typer.echo(json.dumps(result, indent=1) if as_json else format_serve_load(result))
         return
     what = Workload(prompts == "chat", FILTERS if sampler == "filters" else GREEDY, kind == "process", mix, grammar)
     result = run_bench(
-        model, device, counts, what, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens, repeat
+        model, device, counts, what, grid, peer, tokens, prompt, window, warmup, eager, kv_tokens, ctx, repeat
     )
     typer.echo(json.dumps(result, indent=1) if as_json else format_tables(result))
 
@@ -280,7 +292,7 @@ def open_client(model, device, config, process: bool):
 
 
 def run_bench(
-    model, device, counts, what: Workload, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens, repeat=1
+    model, device, counts, what: Workload, grid, peer, tokens, prompt_len, window, warmup, eager, kv_tokens, ctx, repeat
 ) -> dict:
     t = time.perf_counter()
     with interrupts_held():
@@ -294,7 +306,9 @@ def run_bench(
     progress.step("loading the model")
     max_running = max(64, *counts) if not grid else 64
     kv = kv_tokens or (max(b for _, _, b in GRID) * (1024 + 256) if grid else None)
-    config = EngineConfig(kv_tokens=kv, max_running=max_running, cuda_graphs=not eager, speculate="off")
+    config = EngineConfig(
+        kv_tokens=kv, context_length=ctx, max_running=max_running, cuda_graphs=not eager, speculate="off"
+    )
     dev = resolve_device(device)
     bw = wl.copy_bandwidth(dev)  # before the engine takes the memory
     if dev.type == "cuda":
@@ -541,7 +555,7 @@ def register(app: typer.Typer) -> None:
 
 
 def run_speculation(
-    model, device, speculate, draft, speculate_tokens, counts, edit_texts: Path, max_tokens, eager, kv_tokens
+    model, device, speculate, draft, speculate_tokens, counts, edit_texts: Path, max_tokens, eager, kv_tokens, ctx
 ) -> dict:
     """`--speculate`'s comparison, on the engine in this process (engine/bench.py's speculation_table)."""
     texts = sorted(edit_texts.glob("*.txt")) if edit_texts.is_dir() else []
@@ -555,6 +569,7 @@ def run_speculation(
     progress.step("loading the model")
     config = EngineConfig(
         kv_tokens=kv_tokens,
+        context_length=ctx,
         max_running=max(64, *counts),
         cuda_graphs=not eager,
         speculate=speculate,

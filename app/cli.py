@@ -2,33 +2,78 @@
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
-from llamaterm.app import bench, models_cli
-from llamaterm.app.console import fail, imports_frozen, interrupts_held, say, startup_split
+from llamaterm.app import bench, models_cli, servers_cli
+from llamaterm.app.console import echo, fail, imports_frozen, interrupts_held, say, startup_split
 from llamaterm.app.inputs import read_file, read_prompt, reply_grammar
-from llamaterm.app.terminal import TerminalStream, shown
+from llamaterm.app.replies import Reply, collect, report, show_thinking
+from llamaterm.app.terminal import shown
+
+
+class Commands(TyperGroup):
+    """Typer's group, whose help shows no type beside a flag: Typer writes `<bool>` there, where a flag takes no
+    value. (Every command's parameters pass through get_command and get_params on their way to the help.)"""
+
+    def get_command(self, ctx, cmd_name: str):
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            untyped_flags([*command.params, command.get_help_option(ctx)])
+        return command
+
+    def get_params(self, ctx):
+        return untyped_flags(super().get_params(ctx))
+
+
+def untyped_flags(params: list) -> list:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
 
 app = typer.Typer(
     name="llamaterm",
+    cls=Commands,
     help="Run local LLMs (Llama, Qwen, Phi, Gemma, Mistral) from the terminal.\n\nExamples:\n\n"
     '  llamaterm run "What is the capital of France?"\n\n'
     "  echo 'Summarise: ...' | llamaterm run -\n\n"
     "  llamaterm chat --sessions 4",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command's too
     pretty_exceptions_enable=False,
 )
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model name in the store, or a path.")]
+
+def show_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"llamaterm {version('llamaterm')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", "-V", callback=show_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """Run local LLMs (Llama, Qwen, Phi, Gemma, Mistral) from the terminal."""
+
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Model name in the store, or a path.", autocompletion=models_cli.complete_model),
+]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
 ServerOpt = Annotated[
     str | None,
@@ -42,11 +87,40 @@ LocalOpt = Annotated[
     bool,
     typer.Option(
         "--local",
-        help="Load the model here, even where a `llamaterm serve` on this machine holds it (which is used by default).",
+        help="Load the model here, even where a `llamaterm serve` on this machine holds it (which is used by default; "
+        "--kv-tokens, --ctx, --gpu-memory, --threads and --speculate shape a local engine, and imply it).",
     ),
 ]
 KvTokensOpt = Annotated[
     int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
+]
+CtxOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ctx",
+        min=16,
+        help="Context length: the most tokens a conversation holds, prompt and reply (ollama's num_ctx, llama.cpp's "
+        "-c). Default and most: the model's own.",
+        show_default=False,
+    ),
+]
+GpuMemoryOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="The share of the GPU's memory (0-1] the engine may hold, as vLLM's --gpu-memory-utilization; the KV "
+        "cache takes what the weights leave of it. Default: most of what is free.",
+        show_default=False,
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None, typer.Option(min=1, help="Threads for the CPU path (default: one per core).", show_default=False)
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A preset's system prompt and sampling values (`llamaterm presets` lists them); flags given win.",
+        show_default=False,
+    ),
 ]
 SpeculateOpt = Annotated[
     str | None,
@@ -57,16 +131,19 @@ SpeculateOpt = Annotated[
 ]
 DraftOpt = Annotated[
     str | None,
-    typer.Option(help="A small model with the model's vocabulary that drafts tokens for it (a store name or a path)."),
+    typer.Option(
+        help="A small model with the model's vocabulary that drafts tokens for it (a store name or a path).",
+        autocompletion=models_cli.complete_model,
+    ),
 ]
 SPECULATE_KINDS = ("off", "ngram", "draft")
 
 
-def speculation(speculate: str | None, draft: str | None) -> dict | None:
-    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads; None when
+def speculation(speculate: str | None, draft: str | None) -> dict:
+    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads; none when
     neither is given (the engine's default)."""
     if speculate is None and draft is None:
-        return None
+        return {}
     kind = speculate or "draft"
     if kind not in SPECULATE_KINDS:
         fail(f"unknown --speculate {kind!r}: one of {', '.join(SPECULATE_KINDS)}", 2)
@@ -75,6 +152,46 @@ def speculation(speculate: str | None, draft: str | None) -> dict | None:
     if draft and kind != "draft":
         fail(f"--draft gives a draft model, which --speculate {kind} does not use: leave one out", 2)
     return {"speculate": kind, "draft": draft}
+
+
+def engine_shape(
+    kv_tokens: int | None = None,
+    ctx: int | None = None,
+    gpu_memory: float | None = None,
+    threads: int | None = None,
+    speculate: str | None = None,
+    draft: str | None = None,
+) -> dict:
+    """The EngineConfig fields of the flags that shape a local engine, those given only, checked: any of them loads
+    the model in the command's own process rather than use a server that holds it."""
+    if gpu_memory is not None and not 0 < gpu_memory <= 1:
+        fail(f"--gpu-memory {gpu_memory:g} is not a share of the GPU's memory: give a number in (0, 1], as 0.9", 2)
+    given = {"kv_tokens": kv_tokens, "context_length": ctx, "gpu_memory": gpu_memory, "threads": threads}
+    return {k: v for k, v in given.items() if v is not None} | speculation(speculate, draft)
+
+
+def preset_named(name: str | None):
+    """The preset --preset names (None: no preset), checked."""
+    if name is None:
+        return None
+    from llamaterm.app.presets import PresetError, find_preset
+
+    try:
+        return find_preset(name)
+    except PresetError as e:
+        fail(str(e), 2)
+
+
+def with_preset(name: str | None, system: str | None, default_max_tokens: int, **given) -> tuple[str | None, dict]:
+    """The system prompt and sampling values a command runs with: what the user gave (None: not given), --preset's
+    where the user gave none, and the command's default_max_tokens where neither did; checked."""
+    preset = preset_named(name)
+    if preset is not None:
+        system = preset.system if system is None else system
+        given = preset.fill(given)
+    if given["max_tokens"] is None:
+        given = given | {"max_tokens": default_max_tokens}
+    return system, checked_sampling(**given)
 
 
 def checked_sampling(**given) -> dict:
@@ -102,24 +219,23 @@ def model_sampling(engine, given: dict):
 def load_engine(
     model: str | None,
     device: str | None,
-    kv_tokens: int | None,
+    shape: dict,
     server: str | None = None,
     api_key: str | None = None,
     sessions: int = 1,
     local: bool = False,
     verbose: bool = False,
-    speculate: dict | None = None,
 ):
     """With --server, that server's `model` (None: its first). Else a `llamaterm serve` on this machine that holds
-    `model` (app/announcements.py), unless `local`, --kv-tokens or speculate (speculation()'s fields: --speculate,
-    --draft), which shape a local engine, say otherwise; else the local engine on `model` for `sessions` requests at a
-    time (so start-up prepares no more). verbose: say which, and where a local start-up's time went."""
+    `model` (app/announcements.py), unless `local` or `shape` (engine_shape()'s fields: --kv-tokens, --ctx,
+    --speculate, ...), which shape a local engine, say otherwise; else the local engine on `model` for `sessions`
+    requests at a time (so start-up prepares no more). verbose: say which, and where a local start-up's time went."""
     if server:
         from llamaterm.app.remote import RemoteEngine
 
         return RemoteEngine(server, model, api_key)
     note = (lambda message: say(f"llamaterm: {message}")) if verbose else (lambda message: None)
-    if not local and kv_tokens is None and speculate is None:
+    if not local and not shape:
         from llamaterm.app.announcements import find_server
 
         found = find_server(model, device, note)
@@ -131,9 +247,7 @@ def load_engine(
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.engine import Engine
     imports = time.perf_counter() - t
-    config = EngineConfig(
-        model=model, device=device, kv_tokens=kv_tokens, max_running=min(64, sessions), **(speculate or {})
-    )
+    config = EngineConfig(model=model, device=device, max_running=min(64, sessions), **shape)
     engine = Engine.from_model(config)
     startup = startup_split({"imports": imports, **engine.core.startup_s})
     note(f"{engine.model_name} on {engine.device}: start-up {startup}")
@@ -172,7 +286,10 @@ def run(
     prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or none reads stdin.")] = None,
     model: ModelOpt = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
+    preset: PresetOpt = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Most tokens to generate. Default: 512.", show_default=False)
+    ] = None,
     temperature: Annotated[float | None, typer.Option(help="0 is greedy. Default: the model's (see info).")] = None,
     top_p: Annotated[float | None, typer.Option(help="1 is off. Default: the model's.")] = None,
     top_k: Annotated[int | None, typer.Option(help="0 is off. Default: the model's.")] = None,
@@ -230,7 +347,10 @@ def run(
         Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with --each-line).")
     ] = None,
     device: DeviceOpt = None,
+    ctx: CtxOpt = None,
     kv_tokens: KvTokensOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    threads: ThreadsOpt = None,
     speculate: SpeculateOpt = None,
     draft: DraftOpt = None,
     server: ServerOpt = None,
@@ -250,7 +370,10 @@ def run(
 
     Examples: llamaterm run "What is the capital of France?"   |   llamaterm run --json --seed 1 --temperature 0.7 "Hi"
     """
-    given = checked_sampling(
+    system, given = with_preset(
+        preset,
+        system,
+        512,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -282,8 +405,8 @@ def run(
         prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    spec = speculation(speculate, draft)
-    with load_engine(model, device, kv_tokens, server, api_key, len(prompts), local, verbose, spec) as engine:
+    shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
+    with load_engine(model, device, shape, server, api_key, len(prompts), local, verbose) as engine:
         params = model_sampling(engine, given)
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [
@@ -310,67 +433,6 @@ def run(
                 report(handle)
 
 
-@dataclass
-class Reply:
-    text: str  # the answer: the reply less its thinking
-    token_ids: list[int]
-    finish_reason: str | None
-    thinking: str | None = None  # what the model wrote between <think> and </think>, if it thinks
-    logprobs: list = field(default_factory=list)  # TokenLogprob of each reply token, when asked for
-
-
-def collect(handle, echo: bool = False, hide_thinking: bool = False, fatal: bool = True) -> Reply:
-    """Read a request's events to the end; with echo, stream the answer to stdout as it arrives, and the
-    thinking (unless hidden) to stderr. A request that fails exits (fatal), or says so and ends with the
-    finish reason "error" (a chat goes on: a server refuses a prompt over the context in its events)."""
-    from llamaterm.engine.thinking import ThinkingSplitter
-
-    reply, split = Reply("", [], None), ThinkingSplitter()
-    out, thought = TerminalStream(sys.stdout), TerminalStream(sys.stderr)
-
-    def take(thinking: str, answer: str) -> None:
-        if thinking and not hide_thinking:
-            reply.thinking = (reply.thinking or "") + thinking
-            if echo:
-                show_thinking(thought.push(thinking))
-        if answer and echo:
-            if reply.thinking and not reply.text:
-                show_thinking("\n")  # the answer starts on a line of its own
-            sys.stdout.write(out.push(answer))
-            sys.stdout.flush()
-        reply.text += answer
-
-    for event in handle.events():
-        if event.error:
-            if fatal:
-                fail(f"generation failed: {event.error}")
-            say(f"llamaterm: generation failed: {event.error}")
-            reply.finish_reason = "error"
-            return reply
-        take(*split.push(event.text))
-        reply.token_ids += event.token_ids
-        reply.logprobs += event.logprobs
-        reply.finish_reason = event.finish_reason
-    take(*split.finish())
-    if echo:
-        show_thinking(thought.flush())
-        sys.stdout.write(out.flush() + "\n")
-    return reply
-
-
-def show_thinking(text: str) -> None:
-    """Thinking goes to stderr, dimmed on a terminal."""
-    if text:
-        sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if sys.stderr.isatty() else text)
-        sys.stderr.flush()
-
-
-def report(handle) -> None:
-    st = handle.stats()
-    ttft = f"{st.ttft_s:.2f}" if st.ttft_s is not None else "-"
-    typer.echo(f"[{st.generated_tokens} tokens, {st.tokens_per_s:.1f} tok/s, TTFT {ttft} s]", err=True)
-
-
 @app.command()
 def chat(
     models: Annotated[
@@ -380,66 +442,53 @@ def chat(
             "-m",
             help="Model name in the store, or a path; on a --server, one of its models. Repeat it to "
             "put the panes on several models in turn (the TUI).",
+            autocompletion=models_cli.complete_model,
         ),
     ] = None,
     sessions: Annotated[int, typer.Option(min=1, max=8, help="Conversation panes side by side.")] = 1,
     system: Annotated[str | None, typer.Option(help="System prompt for every session.")] = None,
+    preset: PresetOpt = None,
     plain: Annotated[bool, typer.Option(help="A line-based chat for pipes and dumb terminals.")] = False,
-    temperature: Annotated[
-        float | None, typer.Option(help="With --plain: 0 is greedy. Default: the model's (the TUI: a pane's settings).")
+    temperature: Annotated[float | None, typer.Option(help="0 is greedy. Default: the model's.")] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Most tokens a reply takes. Default: 1024.", show_default=False)
     ] = None,
-    max_tokens: int = 1024,
     device: DeviceOpt = None,
+    ctx: CtxOpt = None,
     kv_tokens: KvTokensOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    threads: ThreadsOpt = None,
     speculate: SpeculateOpt = None,
     draft: DraftOpt = None,
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
 ):
-    """Chat with a model: the TUI, or a line REPL with --plain (/reset starts over, /exit or Ctrl-D quits). --plain
-    uses a `llamaterm serve` on this machine that holds the model, unless --local."""
-    spec = speculation(speculate, draft)
+    """Chat with a model: the TUI, or a line chat with --plain.
+
+    Both use a `llamaterm serve` on this machine that holds the model, unless --local. The line chat's /help lists
+    its commands; /bye quits.
+
+    Examples: llamaterm chat --sessions 4   |   llamaterm chat --preset coder --ctx 4096   |   llamaterm chat --plain
+    """
+    system, given = with_preset(preset, system, 1024, temperature=temperature, max_tokens=max_tokens)
+    shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
     if not plain:
         from llamaterm.app.tui.app import run_tui
-        from llamaterm.app.tui.backends import Backend
+        from llamaterm.app.tui.backends import Backend, Loader
+        from llamaterm.app.tui.session import ChatSettings
 
-        return run_tui([Backend(m, server or "") for m in models or [""]], sessions, system, api_key, spec)
-    given = checked_sampling(temperature=temperature, max_tokens=max_tokens)
-    from llamaterm.engine.errors import RequestError
-
-    messages = [{"role": "system", "content": system}] if system else []
+        backends = [Backend(m, server or "") for m in models or [""]]
+        settings = ChatSettings(system=system or "", **{k: v for k, v in given.items() if v not in (None, ())})
+        return run_tui(backends, sessions, settings, Loader(api_key, device, shape, local))
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
-    with load_engine(
-        models[0] if models else None, device, kv_tokens, server, api_key, local=local, speculate=spec
-    ) as engine:
-        params = model_sampling(engine, given)
-        say(f"llamaterm chat: {engine.model_name} on {engine.device}. /reset starts over, /exit quits.")
-        if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 is refused, as in a C.UTF-8 locale,
-            sys.stdin.reconfigure(errors="surrogateescape")  # not a traceback where the locale decodes strictly
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if line.strip() in ("/exit", "/quit"):
-                break
-            if line.strip() == "/reset":
-                messages = messages[:1] if system else []
-                continue
-            if not line.strip():
-                continue
-            try:
-                handle = engine.submit(messages + [{"role": "user", "content": line}], params)
-            except RequestError as e:
-                say(f"llamaterm: {e}")
-                continue
-            reply = collect(handle, echo=True, fatal=False)
-            if reply.finish_reason == "error":
-                continue
-            messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply.text}]
-            report(handle)
+    from llamaterm.app.line_chat import LineChat
+
+    with load_engine(models[0] if models else None, device, shape, server, api_key, local=local) as engine:
+        for warning in engine.sampling_defaults.warnings:
+            say(f"llamaterm: warning: {warning}")
+        LineChat(engine, system, given, 1024).run()
 
 
 @app.command()
@@ -457,9 +506,27 @@ def serve(
         ),
     ] = None,
     device: DeviceOpt = None,
+    ctx: CtxOpt = None,
     kv_tokens: KvTokensOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    threads: ThreadsOpt = None,
     speculate: SpeculateOpt = None,
     draft: DraftOpt = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="A preset (`llamaterm presets`): its sampling values fill what requests leave out, and its system "
+            "prompt leads chats that bring none.",
+            show_default=False,
+        ),
+    ] = None,
+    keep_alive: Annotated[
+        str,
+        typer.Option(
+            help="Unload the model after this long without a request (30s, 5m, 1h) and load it again for the next "
+            "one; 0 keeps it loaded.",
+        ),
+    ] = "0",
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -469,21 +536,32 @@ def serve(
         ),
     ] = 10,
 ):
-    """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health and /metrics. Requests from every client are batched by the one engine.
+    """Serve a model over an OpenAI-compatible HTTP API.
 
-    Example: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1
+    /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Requests from every client are batched
+    by the one engine. `llamaterm ps` lists the servers running, `llamaterm stop` ends one.
+
+    Examples: llamaterm serve --port 8000, then point any OpenAI client at http://127.0.0.1:8000/v1   |
+    llamaterm serve --keep-alive 5m --ctx 4096   |   llamaterm ps   |   llamaterm stop
     """
     if api_key == "":  # not a key at all: serving without one must be asked for by leaving the option out
         fail("--api-key is empty: give a key, or leave the option out to serve without one", 2)
     with interrupts_held():
         from llamaterm.app.announcements import Announcer, served_model
-        from llamaterm.app.server.handlers import LOOPBACK
+        from llamaterm.app.durations import parse_duration, shown_duration
+        from llamaterm.app.server.handlers import LOOPBACK, Service
         from llamaterm.app.server.http_server import check_port
         from llamaterm.app.server.http_server import serve as serve_http
         from llamaterm.app.server.supervisor import EngineSupervisor
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess
+
+    try:
+        idle_s = parse_duration(keep_alive)
+    except ValueError as e:
+        fail(f"--keep-alive: {e}", 2)
+    chosen = preset_named(preset)
+    shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
 
     problem = check_port(host, port)
     if problem:
@@ -492,18 +570,23 @@ def serve(
         typer.echo(
             f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
         )
-    config = EngineConfig(model=model, device=device, kv_tokens=kv_tokens, **(speculation(speculate, draft) or {}))
+    config = EngineConfig(model=model, device=device, **shape)
     with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
         engine = supervisor.engine
         for warning in engine.sampling_defaults.warnings:
-            typer.echo(f"llamaterm: warning: {warning}", err=True)
-        typer.echo(
-            f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1 (Ctrl-C stops)",
-            err=True,
+            say(f"llamaterm: warning: {warning}")
+        kv = engine.info.get("kv_tokens")
+        unload = f", unloaded after {shown_duration(idle_s)} idle" if idle_s else ""
+        say(
+            f"llamaterm serve: {engine.model_name} on {engine.device} at http://{host}:{port}/v1: context "
+            f"{engine.max_context}, KV cache {kv} tokens{unload} (Ctrl-C or `llamaterm stop` stops it)"
         )
-        # run and chat --plain on this machine find the server by its announcement, once it answers
-        held = served_model(model, engine.model_name)
-        serve_http(supervisor, host, port, api_key, shutdown_timeout, Announcer(host, port, engine.device, [held]))
+        # run and chat on this machine find the server by its announcement, once it answers
+        announcer = Announcer(host, port, engine.device, [served_model(model, engine.model_name)])
+        serve_http(Service(supervisor, idle_s, chosen), host, port, api_key, shutdown_timeout, announcer)
+
+
+servers_cli.register(app)  # ps, stop
 
 
 @app.command()
@@ -527,6 +610,40 @@ def tokenize(
 
 
 models_cli.register(app)  # pull, ls, rm, info
+
+
+@app.command()
+def presets(as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object, by name.")] = False):
+    """List the presets: named system prompts and sampling values.
+
+    --preset NAME takes one on run, chat and serve, and a pane's settings too. They live in presets.toml in your
+    config folder (shown when there are none)."""
+    from llamaterm.app.presets import PresetError, load_presets, presets_file
+
+    try:
+        found = load_presets()
+    except PresetError as e:
+        fail(str(e))
+    if as_json:
+        typer.echo(json.dumps({p.name: {"system": p.system, **(p.sampling or {})} for p in found.values()}, indent=2))
+        return
+    if not found:
+        say(f"No presets yet: write them in {presets_file()}, a table each, as\n\n{PRESET_EXAMPLE}")
+        return
+    for p in found.values():
+        values = ", ".join(f"{k} {v:g}" for k, v in (p.sampling or {}).items())
+        system = f"system {json.dumps(p.system)[:60]}" if p.system else ""
+        echo(f"{p.name:<12}" + "; ".join(part for part in (system, values) if part))
+
+
+PRESET_EXAMPLE = """[coder]
+system = "You are a careful programmer: answer with the code first."
+temperature = 0.2
+
+[creative]
+temperature = 1.0
+top_p = 0.95"""
+
 bench.register(app)  # bench
 
 

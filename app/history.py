@@ -201,6 +201,13 @@ class History:
             for id, title, settings, created, updated, count in rows
         ]
 
+    def recent_prompts(self, limit: int = 100) -> list[str]:
+        """The user's last `limit` prompts, of every conversation, oldest first (what ↑ recalls in the prompt)."""
+        rows = self.conn.execute(
+            "SELECT content FROM messages WHERE role = 'user' ORDER BY id DESC LIMIT ?", (limit,)
+        ).fetchall()
+        return [content for (content,) in reversed(rows)]
+
     def load(self, conversation_id: int) -> Conversation:
         row = self.conn.execute(
             "SELECT id, title, settings, created_at, updated_at FROM conversations WHERE id = ?",

@@ -13,8 +13,22 @@ import typer
 from llamaterm.app.console import echo, interrupts_held, say
 
 
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of a model's name: the store's names that start with what is typed."""
+    from llamaterm.engine.store.model_store import stored_names
+
+    return [name for name in stored_names() if name.startswith(incomplete)]
+
+
 def pull(
-    ref: Annotated[str, typer.Argument(metavar="REPO[:QUANT]", help="A Hub repo, with a GGUF quant if you like.")],
+    ref: Annotated[
+        str,
+        typer.Argument(
+            metavar="REPO[:QUANT] | PATH",
+            help="A Hub repo (hf.co/ before it, as ollama takes it, is fine), with a GGUF quant if you like; or "
+            "a .gguf file or safetensors folder on this machine.",
+        ),
+    ],
     revision: Annotated[
         str | None, typer.Option("--revision", "-r", help="Branch, tag or commit (default: the main branch).")
     ] = None,
@@ -23,30 +37,46 @@ def pull(
         bool, typer.Option(help="Use the store's copy, never the network (HF_HUB_OFFLINE=1 does the same).")
     ] = False,
 ):
-    """Download a model from the Hugging Face Hub into the store; print its name.
+    """Download a model from the Hugging Face Hub into the store, or add one from this machine; print its name.
 
     GGUF repos: one quant, every part of a split file; without :QUANT, Q4_K_M or else the closest 4-bit.
     Safetensors repos: config, tokenizer and *.safetensors files; never pickles.
     An interrupted pull resumes when run again. Files are checked against the Hub's sha256 first.
+    A PATH (a .gguf file, or a folder of safetensors weights) is checked as a download is, then linked into the store
+    (copied where the store is on another disk).
 
     Examples:
 
       llamaterm pull bartowski/Llama-3.2-1B-Instruct-GGUF:q4_k_m
 
+      llamaterm pull hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q8_0
+
       llamaterm pull HuggingFaceTB/SmolLM2-135M-Instruct --name smol
+
+      llamaterm pull ./Qwen3-0.6B-Q8_0.gguf --name qwen3
     """
     with interrupts_held():
         from llamaterm.engine.store import hub
+        from llamaterm.engine.store.local_import import import_checkpoint, is_path
         from llamaterm.engine.store.model_store import VALID_NAME, format_size
 
-    try:
-        hub.parse_ref(ref)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="REPO[:QUANT]") from None
     if name is not None and not VALID_NAME.match(name):
         raise typer.BadParameter("use lowercase letters, digits, '.', '_' and '-'", param_hint="--name")
+    local = is_path(ref)
+    if local and not Path(ref).expanduser().exists():
+        raise typer.BadParameter(f"no such file or folder: {ref}", param_hint="PATH")
+    if local and (revision or offline):
+        raise typer.BadParameter("a file on this machine has no revision, and needs no network", param_hint="PATH")
+    if not local:
+        try:
+            hub.parse_ref(ref)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="REPO[:QUANT]") from None
     try:
-        model = hub.pull(ref, revision=revision, name=name, offline=offline, say=say)
+        if local:
+            model = import_checkpoint(ref, name, say)
+        else:
+            model = hub.pull(ref, revision=revision, name=name, offline=offline, say=say)
     except KeyboardInterrupt:
         say("\ninterrupted: what was downloaded is kept; run the same command again to resume")
         raise typer.Exit(130) from None
@@ -112,7 +142,7 @@ def ls(
 
 
 def rm(
-    name: Annotated[str, typer.Argument(help="The model's name (see llamaterm ls).")],
+    name: Annotated[str, typer.Argument(help="The model's name (see llamaterm ls).", autocompletion=complete_model)],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ):
     """Remove a model from the store and free its disk space."""
@@ -154,7 +184,12 @@ def rm(
 
 
 def info(
-    name: Annotated[str, typer.Argument(help="The model's name (see llamaterm ls), or a checkpoint's path.")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="The model's name (see llamaterm ls), or a checkpoint's path.", autocompletion=complete_model
+        ),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Show a model's metadata, tensor types and chat template."""

@@ -70,6 +70,7 @@ def run_serve_load(
     sampling: dict,
     prompts: PromptMix,
     api_key: str | None = None,
+    ctx: int | None = None,
 ) -> dict:
     """Drive the server at `url` (None: a `llamaterm serve` started here on a free port, stopped at the end) with
     `clients` streaming clients over `processes` processes for warmup_s + window_s; the result's figures are of
@@ -80,7 +81,7 @@ def run_serve_load(
         raise LlamatermError(NO_OPENAI) from None
     if clients < 1 or processes < 1 or window_s <= 0 or warmup_s < 0:
         raise LlamatermError("give at least one client and one process, and a window longer than 0 s")
-    with server(url, model, device) as base_url:
+    with server(url, model, device, ctx) as base_url:
         model_id, base_url = served_model(base_url, None if url is None else model, api_key)
         jobs = split(base_url, model_id, api_key, clients, min(processes, clients), sampling, prompts)
         start, records = run_processes(jobs, warmup_s + window_s)
@@ -111,8 +112,9 @@ def format_serve_load(result: dict) -> str:
 
 
 @contextmanager
-def server(url: str | None, model: str | None, device: str | None) -> Iterator[str]:
-    """`url` as it is, or a `llamaterm serve` of `model` on `device` for the block's length."""
+def server(url: str | None, model: str | None, device: str | None, ctx: int | None = None) -> Iterator[str]:
+    """`url` as it is, or a `llamaterm serve` of `model` on `device` (with a context of `ctx` tokens, if given) for
+    the block's length."""
     if url is not None:
         yield url
         return
@@ -120,6 +122,7 @@ def server(url: str | None, model: str | None, device: str | None) -> Iterator[s
     command = [sys.executable, "-m", "llamaterm.app", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--model", model] if model else []
     command += ["--device", device] if device else []
+    command += ["--ctx", str(ctx)] if ctx else []
     # stderr to a file, not a pipe: a pipe nobody reads during the run would fill and stall the server
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)

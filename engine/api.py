@@ -22,6 +22,9 @@ class EngineConfig:
     model: str | None = None  # a store name or a path; None: the default model
     device: str | None = None  # "cpu" or "cuda"; None: cuda when available
     kv_tokens: int | None = None  # KV pool size in tokens; None: from free memory
+    context_length: int | None = None  # the most tokens a sequence holds (--ctx); None: the model's own
+    gpu_memory: float | None = None  # the share of the GPU's memory the engine may hold (--gpu-memory); None: free
+    threads: int | None = None  # the CPU kernels' and torch's threads (--threads); None: a core each
     kv_share: float = 1.0  # of that free memory, the part this engine takes for its pool and dense copies (engines
     # on one device split it)
     block_size: int = 16  # tokens per KV block

@@ -44,8 +44,21 @@ SIGNATURES = {
 }
 
 
-@cache
+chosen_threads: int | None = None  # set by use_threads (--threads)
+
+
+def use_threads(n: int) -> None:
+    """--threads: the kernels' threads, in place of a core each."""
+    global chosen_threads
+    chosen_threads = n
+
+
 def threads() -> int:
+    return chosen_threads or cores()
+
+
+@cache
+def cores() -> int:
     """The cores this process may run on (a container's or taskset's limit, not the machine's count)."""
     return len(os.sched_getaffinity(0))
 
@@ -67,7 +80,7 @@ def library() -> ctypes.CDLL | None:
     lib, why = build()
     if lib is None:
         print(f"llamaterm: {why}: using the slower torch kernels on the CPU", file=sys.stderr)
-    elif threads() == 1:
+    elif cores() == 1:
         print(
             "llamaterm: this process may use only 1 CPU core: the CPU kernels run on one thread (slower)",
             file=sys.stderr,

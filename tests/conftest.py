@@ -36,6 +36,9 @@ import_hub_kernels()
 # tests' servers and runs, subprocesses too, meet in a folder of their own, never the user's
 RUNTIME_DIR = os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llamaterm-tests-")
 atexit.register(shutil.rmtree, RUNTIME_DIR, ignore_errors=True)
+# nor do they read the user's presets (app/presets.py): their config folder is empty unless a test writes one
+CONFIG_DIR = os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="llamaterm-tests-config-")
+atexit.register(shutil.rmtree, CONFIG_DIR, ignore_errors=True)
 
 # The fast lane (`make test-fast`, `pytest --fast`) leaves out the tests marked slow (pyproject.toml says which are),
 # and fails a test that takes longer than this there (its setup included), so that a test of many seconds added

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -21,8 +22,10 @@ from starlette.routing import Route
 
 from llamaterm.app.announcements import Announcer, proof
 from llamaterm.app.openai_shapes import Responder
+from llamaterm.app.presets import Preset
 from llamaterm.app.server.errors import APIError, api_error, http_error, shutting_down
 from llamaterm.app.server.grammars import check_grammar
+from llamaterm.app.server.keep_alive import LOAD_HEADER, KeepAlive
 from llamaterm.app.server.metrics import metrics_text
 from llamaterm.app.server.requests import Completion, NamedTool, body_limit, parse_json, parse_request
 from llamaterm.app.server.streaming import (
@@ -34,7 +37,7 @@ from llamaterm.app.server.streaming import (
     whole_reply,
 )
 from llamaterm.app.server.supervisor import EngineSupervisor, SupervisedEngine
-from llamaterm.engine.api import EngineClient, RequestStream
+from llamaterm.engine.api import EngineClient, EngineStats, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.serving import grammar
 
@@ -49,13 +52,29 @@ log = logging.getLogger("uvicorn.error")  # uvicorn prints it
 
 
 class Service:
-    """What the routes share with the server's stop: the engine's supervisor, the live requests' events, and
-    whether the server drains (refuses new requests while those in flight finish)."""
+    """What the routes share with the server's stop: the engine's supervisor, the live requests' events, whether
+    the server drains (refuses new requests while those in flight finish), the model's keep-alive (seconds; 0:
+    forever), and the preset whose system prompt and sampling values fill what requests leave out."""
 
-    def __init__(self, supervisor: EngineSupervisor):
+    def __init__(self, supervisor: EngineSupervisor, keep_alive_s: float = 0, preset: Preset | None = None):
         self.supervisor = supervisor
         self.pump = EventPump()
         self.draining = False
+        self.keep_alive = KeepAlive(supervisor, self.pump, keep_alive_s)
+        self.preset = preset
+
+    def gauges(self) -> dict[str, float]:
+        """The server's own figures for /metrics (app/server/metrics.py SERVER_METRICS)."""
+        supervisor, keep_alive = self.supervisor, self.keep_alive
+        info = supervisor.engine.info if supervisor.loaded else {}
+        return {
+            "llamaterm_model_loaded": int(supervisor.loaded),
+            "llamaterm_context_length": supervisor.engine.max_context,
+            "llamaterm_memory_bytes": info.get("memory_bytes", 0),
+            "llamaterm_kv_tokens": info.get("kv_tokens", 0),
+            "llamaterm_keep_alive_seconds": keep_alive.seconds,
+            "llamaterm_idle_seconds": 0 if not keep_alive.idle else time.monotonic() - keep_alive.last_used,
+        }
 
     def status(self) -> str:
         if self.draining:
@@ -81,6 +100,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app):
         tasks = [asyncio.create_task(service.pump.run()), asyncio.create_task(service.supervisor.watch())]
+        if service.keep_alive.seconds:
+            tasks.append(asyncio.create_task(service.keep_alive.watch()))
         yield
         for task in tasks:
             task.cancel()
@@ -129,8 +150,8 @@ class Handlers:
         """Without a key; asked with a challenge, it also proves that it holds its announcement's local key
         (app/announcements.py), so a client sends that key to nothing else."""
         self.authorize(request, key=False)
-        status = self.service.status()
-        shown = {"status": status, "model": self.service.supervisor.engine.model_name}
+        status, supervisor = self.service.status(), self.service.supervisor
+        shown = {"status": status, "model": supervisor.engine.model_name, "loaded": supervisor.loaded}
         challenge = request.query_params.get("challenge")
         if self.announcer is not None and challenge is not None:
             shown["proof"] = proof(self.announcer.key, challenge)
@@ -139,8 +160,11 @@ class Handlers:
     async def metrics(self, request: Request) -> Response:
         self.authorize(request)
         self.check_engine()  # a dead engine's last numbers would pass for live ones
-        stats = self.service.supervisor.engine.stats()
-        return PlainTextResponse(metrics_text(stats), media_type="text/plain; version=0.0.4")
+        engine = self.service.supervisor.engine
+        # an unloaded model runs nothing and holds nothing
+        stats = engine.stats() if self.service.supervisor.loaded else EngineStats(engine.model_name, engine.device)
+        text = metrics_text(stats, self.service.gauges())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def authorize(self, request: Request, key: bool = True) -> None:
         if self.check_host and host_name(request.headers.get("host", "")) not in LOOPBACK_HOSTS:
@@ -170,7 +194,8 @@ class Handlers:
     async def answer(self, request: Request, chat: bool) -> Response:
         """A completion, or an error object for whatever failed: the connection stays open."""
         try:
-            return await self.complete(request, chat)
+            with self.service.keep_alive.request():
+                return await self.complete(request, chat)
         except APIError:
             raise
         except ClientDisconnect:  # it left before its body arrived: no one to answer
@@ -186,9 +211,13 @@ class Handlers:
         if self.service.draining:
             raise shutting_down()
         self.check_engine()
-        engine = self.service.supervisor.engine
+        engine, load_s = await self.service.keep_alive.engine()
         body = parse_json(await read_body_in_time(request, engine))
-        req = parse_request(body, engine.model_name, engine.max_context, chat, engine.sampling_defaults)
+        preset = self.service.preset
+        defaults = engine.sampling_defaults if preset is None else preset.server_defaults(engine.sampling_defaults)
+        req = parse_request(body, engine.model_name, engine.max_context, chat, defaults)
+        if preset is not None and preset.system and chat:
+            req = with_system(req, preset.system)
         if req.params.grammar is not None:
             await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
         family = reply_family(engine, chat)
@@ -205,8 +234,20 @@ class Handlers:
         choices = [Choice(stream, call_reader(family, req)) for stream in streams]
         if req.stream:
             events = stream_events(queue, choices, responder, req.include_usage)
-            return EngineStreamResponse(events, engine, streams)
-        return await whole_reply(request, engine, queue, choices, responder, asked)
+            response: Response = EngineStreamResponse(events, engine, streams)
+        else:
+            response = await whole_reply(request, engine, queue, choices, responder, asked)
+        if load_s is not None:  # the model had been unloaded (--keep-alive): what loading it again cost this request
+            response.headers[LOAD_HEADER] = f"{load_s:.3f}"
+        return response
+
+
+def with_system(req: Completion, system: str) -> Completion:
+    """A chat request under the preset's system prompt, where it gives none of its own."""
+    assert isinstance(req.prompt, list)  # a chat's messages
+    if any(m["role"] == "system" for m in req.prompt):
+        return req
+    return replace(req, prompt=[{"role": "system", "content": system}, *req.prompt])
 
 
 def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Completion, str]:

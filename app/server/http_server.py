@@ -13,7 +13,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llamaterm.app.announcements import Announcer
 from llamaterm.app.server.handlers import Service, create_app
-from llamaterm.app.server.supervisor import EngineSupervisor
 from llamaterm.engine.errors import LlamatermError
 
 HEADERS_TIMEOUT_S = 10  # a request's line and headers must arrive within this of the connection or the last response
@@ -126,19 +125,19 @@ class Server(uvicorn.Server):
 
 
 def serve(
-    supervisor: EngineSupervisor,
+    service: Service,
     host: str,
     port: int,
     api_key: str | None,
     shutdown_timeout: float,
     announcer: Announcer | None = None,
 ) -> None:
-    """Serve until a SIGTERM or SIGINT (Ctrl-C) has drained the server; raises LlamatermError if the engine failed
-    too often. The announcement, if any, goes as the server stops answering, however it stops."""
+    """Serve until a SIGTERM or SIGINT (Ctrl-C, `llamaterm stop`) has drained the server; raises LlamatermError if the
+    engine failed too often. The announcement, if any, goes as the server stops answering, however it stops."""
     try:
-        Server(Service(supervisor), host, port, api_key, shutdown_timeout, announcer).run()
+        Server(service, host, port, api_key, shutdown_timeout, announcer).run()
     finally:
         if announcer is not None:
             announcer.remove()
-    if supervisor.gave_up:
-        raise LlamatermError(supervisor.gave_up)
+    if service.supervisor.gave_up:
+        raise LlamatermError(service.supervisor.gave_up)

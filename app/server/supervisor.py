@@ -1,5 +1,6 @@
 """The server's engine, kept running: a supervisor restarts an engine process that dies, and stops the server after
-MAX_FAILURES in FAILURE_WINDOW_S."""
+MAX_FAILURES in FAILURE_WINDOW_S. It unloads the engine when told (serve --keep-alive: app/server/keep_alive.py) and
+loads it again."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class SupervisedEngine(EngineClient, Protocol):
 
     exited: threading.Event  # set once it has exited and its requests have ended with an error event
     tokenizer: Tokenizer
+    info: dict  # what it holds: its KV cache's tokens, its memory (EngineCore.describe)
 
     @property
     def exitcode(self) -> int | None: ...  # once shut down
@@ -44,24 +46,37 @@ def exit_text(code: int | None) -> str:
 class EngineSupervisor:
     """The server's engine, kept running. When it exits (its requests have then ended with an error event), the
     child is reaped and `start` builds another with the same config; the MAX_FAILURES-th failure (an exit, or a
-    start that failed) within FAILURE_WINDOW_S gives up, and the server exits."""
+    start that failed) within FAILURE_WINDOW_S gives up, and the server exits. Unloaded, `engine` is the engine that
+    was shut down: its model's name, context, tokenizer and sampling defaults still answer for it."""
 
     def __init__(self, start: Callable[[], SupervisedEngine]):
         self.start = start
         self.engine = start()
+        self.loaded = True
         self.restarting = False
         self.gave_up: str | None = None  # why the server must stop
         self.failures: list[float] = []  # their times, within the window
 
     @property
     def alive(self) -> bool:
-        return not self.restarting and not self.engine.exited.is_set()
+        """Takes requests: a model unloaded on purpose loads again for the next one."""
+        return not self.restarting and (not self.loaded or not self.engine.exited.is_set())
 
     async def watch(self) -> None:
         while self.gave_up is None:
-            if self.engine.exited.is_set():
+            if self.loaded and self.engine.exited.is_set():
                 await self.restart()
             await asyncio.sleep(WATCH_S)
+
+    async def unload(self) -> None:
+        """The engine process exits, its memory freed with it."""
+        self.loaded = False
+        await run_in_threadpool(self.engine.shutdown)
+
+    async def load(self) -> None:
+        """An engine again, after `unload`; what its start raised, where it failed (the model stays unloaded)."""
+        self.engine = await run_in_threadpool(self.start)
+        self.loaded = True
 
     async def restart(self) -> None:
         self.restarting = True

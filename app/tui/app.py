@@ -18,7 +18,7 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from llamaterm.app.history import History
-from llamaterm.app.tui.backends import Backend, open_engine
+from llamaterm.app.tui.backends import Backend, Loader
 from llamaterm.app.tui.screens.chat import MAX_PANES, ChatScreen
 from llamaterm.app.tui.session import ChatSettings, Session
 from llamaterm.engine.api import EngineClient
@@ -34,11 +34,11 @@ class ChatApp(App):
         self,
         load_engine: Callable[[Backend, float], EngineClient],
         sessions: int = 1,
-        system: str | None = None,
+        settings: ChatSettings | None = None,
         backends: list[Backend] | None = None,
     ):
-        """load_engine(backend, kv_share) runs in a worker thread and returns the backend's engine (open_engine, or
-        a stand-in). The panes take `backends` in turn (default: the default local model).
+        """load_engine(backend, kv_share) runs in a worker thread and returns the backend's engine (a Loader, or a
+        stand-in). The panes start with `settings` and take `backends` in turn (default: the default local model).
 
         Local models load one at a time, each measuring the memory free once the one before has its own, and each
         takes 1 / (the local loads still to come, its own included) of it: models loaded together split it evenly
@@ -51,7 +51,7 @@ class ChatApp(App):
             raise ValueError(f"sessions must be between 1 and {MAX_PANES}, not {sessions}")
         self.load_engine = load_engine
         self.session_count = sessions
-        self.settings = ChatSettings(system=system or "")
+        self.settings = settings or ChatSettings()
         self.initial_backends = backends or [Backend()]
         # self.history and self.chat are made in get_default_screen, which Textual calls before on_mount
 
@@ -118,18 +118,7 @@ class ChatApp(App):
             yield from screen.commands()
 
 
-def run_tui(
-    backends: list[Backend],
-    sessions: int,
-    system: str | None,
-    api_key: str | None = None,
-    speculate: dict | None = None,
-) -> None:
-    """`llamaterm chat`: the TUI with `sessions` panes, which take `backends` in turn; local engines speculate as
-    `speculate` says (EngineConfig's fields)."""
-    ChatApp(
-        lambda backend, kv_share: open_engine(backend, kv_share, api_key, speculate),
-        sessions=sessions,
-        system=system,
-        backends=backends,
-    ).run()
+def run_tui(backends: list[Backend], sessions: int, settings: ChatSettings, loader: Loader) -> None:
+    """`llamaterm chat`: the TUI with `sessions` panes, which start with `settings` and take `backends` in turn,
+    their engines opened by `loader`."""
+    ChatApp(loader, sessions=sessions, settings=settings, backends=backends).run()

@@ -7,7 +7,7 @@ child process, a server's model through RemoteEngine. Nothing here imports torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llamaterm.engine.api import EngineClient
 
@@ -28,14 +28,32 @@ class Backend:
         return f"{self.model or 'first model'} @ {self.server}"
 
 
-def open_engine(backend: Backend, kv_share: float, api_key: str | None, speculate: dict | None = None) -> EngineClient:
-    """The engine for `backend`. A local one's KV pool takes kv_share of the memory free when it loads, so that
-    several local models fit on one device; it speculates as `speculate` says (EngineConfig's fields)."""
-    if backend.local:
+@dataclass(frozen=True)
+class Loader:
+    """How `llamaterm chat` opens a backend's engine: a server's model with `api_key`; a local model on `device`,
+    from a `llamaterm serve` on this machine that holds it (as `run` finds one), unless `local` or `shape` (the
+    EngineConfig fields of --ctx, --kv-tokens, --speculate, ...: app/cli.py engine_shape) say to load it here."""
+
+    api_key: str | None = None
+    device: str | None = None
+    shape: dict = field(default_factory=dict)
+    local: bool = False
+
+    def __call__(self, backend: Backend, kv_share: float) -> EngineClient:
+        """The engine for `backend`. A local one loaded here takes kv_share of the memory free when it loads for its
+        KV pool, so that several local models fit on one device."""
+        if not backend.local:
+            from llamaterm.app.remote import RemoteEngine
+
+            return RemoteEngine(backend.server, backend.model or None, self.api_key)
+        if not self.local and not self.shape:
+            from llamaterm.app.announcements import find_server
+
+            found = find_server(backend.model or None, self.device, lambda skipped: None)
+            if found is not None:
+                return found
         from llamaterm.engine.api import EngineConfig
         from llamaterm.engine.serving.process import EngineProcess  # the engine loop never shares a GIL with the UI
 
-        return EngineProcess(EngineConfig(model=backend.model or None, kv_share=kv_share, **(speculate or {})))
-    from llamaterm.app.remote import RemoteEngine
-
-    return RemoteEngine(backend.server, backend.model or None, api_key)
+        config = EngineConfig(model=backend.model or None, device=self.device, kv_share=kv_share, **self.shape)
+        return EngineProcess(config)

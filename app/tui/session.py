@@ -145,7 +145,8 @@ class Session:
     def ask(self, text: str) -> tuple[ChatMessage, ChatMessage]:
         """Add the user's message (saved now) and an empty reply; `submit` sends them."""
         if not self.topic:
-            self.topic = text if len(text) <= TOPIC_CHARS else text[: TOPIC_CHARS - 1] + "…"
+            line = " ".join(text.split())  # a prompt of several lines titles its pane on one
+            self.topic = line if len(line) <= TOPIC_CHARS else line[: TOPIC_CHARS - 1] + "…"
         if self.conversation_id is None:
             self.conversation_id = self.history.create_conversation(self.title, self.settings.to_dict())
         prompt = ChatMessage("user", text)

@@ -50,3 +50,20 @@ def free_memory(device: torch.device) -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_budget(device: torch.device, gpu_memory: float | None) -> int:
+    """Bytes the engine may still take: the free memory; with --gpu-memory (a share of the GPU's total, as vLLM's
+    --gpu-memory-utilization), no more than keeps what this process holds within that share."""
+    free = free_memory(device)
+    if gpu_memory is None:
+        return free
+    if device.type != "cuda":
+        raise LlamatermError("--gpu-memory sets a GPU's share: on the CPU, --kv-tokens sizes the KV cache")
+    total, held = torch.cuda.get_device_properties(device).total_memory, torch.cuda.memory_reserved(device)
+    if total * gpu_memory <= held:
+        raise LlamatermError(
+            f"--gpu-memory {gpu_memory:g} is {total * gpu_memory / 1e9:.3g} GB of the GPU's {total / 1e9:.3g} GB, and "
+            f"the model's weights take {held / 1e9:.3g} GB of it already: give a larger share"
+        )
+    return min(free, int(total * gpu_memory) - held)

@@ -26,7 +26,7 @@ from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 from llamaterm.engine.serving.block_manager import BlockManager, pool_blocks
-from llamaterm.engine.serving.device import check_weights_fit, free_memory, resolve_device
+from llamaterm.engine.serving.device import check_weights_fit, free_memory, memory_budget, resolve_device
 from llamaterm.engine.serving.draft_model import check_vocabulary
 from llamaterm.engine.serving.front_end import CoreInfo
 from llamaterm.engine.serving.grammar import Vocabulary, vocabulary
@@ -41,6 +41,7 @@ from llamaterm.engine.serving.step_stats import StepRecorder, StepStats
 from llamaterm.engine.serving.synthetic_model import parse_synthetic, synthetic_model
 from llamaterm.engine.serving.weight_bytes import weight_bytes
 from llamaterm.engine.synthetic import SyntheticTokenizer, is_synthetic
+from llamaterm.kernels.cpu_native import use_threads
 from llamaterm.kernels.dispatch import REFERENCES_ONLY
 
 # What the sink receives per step: a TokenOutput per token or finish, and (request id, prompt tokens served from the
@@ -78,21 +79,28 @@ class EngineCore:
         self._outputs: list[TokenOutput] = []  # this step's, for the sink
         self._cached: list[tuple[int, int]] = []
         self.device = str(model.device)
-        self.max_context = model.config.context_length
+        self.max_context = context_limit(model.config.context_length, config.context_length)
         c = config
+        if c.threads:  # --threads, for the CPU's kernels and torch's own
+            use_threads(c.threads)
+            torch.set_num_threads(c.threads)
         t = time.perf_counter()
         # prefill-sized steps on the GPU run cuBLAS on dense copies if they take at most a quarter of this engine's
         # share of the memory left (engines on one device split it, as they split the KV pool)
         self.dense_weight_bytes = 0
         if model.device.type == "cuda":
-            self.dense_weight_bytes = model.keep_dense_weights(int(free_memory(model.device) * c.kv_share) // 4)
+            budget = memory_budget(model.device, c.gpu_memory)
+            self.dense_weight_bytes = model.keep_dense_weights(int(budget * c.kv_share) // 4)
             torch.cuda.synchronize(model.device)  # so the start-up figure holds the copies' time
         dense_s = time.perf_counter() - t
         check_speculation(c, model, draft)
         # a draft model's cache has the pool's blocks too (draft_model.py)
         kv_bytes = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
-        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share, kv_bytes)
-        num_blocks = pool_blocks(kv_tokens, c.block_size, kv_bytes, free_memory(model.device))
+        free = memory_budget(model.device, c.gpu_memory)
+        kv_tokens = c.kv_tokens or default_kv_tokens(model, c.kv_share, kv_bytes, free)
+        if c.context_length:  # the pool holds one sequence of --ctx tokens, at least
+            kv_tokens = context_pool(c, kv_tokens, kv_bytes, free)
+        num_blocks = pool_blocks(kv_tokens, c.block_size, kv_bytes, free)
         self.block_manager = BlockManager(num_blocks, c.block_size, model.config.kv_window())
         max_batch_tokens = c.max_batch_tokens or (2048 if model.device.type == "cuda" else 256)
         self.speculate = c.speculate
@@ -209,14 +217,24 @@ class EngineCore:
         )
 
     def describe(self) -> dict:
-        """What `llamaterm bench` shows of this engine: where start-up went, the weight bytes a decode step reads,
-        CUDA graphs or not, the dense copies kept for prefill."""
+        """What `llamaterm bench` and `ps` show of this engine: where start-up went, the weight bytes a decode step
+        reads, CUDA graphs or not, the dense copies kept for prefill, its KV pool in tokens and the memory it holds."""
         return {
             "startup_s": self.startup_s,
             "weight_bytes": weight_bytes(self.model),
             "cuda_graphs": self.runner.graphs is not None,
             "dense_weight_bytes": self.dense_weight_bytes,
+            "kv_tokens": self.pool_tokens(),
+            "memory_bytes": self.memory_held(),
         }
+
+    def memory_held(self) -> int:
+        """What the engine holds of its device's memory: on a GPU, torch's reservation; on the CPU, the weights and
+        the KV cache."""
+        device = self.model.device
+        if device.type == "cuda":
+            return torch.cuda.memory_reserved(device)
+        return weight_bytes(self.model) + self.pool_tokens() * self.model.kv_bytes_per_token()
 
     def pool_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
@@ -488,14 +506,37 @@ def out_of_memory(doing: str, advice: str):
         ) from None
 
 
-def default_kv_tokens(model: Model, share: float = 1.0, kv_bytes: int | None = None) -> int:
+def default_kv_tokens(model: Model, share: float = 1.0, kv_bytes: int | None = None, free: int | None = None) -> int:
     """CUDA: most of the memory left after the weights. CPU: a quarter of the free memory, at most 32k tokens.
     An engine that shares the device with others takes `share` of that. kv_bytes: a token's (default: the
-    model's; with a draft model, both models')."""
-    free, per_token = free_memory(model.device), kv_bytes or model.kv_bytes_per_token()
+    model's; with a draft model, both models'); free: the bytes the engine may take (default: the free memory)."""
+    free, per_token = free or free_memory(model.device), kv_bytes or model.kv_bytes_per_token()
     if model.device.type == "cuda":
         return int(free * 0.85 * share) // per_token
     return max(1024, min(32768, int(free / 4 * share) // per_token))
+
+
+def context_limit(model_context: int, asked: int | None) -> int:
+    """--ctx, which may shorten the model's own context but not lengthen it (its positions were never trained)."""
+    if asked is not None and asked > model_context:
+        raise LlamatermError(f"--ctx {asked} is past the model's own context of {model_context}: give at most that")
+    return asked or model_context
+
+
+def context_pool(c: EngineConfig, kv_tokens: int, kv_bytes: int, free: int) -> int:
+    """A KV pool of kv_tokens grown to hold one sequence of --ctx tokens; refused where memory cannot hold it."""
+    assert c.context_length is not None
+    if c.kv_tokens is not None and c.kv_tokens < c.context_length:
+        raise LlamatermError(
+            f"--kv-tokens {c.kv_tokens} cannot hold one sequence of --ctx {c.context_length}: give at least as many "
+            "KV tokens as --ctx, or leave --kv-tokens out"
+        )
+    if c.context_length * kv_bytes > free:
+        raise LlamatermError(
+            f"--ctx {c.context_length} needs {c.context_length * kv_bytes / 1e9:.3g} GB of KV cache, and "
+            f"{free / 1e9:.3g} GB are free: give at most --ctx {free // kv_bytes}"
+        )
+    return max(kv_tokens, c.context_length)
 
 
 def check_speculation(c: EngineConfig, model: Model, draft: Model | None) -> None:

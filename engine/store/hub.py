@@ -41,6 +41,7 @@ from llamaterm.engine.store.model_store import (
     list_models,
     model_lock,
     models_dir,
+    parse_ref,
     place,
     write_manifest,
 )
@@ -80,29 +81,6 @@ class PullPlan:
     quant: str | None  # the GGUF quant label; None for safetensors (the manifest reads it from config.json)
     files: list[RemoteFile]
     name: str
-
-
-# The Hub's own rule for a repo id's parts (huggingface_hub's validate_repo_id): letters, digits, '-', '_', '.',
-# not at either end '-' or '.', and no '--' or '..'; 96 characters in all
-_REPO_PART = re.compile(r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
-_QUANT = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def parse_ref(ref: str) -> tuple[str, str | None]:
-    """'owner/name[:QUANT]' -> (repo, quant). ValueError for anything else."""
-    repo, colon, quant = ref.partition(":")
-    parts = repo.split("/")
-    if (
-        len(parts) != 2
-        or len(repo) > 96
-        or not all(_REPO_PART.fullmatch(p) for p in parts)
-        or (colon and not _QUANT.fullmatch(quant))
-    ):
-        raise ValueError(
-            f"{ref!r} is not a model reference: expected OWNER/NAME or OWNER/NAME:QUANT, in letters, digits, '-', "
-            "'_' and '.' (as the Hugging Face Hub names repos)"
-        )
-    return repo, quant or None
 
 
 def default_name(repo: str, quant: str | None) -> str:

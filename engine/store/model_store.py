@@ -32,6 +32,36 @@ MANIFEST = "llamaterm.json"
 # Store names: what `pull` derives from a repo and quant, or what --name gives.
 VALID_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
+# The Hub's own rule for a repo id's parts (huggingface_hub's validate_repo_id): letters, digits, '-', '_', '.',
+# not at either end '-' or '.', and no '--' or '..'; 96 characters in all
+_REPO_PART = re.compile(r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_QUANT = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+# what may stand before a repo's name, as ollama takes `hf.co/OWNER/REPO:QUANT` and a browser's address bar gives it
+HUB_PREFIXES = ("https://huggingface.co/", "https://hf.co/", "huggingface.co/", "hf.co/")
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """'owner/name[:QUANT]', or 'hf.co/owner/name[:QUANT]' as ollama takes it -> (repo, quant). ValueError for
+    anything else."""
+    given = ref
+    for prefix in HUB_PREFIXES:
+        ref = ref.removeprefix(prefix)
+    repo, colon, quant = ref.partition(":")
+    parts = repo.split("/")
+    if (
+        len(parts) != 2
+        or len(repo) > 96
+        or not all(_REPO_PART.fullmatch(p) for p in parts)
+        or (colon and not _QUANT.fullmatch(quant))
+    ):
+        raise ValueError(
+            f"{given!r} is not a model reference: expected OWNER/NAME or OWNER/NAME:QUANT, in letters, digits, '-', "
+            "'_' and '.' (as the Hugging Face Hub names repos)"
+        )
+    return repo, quant or None
+
 
 def data_dir() -> Path:
     """LLAMATERM_HOME overrides the platform's user data directory (tests use it to stay hermetic)."""
@@ -166,6 +196,12 @@ def _adopt(folder: Path) -> dict[str, Any]:
     return manifest
 
 
+def stored_names() -> list[str]:
+    """The store's model names as its folders give them, none read: what shell completion offers, at once."""
+    root = models_dir()
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+
+
 def list_models() -> list[StoredModel]:
     return scan_store()[0]
 
@@ -249,7 +285,28 @@ def resolve_model(name: str | None) -> Path:
         raise ModelNotFound(
             f"no such file or folder: {name} (a model is a .gguf file, a model folder or a stored name)"
         )
+    if "/" in name:  # a Hub reference, as `pull` took it
+        return pulled(name).checkpoint
     return find_model(name).checkpoint
+
+
+def pulled(ref: str) -> StoredModel:
+    """The stored model that `llamaterm pull REF` brought (OWNER/NAME[:QUANT], hf.co/ before it or not)."""
+    try:
+        repo, quant = parse_ref(ref)
+    except ValueError as e:
+        raise ModelNotFound(f"{e}; or a stored name, or a path") from None
+    found = [
+        m
+        for m in list_models()
+        if (m.manifest.get("repo") or "").lower() == repo.lower()
+        and (quant is None or (m.manifest.get("quant") or "").lower() == quant.lower())
+    ]
+    if not found:
+        raise ModelNotFound(f"{ref} is not in the store: `llamaterm pull {ref}` downloads it")
+    if len(found) > 1:
+        raise ModelNotFound(f"the store holds several models of {ref}: name one, {', '.join(m.name for m in found)}")
+    return found[0]
 
 
 def install(staged: Path, name: str) -> StoredModel:

@@ -34,6 +34,7 @@ from tests.support.fake_engine import REPLY, FakeEngine, words
 from tests.support.serve_support import app_server, free_port
 
 QUICK_S = 0.5  # a stale announcement costs less than a user notices
+pytestmark = pytest.mark.usefixtures("no_announcements")
 
 
 @pytest.fixture
@@ -42,17 +43,6 @@ def model(tmp_path) -> Path:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"not a model")
     return path.resolve()
-
-
-@pytest.fixture(autouse=True)
-def no_announcements() -> Iterator[None]:
-    """Each test starts with none, and leaves none."""
-    folder = servers_dir()
-    for file in folder.glob("*") if folder.exists() else []:
-        file.unlink()
-    yield
-    for file in folder.glob("*") if folder.exists() else []:
-        file.unlink()
 
 
 def announcer(path: Path, port: int | None = None, device: str = "cpu") -> Announcer:

@@ -94,8 +94,8 @@ def test_bench_table_and_bad_input():
     assert bad.returncode == 2 and "--sessions takes counts" in bad.stderr
     bad = llamaterm("bench", "--workload", "poems")
     assert bad.returncode == 2 and "unknown workload 'poems'" in bad.stderr
-    bad = llamaterm("bench", "--peer", "hf")  # the default workload runs the engine process
-    assert bad.returncode == 2 and "--engine inline" in bad.stderr
+    bad = llamaterm("bench", "--peer", "hf", "--engine", "process")  # the peer runs beside the engine in this process
+    assert bad.returncode == 2 and "leave out --engine process" in bad.stderr
 
 
 def test_bench_under_a_json_schema_says_where_masked_steps_wait():

@@ -17,8 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TIMINGS = {"ttft_s", "tokens_per_s"}  # a JSON output's fields that measure this machine
 # examples whose output is not this machine's to reproduce: the network (pull), the user's store (rm NAME), a
-# server that runs until stopped, the line chat's prompts (below) and the figures of a busy machine
-ELSEWHERE = ("llamaterm pull", "llamaterm rm", "llamaterm serve", "llamaterm chat", "llamaterm bench")
+# server that runs until stopped and the servers running (ps, stop), the line chat's prompts (below) and the figures
+# of a busy machine
+ELSEWHERE = (
+    "llamaterm pull",
+    "llamaterm rm",
+    "llamaterm serve",
+    "llamaterm ps",
+    "llamaterm stop",
+    "llamaterm chat",
+    "llamaterm bench",
+)
 
 
 def examples() -> list[tuple[str, str]]:

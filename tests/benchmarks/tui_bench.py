@@ -20,10 +20,13 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import Input
+
+if TYPE_CHECKING:
+    from llamaterm.app.tui.widgets.prompt_input import PromptInput
 
 PROMPT = "Explain how a hash map works, with a short Python example."
 TARGET = 0.95
@@ -60,7 +63,7 @@ class Recorder:
         return tokens / (last - first), tokens
 
 
-async def key_latencies(pilot: Pilot, target: Input, keys: str) -> list[float]:
+async def key_latencies(pilot: Pilot, target: PromptInput, keys: str) -> list[float]:
     """Seconds from each key event reaching the app to the input holding the character; the keys go through
     the app's queue as a terminal's would, so a busy UI loop shows up as latency."""
     app = pilot.app
@@ -92,6 +95,7 @@ def tui_run(engine, sessions: int, settings, typing: bool = False) -> tuple[floa
     """The same requests sent from the TUI's broadcast input. Returns (aggregate tokens/s, the UI thread's busy
     share while the replies streamed, key latencies in s: with `typing`, keys go to a pane's input meanwhile)."""
     from llamaterm.app.tui.app import ChatApp
+    from llamaterm.app.tui.widgets.prompt_input import PromptInput
 
     recorder = Recorder(engine)
     app = ChatApp(lambda *_: recorder, sessions=sessions)
@@ -104,10 +108,10 @@ def tui_run(engine, sessions: int, settings, typing: bool = False) -> tuple[floa
             await pilot.pause(0.01)
         for pane in app.chat.panes:
             pane.session.configure(settings)
-        app.chat.query_one("#prompt", Input).value = PROMPT
+        app.chat.query_one("#prompt", PromptInput).load_text(PROMPT)
         wall, cpu = time.perf_counter(), time.thread_time()
         await pilot.press("enter")
-        target = app.chat.panes[0].query_one(".pane-input", Input)
+        target = app.chat.panes[0].query_one(".pane-input", PromptInput)
         target.focus()
         while not recorder.finished():
             streaming = all(p.session.messages[-1].content for p in app.chat.panes)

@@ -23,16 +23,13 @@ import pytest
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_model
+from tests.store.conftest import CHAT_TEMPLATE, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS
 from tests.support.cli import LLAMATERM
 from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
 
 pytestmark = pytest.mark.slow  # `llamaterm` in subprocesses, pulling from a Hub look-alike
 
 TOKEN = "hf_test_token"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-# The tiny models' shapes (tests/support/tiny_models.py defaults), for counting their parameters independently.
-HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 64, 4, 2, 128, 2
 
 
 def n_params(vocab: int) -> int:
@@ -40,60 +37,6 @@ def n_params(vocab: int) -> int:
     attention = 2 * HIDDEN * HEADS * head_dim + 2 * HIDDEN * KV_HEADS * head_dim
     per_layer = attention + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN
     return vocab * HIDDEN + LAYERS * per_layer + HIDDEN  # tied embeddings, final norm
-
-
-@pytest.fixture(scope="session")
-def safetensors_repo(tmp_path_factory) -> dict[str, bytes]:
-    """A tiny Llama as a Hugging Face repo: config.json, a byte-level BPE tokenizer.json, model.safetensors."""
-    import torch
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    d = tmp_path_factory.mktemp("safetensors")
-    byte_tokens = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte, no merges
-    tokenizer = Tokenizer(BPE(vocab={c: i for i, c in enumerate(byte_tokens)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(d / "tokenizer.json"))
-    head_dim, gen = HIDDEN // HEADS, torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (256, HIDDEN), "model.norm.weight": (HIDDEN,)}
-    for i in range(LAYERS):
-        layer = f"model.layers.{i}."
-        shapes |= {
-            layer + "input_layernorm.weight": (HIDDEN,),
-            layer + "post_attention_layernorm.weight": (HIDDEN,),
-            layer + "self_attn.q_proj.weight": (HEADS * head_dim, HIDDEN),
-            layer + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-            layer + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-            layer + "self_attn.o_proj.weight": (HIDDEN, HEADS * head_dim),
-            layer + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-            layer + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-            layer + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
-        }
-    save_file({name: torch.randn(shape, generator=gen) * 0.02 for name, shape in shapes.items()}, d / "w")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "vocab_size": 256,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }
-    return {
-        "config.json": json.dumps(config).encode(),
-        "generation_config.json": b"{}",
-        "tokenizer.json": (d / "tokenizer.json").read_bytes(),
-        "tokenizer_config.json": json.dumps({"chat_template": CHAT_TEMPLATE}).encode(),
-        "model.safetensors": (d / "w").read_bytes(),
-    }
 
 
 def pull(ref: str, **kwargs):
@@ -543,7 +486,7 @@ def test_rm_on_a_store_it_cannot_write_says_so_in_one_line(hub_server, models, m
     assert (home() / "tiny-q4_0").exists()
 
 
-@pytest.mark.parametrize("ref", ["../etc", "a/..", "a/b\x01c", "a--b/c", "owner/name/more", "a/b:", "a/b:q 4"])
+@pytest.mark.parametrize("ref", ["a/..", "a/b\x01c", "a--b/c", "owner/name/more", "a/b:", "a/b:q 4"])
 def test_pull_of_what_is_no_repo_is_a_usage_error(hub_server, ref):
     r = llamaterm("pull", ref)
     assert r.returncode == 2 and "is not a model reference" in r.stderr and "Traceback" not in r.stderr, r.stderr

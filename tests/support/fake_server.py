@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from llamaterm.app.announcements import Announcer, ServedModel
+from llamaterm.app.server.handlers import Service
 from llamaterm.app.server.http_server import serve
 from llamaterm.app.server.supervisor import EngineSupervisor
 from tests.support.fake_engine import FakeEngine
@@ -21,7 +22,7 @@ def main() -> None:
     path, port = Path(sys.argv[1]).resolve(), int(sys.argv[2])
     engine = FakeEngine(LONG_REPLY, tokens_per_s=50)
     announcer = Announcer("127.0.0.1", port, engine.device, [ServedModel(engine.model_name, str(path), None, None)])
-    serve(EngineSupervisor(lambda: NeverExits(engine)), "127.0.0.1", port, None, 1, announcer)
+    serve(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, None, 1, announcer)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx2
 
 from llamaterm.app.announcements import Announcer, servers_dir
+from llamaterm.app.presets import Preset
 from llamaterm.app.server.handlers import Service
 from llamaterm.app.server.http_server import Server
 from llamaterm.app.server.supervisor import EngineSupervisor
@@ -93,17 +94,21 @@ class NeverExits:
 
     def __init__(self, engine):
         self.engine, self.exited = engine, threading.Event()
+        self.info: dict = {}  # what an engine process says it holds (its memory, its KV tokens): unknown here
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
 
 @contextlib.contextmanager
-def app_server(engine, api_key: str | None = None, announcer: Announcer | None = None) -> Iterator[str]:
+def app_server(
+    engine, api_key: str | None = None, announcer: Announcer | None = None, preset: Preset | None = None
+) -> Iterator[str]:
     """The server on `engine` (the test's, which it shuts down), in a thread of this process; yields its base
-    URL. With an announcer, on its port, announced while the block runs."""
+    URL. With an announcer, on its port, announced while the block runs; with a preset, serving under it."""
     port = free_port() if announcer is None else announcer.port
-    server = Server(Service(EngineSupervisor(lambda: NeverExits(engine))), "127.0.0.1", port, api_key, 10, announcer)
+    service = Service(EngineSupervisor(lambda: NeverExits(engine)), preset=preset)
+    server = Server(service, "127.0.0.1", port, api_key, 10, announcer)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

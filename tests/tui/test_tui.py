@@ -20,6 +20,8 @@ from llamaterm.app.tui.screens.help import HelpScreen
 from llamaterm.app.tui.screens.history import HistoryScreen
 from llamaterm.app.tui.screens.settings import SettingsScreen, origin
 from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
+from llamaterm.app.tui.session import ChatSettings
+from llamaterm.app.tui.widgets.prompt_input import PromptInput
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.engine.checkpoints.sampling_defaults import GGUF_KEYS, SERVER_DEFAULTS, from_values
 from llamaterm.engine.errors import LlamatermError, ModelNotFound
@@ -41,7 +43,7 @@ def home(tmp_path, monkeypatch):
 
 def make_app(engine: FakeEngine | None = None, sessions: int = 1, system: str | None = None) -> ChatApp:
     engine = engine or FakeEngine()
-    return ChatApp(lambda *_: engine, sessions=sessions, system=system)
+    return ChatApp(lambda *_: engine, sessions=sessions, settings=ChatSettings(system=system or ""))
 
 
 def status_text(app: ChatApp) -> str:
@@ -165,7 +167,7 @@ def test_broadcast_goes_to_selected_panes_and_a_pane_input_to_its_pane():
     async def scenario(pilot):
         await engine_ready(pilot)
         panes = app.chat.panes
-        prompt = app.chat.query_one("#prompt", Input)
+        prompt = app.chat.query_one("#prompt", PromptInput)
         assert prompt.border_title == "→ all 3 panes"
         await pilot.press("ctrl+t")  # the active pane (1) leaves the broadcast
         assert not panes[0].selected and prompt.border_title == "→ 2 of 3 panes"
@@ -173,7 +175,7 @@ def test_broadcast_goes_to_selected_panes_and_a_pane_input_to_its_pane():
         await idle(pilot)
         assert [len(p.session.messages) for p in panes] == [0, 2, 2]
 
-        panes[0].query_one(".pane-input", Input).focus()
+        panes[0].query_one(".pane-input", PromptInput).focus()
         await type_and_send(pilot, "only one")
         await idle(pilot)
         assert [len(p.session.messages) for p in panes] == [2, 2, 2]
@@ -501,7 +503,7 @@ def test_help_lists_every_key():
                 assert app.get_key_display(replace(binding, key=key)) in text
         await pilot.press("escape")
         assert isinstance(app.screen, ChatScreen)
-        app.chat.panes[0].transcript.focus()  # "?" works outside the inputs
+        app.set_focus(None)  # "?" works outside the inputs
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
 
@@ -518,7 +520,7 @@ def test_live_stats_come_from_the_engine():
         await wait_until(pilot, lambda: all(p.session.messages[-1].content == REPLY for p in panes))
         await pilot.pause(1.2)  # a stats refresh
         assert stats_text(panes[0]) == "200.0 tok/s · TTFT 5 ms · 38 tok\nctx 40/2048 · cached 0"
-        assert status_text(app) == "fake-llama on cpu │ 400.0 tok/s │ batch 2 │ KV 6/1024 blocks │ waiting 0"
+        assert status_text(app) == "fake-llama on cpu │ ctx 2048 │ 400.0 tok/s │ batch 2 │ KV 6/1024 blocks │ waiting 0"
 
     run(app, scenario)
 
@@ -580,7 +582,7 @@ def test_keystrokes_are_handled_fast_while_four_panes_stream():
         for pane in panes:  # the whole reply (24 s at 250 tokens/s): a loaded CI machine types slowly
             pane.session.configure(replace(pane.session.settings, max_tokens=len(LONG_REPLY.split())))
         await type_and_send(pilot, "stream")
-        target = panes[0].query_one(".pane-input", Input)
+        target = panes[0].query_one(".pane-input", PromptInput)
         target.focus()
         await wait_until(pilot, lambda: len(panes[3].session.messages[-1].content) > 500)
         latencies = sorted(await key_latencies(pilot, target, "abcdefghijklmnopqrst"))

@@ -1,17 +1,21 @@
 """Pilot tests of the panes' backends: several models side by side, a pane moving to another model, a model that
 does not load, and a pane on an OpenAI-compatible server (the server's app over the fake engine)."""
 
+import json
+
 import pytest
 from textual.widgets import Input
 
+from llamaterm.app.announcements import Announcer, ServedModel
+from llamaterm.app.tui import backends
 from llamaterm.app.tui.app import ChatApp
-from llamaterm.app.tui.backends import Backend, open_engine
+from llamaterm.app.tui.backends import Backend
 from llamaterm.app.tui.screens import chat
 from llamaterm.app.tui.screens.settings import SettingsScreen
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.engine.errors import ModelNotFound
 from tests.support.fake_engine import REPLY, FakeEngine
-from tests.support.serve_support import app_server
+from tests.support.serve_support import app_server, free_port
 from tests.support.tui_support import idle, run, wait_until
 
 
@@ -22,7 +26,7 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-class Loader:
+class FakeLoader:
     """A fake engine per backend, named after its model; models named "broken" do not load. Each takes its
     kv_share of what is left of a device's memory (1.0 in all), as Engine's default pool does."""
 
@@ -50,7 +54,7 @@ async def all_loaded(pilot, count: int) -> None:
 
 
 def test_two_local_models_side_by_side_answer_the_same_question():
-    loader = Loader()
+    loader = FakeLoader()
     app = ChatApp(loader, sessions=2, backends=[Backend("alpha"), Backend("beta")])
 
     async def scenario(pilot):
@@ -69,8 +73,18 @@ def test_two_local_models_side_by_side_answer_the_same_question():
     run(app, scenario)
 
 
-def test_a_pane_moved_to_another_model_gets_its_own_engine_and_the_unused_one_stops():
-    loader = Loader()
+def stored(home, name: str) -> None:
+    """A model of that name in the test's store, for the settings dialog, which checks that a local model is there
+    (the fake loader never reads it)."""
+    folder = home / "models" / name
+    folder.mkdir(parents=True)
+    manifest = {"format": "gguf", "files": [{"path": f"{name}.gguf", "size": 0}]}
+    (folder / "llamaterm.json").write_text(json.dumps(manifest))
+
+
+def test_a_pane_moved_to_another_model_gets_its_own_engine_and_the_unused_one_stops(home):
+    stored(home, "gamma")
+    loader = FakeLoader()
     app = ChatApp(loader, sessions=2)
 
     async def scenario(pilot):
@@ -95,7 +109,7 @@ def test_a_pane_moved_to_another_model_gets_its_own_engine_and_the_unused_one_st
 
 
 def test_a_model_that_does_not_load_fails_its_panes_only():
-    loader = Loader()
+    loader = FakeLoader()
     app = ChatApp(loader, sessions=2, backends=[Backend("broken"), Backend()])
 
     async def scenario(pilot):
@@ -117,7 +131,7 @@ def test_a_pane_on_a_server_beside_a_local_pane():
     with served, app_server(served, api_key="k") as url:
 
         def load(backend: Backend, kv_share: float):
-            return open_engine(backend, kv_share, "k") if backend.server else local
+            return backends.Loader("k")(backend, kv_share) if backend.server else local
 
         app = ChatApp(load, sessions=2, backends=[Backend(), Backend(server=url)])
 
@@ -150,7 +164,7 @@ def test_a_server_failing_mid_reply_fails_that_pane_only():
     local = FakeEngine(model_name="local-llama")
     with served, app_server(served) as url:
         app = ChatApp(
-            lambda b, share: open_engine(b, share, None) if b.server else local,
+            lambda b, share: backends.Loader()(b, share) if b.server else local,
             sessions=2,
             backends=[Backend(), Backend(server=url)],
         )
@@ -175,7 +189,7 @@ def test_a_pane_put_on_a_server_in_its_settings_and_a_server_that_is_down():
     served = FakeEngine(lambda messages: "from the server", model_name="served-llama")
     local = FakeEngine(model_name="local-llama")
     with served, app_server(served) as url:
-        app = ChatApp(lambda b, share: open_engine(b, share, None) if b.server else local, sessions=2)
+        app = ChatApp(lambda b, share: backends.Loader()(b, share) if b.server else local, sessions=2)
 
         async def settings_server(pilot, pane: int, server: str) -> None:
             app.chat.panes[pane].query_one(".pane-input").focus()
@@ -205,5 +219,46 @@ def test_a_pane_put_on_a_server_in_its_settings_and_a_server_that_is_down():
             assert "cannot reach the server at http://127.0.0.1:9/v1" in there.session.messages[-1].error
             assert here.session.messages[-1].content == REPLY and here.session.messages[-1].error is None
             assert "cannot reach the server" in status_text(app)
+
+        run(app, scenario)
+
+
+def model_file(folder) -> str:
+    """What a server announces it holds: a file that is no model, so a pane that loaded it here would fail."""
+    path = folder / "model.gguf"
+    path.write_bytes(b"not a model")
+    return str(path.resolve())
+
+
+def test_a_local_pane_uses_the_server_on_this_machine_that_holds_its_model(tmp_path):
+    """As `run` does: the pane's model is not loaded a second time where a `llamaterm serve` holds it."""
+    model, engine = model_file(tmp_path), FakeEngine(max_context=4096)
+    found = Announcer("127.0.0.1", free_port(), "cpu", [ServedModel("fake-llama", model, None, None)])
+    with engine, app_server(engine, None, found):
+        app = ChatApp(backends.Loader(), backends=[Backend(model)])
+
+        async def scenario(pilot):
+            await all_loaded(pilot, 1)
+            await pilot.press(*"hello", "enter")
+            await idle(pilot)
+            assert app.chat.panes[0].session.messages[-1].content == REPLY
+            assert engine.submitted[-1][0][-1] == {"role": "user", "content": "hello"}
+            assert f"The llamaterm serve at {found.url} holds it" in "\n".join(n.message for n in app._notifications)
+            assert status_text(app).startswith(f"fake-llama on 127.0.0.1:{found.port} │ ctx 4096 │")
+
+        run(app, scenario)
+
+
+@pytest.mark.slow  # the engine process starts, and fails on the file
+@pytest.mark.parametrize("loader", [backends.Loader(local=True), backends.Loader(shape={"context_length": 64})])
+def test_local_or_a_flag_that_shapes_the_engine_loads_the_model_here(tmp_path, loader):
+    model, engine = model_file(tmp_path), FakeEngine()
+    found = Announcer("127.0.0.1", free_port(), "cpu", [ServedModel("fake-llama", model, None, None)])
+    with engine, app_server(engine, None, found):
+        app = ChatApp(loader, backends=[Backend(model)])
+
+        async def scenario(pilot):
+            await wait_until(pilot, lambda: app.chat.failed, timeout=60)
+            assert "not a GGUF file" in status_text(app) and not engine.submitted
 
         run(app, scenario)

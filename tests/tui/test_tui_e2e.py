@@ -7,7 +7,7 @@ import pytest
 from textual.widgets import Markdown
 
 from llamaterm.app.tui.app import ChatApp
-from llamaterm.app.tui.backends import Backend, open_engine
+from llamaterm.app.tui.backends import Backend, Loader
 from llamaterm.app.tui.session import ChatSettings
 from llamaterm.engine.store.model_store import resolve_model
 from tests.support.serve_support import llamaterm_serve
@@ -28,7 +28,7 @@ def test_two_panes_stream_a_broadcast_question(tmp_path, monkeypatch):
 
         return EngineProcess(EngineConfig(model=model))
 
-    app = ChatApp(load_engine, sessions=2, system="You are a helpful assistant.")
+    app = ChatApp(load_engine, sessions=2, settings=ChatSettings(system="You are a helpful assistant."))
 
     async def scenario(pilot):
         chat = app.chat
@@ -89,7 +89,7 @@ def test_a_local_pane_beside_a_pane_on_llamaterm_serve(tmp_path, monkeypatch):
     with llamaterm_serve("--device", "cpu") as url:
         monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))  # the history; the server has read the store
         app = ChatApp(
-            lambda b, share: open_engine(b, share, None),
+            lambda b, share: Loader()(b, share),
             sessions=2,
             backends=[Backend(str(DEFAULT)), Backend(server=url)],
         )
@@ -109,9 +109,7 @@ def test_a_local_pane_beside_a_pane_on_llamaterm_serve(tmp_path, monkeypatch):
 def test_two_panes_on_two_local_models(tmp_path, monkeypatch):
     tiny = write_tiny_llama(tmp_path / "tiny.gguf", context_length=256)
     monkeypatch.setenv("LLAMATERM_HOME", str(tmp_path))
-    app = ChatApp(
-        lambda b, share: open_engine(b, share, None), sessions=2, backends=[Backend(str(DEFAULT)), Backend(str(tiny))]
-    )
+    app = ChatApp(lambda b, share: Loader()(b, share), sessions=2, backends=[Backend(str(DEFAULT)), Backend(str(tiny))])
 
     def check(chat):
         names = [chat.engines[p.session.settings.backend].model_name for p in chat.panes]

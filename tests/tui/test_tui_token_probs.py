@@ -8,7 +8,7 @@ import re
 
 import pytest
 from textual.app import App
-from textual.widgets import Input, Select, TextArea
+from textual.widgets import Select, TextArea
 
 from llamaterm.app.history import History
 from llamaterm.app.logprobs import ShownToken
@@ -18,6 +18,7 @@ from llamaterm.app.tui.screens.chat import ChatScreen
 from llamaterm.app.tui.screens.settings import SettingsScreen
 from llamaterm.app.tui.session import ChatMessage, ChatSettings, Session
 from llamaterm.app.tui.widgets import token_view
+from llamaterm.app.tui.widgets.prompt_input import PromptInput
 from llamaterm.app.tui.widgets.token_view import ShadedReply, TokenParagraph
 from llamaterm.engine.sampling_params import Grammar
 from tests.support.fake_engine import FakeEngine
@@ -107,7 +108,7 @@ def test_a_pane_shading_tokens_asks_for_alternatives_and_lists_them_under_the_cu
         assert engine.submitted[-1][1].logprobs is None
         assert not isinstance(app.chat.panes[0].reply_view, ShadedReply)
         await pilot.press("f7")
-        assert isinstance(app.focused, Input)  # nothing to enter: a notice says how to turn it on
+        assert isinstance(app.focused, PromptInput)  # nothing to enter: a notice says how to turn it on
 
     run(app, scenario)
 

@@ -23,7 +23,7 @@ from textual.binding import Binding
 from textual.containers import Grid
 from textual.events import DescendantFocus
 from textual.screen import Screen
-from textual.widgets import Footer, Input
+from textual.widgets import Footer
 
 from llamaterm.app.history import History, export_file
 from llamaterm.app.tui import clipboard
@@ -35,6 +35,7 @@ from llamaterm.app.tui.screens.settings import SettingsScreen
 from llamaterm.app.tui.screens.text_prompt import TextPromptScreen
 from llamaterm.app.tui.session import Session
 from llamaterm.app.tui.widgets.chat_pane import ChatPane
+from llamaterm.app.tui.widgets.prompt_input import PromptInput, prompt_text
 from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.app.tui.widgets.token_view import ShadedReply
 from llamaterm.app.tui.widgets.transcript import CopyRequested
@@ -112,6 +113,10 @@ class ChatScreen(Screen):
         ),
         Binding("ctrl+l", "clear", "Clear", show=False, tooltip="Start a new conversation in the active pane"),
         Binding("ctrl+o", "history", "History", tooltip="Search past conversations and reopen one"),
+        Binding("pageup", "scroll_transcript(-1)", "Page up", show=False, tooltip="Scroll the active pane up a page"),
+        Binding(
+            "pagedown", "scroll_transcript(1)", "Page down", show=False, tooltip="Scroll the active pane down a page"
+        ),
     ]
     BINDINGS = [*KEY_BINDINGS]
     PALETTE_ONLY = [
@@ -130,12 +135,15 @@ class ChatScreen(Screen):
         self.zoomed = False
         self.render_budget = RenderBudget(RENDER_SHARE, max_wait_s=RENDER_MAX_WAIT_S)
         self.stats_shown_at = 0.0
+        self.recalled = history.recent_prompts()  # what ↑ recalls in the inputs (PromptInput), this session's after
 
     def compose(self) -> ComposeResult:
         with Grid(id="panes"):
             for number, session in enumerate(self.initial_sessions, 1):
-                yield ChatPane(session, number)
-        yield Input(id="prompt", placeholder="Ask every selected pane… (Enter sends, F1 lists the keys)")
+                yield ChatPane(session, number, self.recalled)
+        yield PromptInput(
+            self.recalled, id="prompt", placeholder="Ask every selected pane… (Enter sends, ^j a new line, F1 the keys)"
+        )
         yield StatusBar(id="status")
         yield Footer()
 
@@ -210,6 +218,9 @@ class ChatScreen(Screen):
         # a plain method (it awaits nothing): mypy cannot take a coroutine function for call_from_thread's callback
         self.loading_backends.discard(backend)
         self.engines[backend] = engine
+        url = getattr(engine, "base_url", None)  # a RemoteEngine's: a server on this machine holds the local model
+        if backend.local and url:
+            self.notify(f"The llamaterm serve at {url} holds it: its panes use it (chat --local loads it here).")
         for warning in engine.sampling_defaults.warnings:  # the model's files advised a value it cannot take
             self.notify(warning, title=backend.label, severity="warning", timeout=30)
         for pane in self.panes:
@@ -267,7 +278,7 @@ class ChatScreen(Screen):
 
     def show_status(self) -> None:
         failed = [f"{b.label} did not load: {m}" for b, m in self.failed.items() if b in self.backends()]
-        self.query_one(StatusBar).show([self.engines[b].stats() for b in self.backends() if b in self.engines], failed)
+        self.query_one(StatusBar).show([self.engines[b] for b in self.backends() if b in self.engines], failed)
 
     # ---- layout and focus ----
 
@@ -293,7 +304,7 @@ class ChatScreen(Screen):
             title = "no pane selected: ctrl+t selects the active one"
         else:
             title = f"→ all {selected} panes" if selected == len(panes) else f"→ {selected} of {len(panes)} panes"
-        self.query_one("#prompt", Input).border_title = title
+        self.query_one("#prompt", PromptInput).border_title = title
 
     def activate(self, pane: ChatPane, focus: bool = True) -> None:
         for other in self.panes:
@@ -301,7 +312,7 @@ class ChatScreen(Screen):
         if self.zoomed:
             self.relayout()
         if focus:
-            target = pane.query_one(".pane-input", Input)
+            target = pane.query_one(".pane-input", PromptInput)
             (target if target.display and not self.has_class("-single") else self.query_one("#prompt")).focus()
 
     @on(DescendantFocus)
@@ -312,9 +323,9 @@ class ChatScreen(Screen):
 
     # ---- prompts ----
 
-    @on(Input.Submitted)
-    async def send(self, event: Input.Submitted) -> None:
-        text = event.value.strip()
+    @on(PromptInput.Submitted)
+    async def send(self, event: PromptInput.Submitted) -> None:
+        text = prompt_text(event.value)
         if not text:
             return
         if event.input.id == "prompt":
@@ -330,7 +341,9 @@ class ChatScreen(Screen):
             self.notify(f"Pane {numbers} is still answering (Esc stops it).", severity="warning")
         if len(busy) == len(targets):
             return
-        event.input.clear()
+        event.input.clear_sent()
+        if not self.recalled or self.recalled[-1] != text:
+            self.recalled.append(text)
         asked = [p for p in targets if p not in busy]
         for pane in asked:
             pane.ask(text, self.engine_for(pane))
@@ -359,7 +372,7 @@ class ChatScreen(Screen):
         if len(self.panes) >= MAX_PANES:
             self.notify(f"{MAX_PANES} panes is the most: close one (F8) first.", severity="warning")
             return
-        pane = ChatPane(session, len(self.panes) + 1)
+        pane = ChatPane(session, len(self.panes) + 1, self.recalled)
         await self.query_one("#panes", Grid).mount(pane)
         self.zoomed = False
         self.relayout()
@@ -386,6 +399,13 @@ class ChatScreen(Screen):
     def action_focus_pane(self, step: int) -> None:
         panes = self.panes
         self.activate(panes[(panes.index(self.active) + step) % len(panes)])
+
+    def action_scroll_transcript(self, pages: int) -> None:
+        transcript = self.active.transcript
+        if pages < 0:
+            transcript.scroll_page_up()
+        else:
+            transcript.scroll_page_down()
 
     def action_zoom(self) -> None:
         self.zoomed = not self.zoomed
@@ -439,7 +459,8 @@ class ChatScreen(Screen):
                 pane.session.rewind()
                 await self.resend(pane, text)
 
-        self.app.push_screen(TextPromptScreen("Edit the last message (Enter sends it again)", prompt.content), edited)
+        title = "Edit the last message (Enter sends it again, ^j starts a new line)"
+        self.app.push_screen(TextPromptScreen(title, prompt.content, multiline=True), edited)
 
     async def resend(self, pane: ChatPane, text: str) -> None:
         await pane.drop_forgotten()
@@ -455,7 +476,7 @@ class ChatScreen(Screen):
         if not isinstance(view, ShadedReply) or not view.tokens:
             self.notify("No reply with token probabilities: turn on Token probs in the pane's settings (ctrl+s).")
             return
-        view.focus()
+        view.enter()
 
     @on(ShadedReply.Left)
     def leave_tokens(self, event: ShadedReply.Left) -> None:
@@ -529,7 +550,10 @@ class ChatScreen(Screen):
 
         chat = [
             ("Enter", "Send: from the broadcast input to every selected pane, from a pane's input to that pane"),
+            ("Shift+Enter / ^j", "A new line in the prompt (a paste keeps its lines)"),
+            ("↑ / ↓", "On the prompt's first / last line: the prompts sent before"),
             ("Tab / Shift+Tab", "Move between the inputs"),
+            ("Mouse wheel", "Scroll the pane under the mouse"),
             ("Click", "Copy a message, or the code block under the mouse"),
             *((keys(b), b.tooltip) for b in self.KEY_BINDINGS),
             ("^p", "Command palette: every action, and export as Markdown or JSON"),

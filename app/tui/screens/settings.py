@@ -1,7 +1,8 @@
 """A pane's settings: its model (local or on a server), system prompt and every sampling value the engine takes,
-checked by the engine's own rules before saving. A sampling value left blank is the model's default: the screen
-shows it, and where it came from (the model's files, llama.cpp's defaults, or the server's own). A JSON schema that
-replies follow is pasted, or read from the file named; llguidance checks it here, before the dialog closes."""
+checked by the engine's own rules before saving (a local model must be there to load); a preset (app/presets.py)
+fills the prompt and values at once. A sampling value left blank is the model's default: the screen shows it, and
+where it came from (the model's files, llama.cpp's defaults, or the server's own). A JSON schema that replies follow
+is pasted, or read from the file named; llguidance checks it here, before the dialog closes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, TextArea
 
+from llamaterm.app.presets import PresetError, load_presets
 from llamaterm.app.tui.session import ChatSettings
 from llamaterm.engine.checkpoints.sampling_defaults import DESCRIBED, USER, SamplingDefaults
 from llamaterm.engine.checkpoints.sampling_defaults import FIELDS as SAMPLING
@@ -59,10 +61,20 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         """defaults: the sampling defaults of the pane's engine; None while it loads."""
         super().__init__()
         self.title_text, self.settings, self.defaults = title, settings, defaults
+        try:
+            self.presets, self.presets_problem = load_presets(), ""
+        except PresetError as e:
+            self.presets, self.presets_problem = {}, str(e)
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog settings"):
             yield Label(f"Settings · {self.title_text}", classes="dialog-title", markup=False)
+            with Horizontal(classes="field"):
+                yield Label("Preset", classes="field-label")
+                options = [(name, name) for name in self.presets]
+                yield Select(options, prompt="none", id="preset", compact=True, disabled=not options)
+                where = "fills the fields below" if options else "none yet: `llamaterm presets` says where they go"
+                yield Label(where, classes="field-hint", markup=False)
             yield Label("System prompt")
             yield TextArea(self.settings.system, id="system", soft_wrap=True)
             for name, label, kind, hint in FIELDS:
@@ -96,7 +108,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 soft_wrap=True,
                 placeholder="a file's path, or the schema pasted; blank = none",
             )
-            yield Label("", id="error")
+            yield Label(self.presets_problem, id="error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -104,6 +116,16 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     def on_mount(self) -> None:
         self.query_one("#system", TextArea).focus()
+
+    @on(Select.Changed, "#preset")
+    def fill_from_preset(self, event: Select.Changed) -> None:
+        preset = self.presets.get(str(event.value))
+        if preset is None:  # back to "none": the fields keep what they hold
+            return
+        if preset.system is not None:
+            self.query_one("#system", TextArea).load_text(preset.system)
+        for name, value in (preset.sampling or {}).items():
+            self.query_one(f"#{name}", Input).value = f"{value:g}" if isinstance(value, float) else str(value)
 
     @on(Input.Changed)
     def show_origin(self, event: Input.Changed) -> None:
@@ -119,6 +141,8 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 name: parse(label, kind, self.query_one(f"#{name}", Input).value, name in OPTIONAL)
                 for name, label, kind, _ in FIELDS
             }
+            if values["model"] and not values["server"]:
+                check_local_model(values["model"])
             settings = ChatSettings(
                 system=self.query_one("#system", TextArea).text.strip(),
                 thinking=self.chosen("#thinking", THINKING),
@@ -139,6 +163,17 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
     @on(Button.Pressed, "#cancel")
     def cancel(self) -> None:
         self.dismiss(None)
+
+
+def check_local_model(name: str) -> None:
+    """A model on this machine: one in the store (by name or as pulled) or a checkpoint's path, as the pane's next
+    prompt would load it. (A server's model is checked as the pane connects: its list is the server's to give.)"""
+    from llamaterm.engine.store.model_store import resolve_model
+
+    try:
+        resolve_model(name)
+    except LlamatermError as e:
+        raise RequestError(f"Model: {e}") from None
 
 
 def schema_text(given: str) -> str:

@@ -10,12 +10,17 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.reactive import reactive
-from textual.widgets import Input
 
 from llamaterm.app.tui.session import Session
+from llamaterm.app.tui.widgets.prompt_input import PromptInput
 from llamaterm.app.tui.widgets.stats import PaneStats
 from llamaterm.app.tui.widgets.transcript import ReplyMessage, UserMessage, message_view
 from llamaterm.engine.api import EngineClient
+
+
+class Transcript(VerticalScroll, can_focus=False):
+    """The messages, scrolled by the mouse wheel and by PageUp / PageDown from wherever the focus is (the screen's
+    keys): never focused, so Tab goes from input to input and a key typed is never lost on it."""
 
 
 class ChatPane(Vertical):
@@ -24,16 +29,17 @@ class ChatPane(Vertical):
     closing = False  # being removed: its children may already be gone
     thinking_shown = False  # replies show their thinking unfolded
 
-    def __init__(self, session: Session, number: int):
+    def __init__(self, session: Session, number: int, recalled: list[str]):
+        """recalled: the prompts sent before, which its input recalls (PromptInput)."""
         super().__init__()
-        self.session = session
+        self.session, self.recalled = session, recalled
         self.set_reactive(ChatPane.number, number)
 
     def compose(self) -> ComposeResult:
         yield PaneStats(classes="pane-stats")
-        with VerticalScroll(classes="transcript"):
+        with Transcript(classes="transcript"):
             yield from (message_view(m, self.thinking_shown) for m in self.session.messages)
-        yield Input(placeholder="Ask this pane…", compact=True, classes="pane-input")
+        yield PromptInput(self.recalled, placeholder="Ask this pane…", compact=True, classes="pane-input")
 
     def on_mount(self) -> None:
         self.transcript.anchor()  # pinned to the bottom until the user scrolls up
@@ -41,8 +47,8 @@ class ChatPane(Vertical):
         self.show_stats()
 
     @property
-    def transcript(self) -> VerticalScroll:
-        return self.query_one(".transcript", VerticalScroll)
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
 
     @property
     def reply_view(self) -> ReplyMessage | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.content import Content
 from textual.widgets import Static
 
-from llamaterm.engine.api import EngineStats, RequestStats
+from llamaterm.engine.api import EngineClient, RequestStats
 
 
 def request_lines(stats: RequestStats | None, queued: bool) -> str:
@@ -21,11 +21,14 @@ def request_lines(stats: RequestStats | None, queued: bool) -> str:
     )
 
 
-def engine_line(stats: EngineStats) -> str:
-    """A server says nothing of its KV cache: a remote engine's line has none (kv_blocks_total 0)."""
+def engine_line(engine: EngineClient) -> str:
+    """A server says nothing of its KV cache, nor some of their context: a remote engine's line may have neither
+    (kv_blocks_total 0, max_context 0)."""
+    stats = engine.stats()
+    ctx = f" │ ctx {engine.max_context}" if engine.max_context else ""
     kv = f" │ KV {stats.kv_blocks_used}/{stats.kv_blocks_total} blocks" if stats.kv_blocks_total else ""
     return (
-        f"{stats.model} on {stats.device} │ {stats.tokens_per_s:.1f} tok/s │ batch {stats.batch_size}"
+        f"{stats.model} on {stats.device}{ctx} │ {stats.tokens_per_s:.1f} tok/s │ batch {stats.batch_size}"
         f"{kv} │ waiting {stats.waiting}"
     )
 
@@ -39,17 +42,17 @@ class PaneStats(Static):
 
 
 class StatusBar(Static):
-    """Each engine: aggregate tokens/s, batch size, KV blocks, waiting requests, model and device (one line), and
-    a note that stays while it matters (the history is kept in memory only)."""
+    """Each engine: model and device, context, aggregate tokens/s, batch size, KV blocks, waiting requests (a line
+    each), and a note that stays while it matters (the history is kept in memory only)."""
 
     note = ""
 
     def on_mount(self) -> None:
         self.update("loading model…" + self.note)
 
-    def show(self, stats: list[EngineStats], failures: list[str]) -> None:
+    def show(self, engines: list[EngineClient], failures: list[str]) -> None:
         """failures: each backend that did not load, and why."""
-        if not stats and not failures:
+        if not engines and not failures:
             return  # still loading
         self.set_class(bool(failures), "-error")
-        self.update(Content(" ┃ ".join(failures + [engine_line(s) for s in stats]) + self.note), layout=False)
+        self.update(Content(" ┃ ".join(failures + [engine_line(e) for e in engines]) + self.note), layout=False)

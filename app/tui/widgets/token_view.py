@@ -68,10 +68,10 @@ class TokenParagraph(Static):
 
 
 class ShadedReply(ReplyMessage):
-    """A reply whose tokens came with their probabilities. Focused (F7, or a click), ←/→ move the cursor,
-    Home/End go to the first/last token, Esc leaves."""
+    """A reply whose tokens came with their probabilities. Entered (F7, or a click), ←/→ move the cursor,
+    Home/End go to the first/last token, Esc leaves. Focusable only while entered: Tab goes from input to input."""
 
-    can_focus = True
+    can_focus = False
     BINDINGS = [
         Binding("left", "move(-1)", "Previous token", show=False),
         Binding("right", "move(1)", "Next token", show=False),
@@ -146,6 +146,10 @@ class ShadedReply(ReplyMessage):
         self.thinking_shown = shown  # the tokens show the thinking as they show the rest
 
     def on_click(self, event: events.Click) -> None:
+        self.enter()
+
+    def enter(self) -> None:
+        self.can_focus = True
         self.focus()
 
     def on_focus(self) -> None:
@@ -153,6 +157,7 @@ class ShadedReply(ReplyMessage):
             self.move_cursor(len(self.tokens) - 1 if self.cursor is None else self.cursor)
 
     def on_blur(self) -> None:
+        self.can_focus = False
         old, self.cursor = self.cursor, None
         if old is not None:
             self.redraw_at(old)
