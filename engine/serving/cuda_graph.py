@@ -219,6 +219,17 @@ class StepGraphs:
             if waiting or now - start + (now - t) > budget_s:  # (another piece like this one would overrun)
                 return waiting
 
+    def close(self) -> None:
+        """Abandon the background work under way (the engine is shutting down): a capture left open keeps the side
+        stream capturing, and the next synchronization with the device, in any later engine of this process, fails
+        ("operation not permitted when stream is capturing"). Closing the job ends its capture (_record's finally)."""
+        job, self._job = self._job, None
+        if job is not None:
+            try:
+                job.close()
+            except RuntimeError as e:  # (a capture already invalidated: ending it says so, and nothing is left open)
+                log.debug("ending an unfinished capture: %s", e)
+
     def _record(
         self, work: Callable[[], Pieces]
     ) -> Generator[bool | None, None, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:

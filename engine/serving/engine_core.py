@@ -344,6 +344,7 @@ class EngineCore:
         for seq in list(self._requests.values()):
             self._finish(seq, "cancelled")
         self._flush()
+        self.runner.close()
 
     def _wait_for_work(self) -> tuple[list[Sequence], list[int]] | None:
         """Until there is work: the requests added and aborted since; None once shut down. Idle, the CUDA graphs'

@@ -173,6 +173,13 @@ class ModelRunner:
         busy, or idle. Returns whether it waits for a thread of its own."""
         return self.graphs is not None and self.graphs.background(budget_s, idle)
 
+    def close(self) -> None:
+        """End the graphs' background work under way, the model's and the draft model's (cuda_graph.py's close)."""
+        draft = self.proposer.draft
+        for graphs in (self.graphs, draft.graphs if draft is not None else None):
+            if graphs is not None:
+                graphs.close()
+
     def propose(self, running: list[Sequence], rows: int) -> None:
         """Drafts for the next step from the running sequences' tokens on the host (proposer.py), in `rows`."""
         self.proposer.propose(running, rows)
