@@ -33,6 +33,7 @@ class QuantWeight:
     shape: tuple[int, int]  # (N, K)
     perm: torch.Tensor | None = None  # int64 [K]
     codebook: str | None = None  # None: integers (see above); "e2m1": MXFP4's values, w = scale * E2M1[q]
+    layout_only: bool = False  # the packed form was freed for the GPU layout (replace_packed)
     _dense: dict = field(default_factory=dict, repr=False, compare=False)
     _prepared: dict = field(default_factory=dict, repr=False, compare=False)  # kernel layouts, made on first use
 
@@ -66,6 +67,7 @@ class QuantWeight:
 
     def values(self) -> torch.Tensor:
         """The unpacked integer values q as uint8 [N, K]."""
+        assert not self.layout_only, "the packed form was freed: the kernels' layout holds the values"
         if self.bits == 8:
             return self.packed
         n, k = self.shape
@@ -73,6 +75,10 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """w [N, K] in `dtype`, computed in fp32 (exact for fp16 scales and offsets)."""
+        if self.layout_only:
+            from llamaterm.kernels.qweight_triton import dequantize_rows_triton
+
+            return dequantize_rows_triton(self, None, dtype)
         return dequantize_rows(self.values(), self.scales, self.offsets, self.bits, self.group_size, self.codebook).to(
             dtype
         )
@@ -93,6 +99,23 @@ class QuantWeight:
             self._prepared[key] = make(self)
         return self._prepared[key]
 
+    def replace_packed(self, key: str, make) -> None:
+        """Make the kernels' layout `key` (as prepared) and free the packed values, scales and offsets for it: on the
+        GPU the kernels read that layout alone, dequantize() too, and keeping both would hold the weights twice. The
+        freed fields stay as empty tensors of their dtype and device (the format is still read from them)."""
+        self.prepared(key, make)
+        empty = lambda t: t.new_empty((0,) * t.dim())  # noqa: E731
+        self.packed, self.scales = empty(self.packed), empty(self.scales)
+        self.offsets = None if self.offsets is None else empty(self.offsets)
+        self.layout_only = True
+
+    def nbytes(self) -> int:
+        """The bytes it holds: the packed form, or the kernels' layouts that replaced it."""
+        tensors = [self.packed, self.scales, self.offsets]
+        if self.layout_only:
+            tensors = [t for layout in self._prepared.values() for t in layout]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (embedding lookup) without dequantizing the whole matrix."""
         return self.take_rows(ids.reshape(-1)).dequantize(dtype)
@@ -100,6 +123,7 @@ class QuantWeight:
     def take_rows(self, index: torch.Tensor | slice) -> QuantWeight:
         """Rows `index` (a tensor of row ids, in that order, or a slice: views, no copy), still quantized (exact:
         each row is stored whole). An expert of a stack of experts is a slice of its rows."""
+        assert not self.layout_only, "the packed form was freed: take rows before replace_packed"
         offsets = None if self.offsets is None else self.offsets[index]
         packed = self.packed[index]
         return QuantWeight(

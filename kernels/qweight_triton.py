@@ -1,8 +1,8 @@
 """The GPU layout of a QuantWeight, the unpack step the quantized kernels share, and a kernel that dequantizes rows
 (embedding lookup; the whole matrix before a prefill-size cuBLAS matmul).
 
-Layout (`gpu_layout`, made on first use and kept on the QuantWeight). K is cut into steps of GROUP bytes per row:
-one group of 8-bit values, or two groups of 4-bit values, the first group in the low nibbles and the second in the
+Layout (`gpu_layout`: a model on CUDA makes it at load, in place of the packed form). K is cut into steps of GROUP
+bytes per row: one group of 8-bit values, or two groups of 4-bit values, the first group in the low nibbles and the second in the
 high nibbles of the same GROUP bytes. So a byte tile unpacks into two value tiles of the same shape with one AND or
 one shift: elementwise, with no reshape. That matters because Triton then moves the dot-operand layout conversion
 up to the byte load: the bytes go global -> shared (cp.async, pipelined) -> registers in the MMA operand layout,
@@ -188,6 +188,11 @@ def step_params(p_ptr, s, n_pad, rows, mask, GPS: tl.constexpr):
 def gpu_layout(w: QuantWeight) -> GpuLayout:
     """w in the GPU layout (see the module docstring), made on first use and kept on w."""
     return w.prepared("gpu_layout", _make_layout)
+
+
+def keep_gpu_layout_only(w: QuantWeight) -> None:
+    """w's GPU layout made now, in place of its packed form (QuantWeight.replace_packed)."""
+    w.replace_packed("gpu_layout", _make_layout)
 
 
 def use_asm() -> bool:

@@ -15,6 +15,7 @@ import torch
 from llamaterm.engine.checkpoints.config import ModelConfig
 from llamaterm.kernels.activation import act_and_mul
 from llamaterm.kernels.attention import paged_attention
+from llamaterm.kernels.dispatch import REFERENCES_ONLY
 from llamaterm.kernels.embedding import embedding
 from llamaterm.kernels.linear import linear, linear_act
 from llamaterm.kernels.moe import Experts, moe, route
@@ -269,6 +270,20 @@ class Model:
         if config.rope_attention_factor != 1:
             rotated = self.inv_freq.repeat(2) != 0
             self.q_scale = torch.where(rotated, config.rope_attention_factor**2, 1.0).to(dtype)
+        if device.type == "cuda" and not REFERENCES_ONLY:  # now, so that the KV cache is sized after them
+            from llamaterm.kernels.qweight_triton import keep_gpu_layout_only
+
+            for w in self.quantized_weights():
+                keep_gpu_layout_only(w)
+
+    def quantized_weights(self) -> list[QuantWeight]:
+        """Every quantized weight, once (a tied lm_head is the embedding)."""
+        weights = [self.token_embd, self.lm_head]
+        for layer in self.layers:
+            weights += layer.matrices()
+            if isinstance(layer.mlp, MoE):
+                weights += [layer.mlp.router, *layer.mlp.experts.gate_up, layer.mlp.experts.down]
+        return list({id(w): w for w in weights if isinstance(w, QuantWeight)}.values())
 
     def keep_dense_weights(self, budget: int) -> int:
         """Keep dense copies of the blocks' quantized linears when they fit in `budget` bytes, so prefill-sized

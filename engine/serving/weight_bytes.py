@@ -6,7 +6,7 @@ from llamaterm.kernels.qweight import QuantWeight
 
 
 def weight_bytes(model: Model) -> int:
-    """Bytes of weights one decode step reads: packed values, scales and offsets on the GPU (dense copies kept for
+    """Bytes of weights one decode step reads: the quantized weights' layout on the GPU (dense copies kept for
     prefill are not read by decode steps); the dense copies the CPU reference path multiplies with."""
     parts = [model.lm_head, model.output_norm]
     for layer in model.layers:
@@ -29,4 +29,4 @@ def read_bytes(w: Weight) -> int:
         return size(w)
     if w.packed.device.type == "cpu" and w._dense:
         return sum(map(size, w._dense.values()))
-    return size(w.packed) + size(w.scales) + size(w.offsets)
+    return w.nbytes()

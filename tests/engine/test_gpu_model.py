@@ -110,6 +110,21 @@ def graphs_over_twin_caches():
     return model, bs, caches, graphs
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-moe"])
+def test_quantized_weights_held_once(name):
+    """On CUDA each quantized weight is kept in the kernels' layout alone, made at load (so that the KV cache is
+    sized after it): a model holds its weights' bytes once, not the packed form and the layout both."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = synthetic_model(name, True, torch.device("cuda"))
+    held = torch.cuda.memory_allocated() - before
+    quantized = model.quantized_weights()
+    assert quantized and all(w.layout_only for w in quantized)
+    layouts = sum(w.nbytes() for w in quantized)
+    routers = sum(layer.mlp.router.numel() * 2 for layer in model.layers if hasattr(layer.mlp, "router"))
+    assert layouts <= held <= 1.1 * layouts + routers
+
+
 def test_step_graphs_match_eager():
     """Steps replayed from CUDA graphs give the eager forward pass's logits and write the same K/V: decodes, a
     prefill chunk beside decodes, each padded to its bucket after a larger step left its rows in the buffers. Each

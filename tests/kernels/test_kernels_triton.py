@@ -22,7 +22,7 @@ from llamaterm.kernels.linear_triton import DENSE_M, DENSE_M_KEPT_SMALL, Config,
 from llamaterm.kernels.norm import rms_norm_ref  # noqa: E402
 from llamaterm.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from llamaterm.kernels.qweight import QuantWeight  # noqa: E402
-from llamaterm.kernels.qweight_triton import dequantize_rows_triton  # noqa: E402
+from llamaterm.kernels.qweight_triton import dequantize_rows_triton, gpu_layout, keep_gpu_layout_only  # noqa: E402
 from llamaterm.kernels.rope import rope_ref  # noqa: E402
 from llamaterm.kernels.rope_triton import rope_write_kv_triton  # noqa: E402
 from tests.support.kernel_cases import (  # noqa: E402
@@ -58,6 +58,24 @@ def test_dequantize_rows_mxfp4(dtype):
     ids = torch.tensor([3, 0, 18, 3, 7], device=DEVICE)
     assert torch.equal(dequantize_rows_triton(w, ids, dtype), w.rows(ids, dtype))
     assert torch.equal(dequantize_rows_triton(w, None, dtype), w.dequantize(dtype))
+
+
+@pytest.mark.parametrize("bits,group,offsets,perm", FORMATS)
+def test_layout_replaces_packed(bits, group, offsets, perm):
+    """A weight kept in its GPU layout alone (as a model on CUDA keeps every quantized weight) frees its packed
+    form, still dequantizes to the reference's values (from the layout) and multiplies the same, and says it holds
+    the layout's bytes."""
+    w = random_qweight(19, 3 * group, bits, group, offsets, perm)
+    want, x = w.dequantize(torch.float32), torch.randn(3, 3 * group, device=DEVICE).half()
+    before = qmatmul_triton(x, w, CONFIGS[3])
+    keep_gpu_layout_only(w)
+    assert w.layout_only and w.packed.numel() == 0 and w.scales.numel() == 0
+    assert torch.equal(w.dequantize(torch.float32), want)
+    assert torch.equal(qmatmul_triton(x, w, CONFIGS[3]), before)
+    layout = gpu_layout(w)
+    assert w.nbytes() == sum(t.numel() * t.element_size() for t in layout if t is not None)
+    with pytest.raises(AssertionError, match="freed"):
+        w.take_rows(slice(0, 2))
 
 
 def test_mxfp4_is_ggufs_mxfp4():
