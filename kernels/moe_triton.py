@@ -19,8 +19,12 @@ layers stay inside its CUDA graphs.
    order, in fp32, and writes out [M, H]: a row's result never depends on which other rows share the step.
 
 Decode (about one pair per chosen expert) reads only the chosen experts' rows, once: the 8-pair tile and the
-mma.sync path that the dense matmul takes for up to 8 tokens. From a few pairs per expert on, wider tiles make it a
-grouped GEMM. Expert weights may also be dense fp16/bf16 tensors (the same kernel, a plain K loop).
+mma.sync path that the dense matmul takes for up to 8 tokens. Its few tiles leave SMs idle, so both matmuls cut a
+tile's K into slices (MoeConfig.slices), each summed from zero into an fp32 partial, shared out among split programs
+(a third grid axis); the last of a tile's programs to arrive (a counter per tile and feature block) adds the slices
+in order and runs the epilogue: the sums depend on the slices alone, never on the split or on timing. From a few
+pairs per expert on, wider tiles make it a grouped GEMM. Expert weights may also be dense fp16/bf16 tensors (the
+same kernel, a plain K loop).
 """
 
 from dataclasses import dataclass, replace
