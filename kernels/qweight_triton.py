@@ -2,13 +2,13 @@
 (embedding lookup; the whole matrix before a prefill-size cuBLAS matmul).
 
 Layout (`gpu_layout`: a model on CUDA makes it at load, in place of the packed form). K is cut into steps of GROUP
-bytes per row: one group of 8-bit values, or two groups of 4-bit values, the first group in the low nibbles and the second in the
-high nibbles of the same GROUP bytes. So a byte tile unpacks into two value tiles of the same shape with one AND or
-one shift: elementwise, with no reshape. That matters because Triton then moves the dot-operand layout conversion
-up to the byte load: the bytes go global -> shared (cp.async, pipelined) -> registers in the MMA operand layout,
-and the values are made there. Steps are stored step-major, [steps, N_pad, GROUP], and the scales (and offsets)
-the same way, [steps, N_pad, groups per step], zero-padded so that the kernels load them without masks; a step's
-two fp16 scales are one 32-bit word.
+bytes per row: one group of 8-bit values, or two groups of 4-bit values, the first group in the low nibbles and the
+second in the high nibbles of the same GROUP bytes. So a byte tile unpacks into two value tiles of the same shape
+with one AND or one shift: elementwise, with no reshape. That matters because Triton then moves the dot-operand
+layout conversion up to the byte load: the bytes go global -> shared (cp.async, pipelined) -> registers in the MMA
+operand layout, and the values are made there. Steps are stored step-major, [steps, N_pad, GROUP], and the scales
+(and offsets) the same way, [steps, N_pad, groups per step], zero-padded so that the kernels load them without
+masks; a step's two fp16 scales are one 32-bit word.
 
 Values are made without int->float conversions (a quarter of the FMA rate): two bytes are spread into the two
 halves of a 32-bit word (PRMT) and their fields OR-ed into the exponent pattern of 1024.0 (fp16) or 128.0 (bf16,
@@ -186,13 +186,18 @@ def step_params(p_ptr, s, n_pad, rows, mask, GPS: tl.constexpr):
 
 
 def gpu_layout(w: QuantWeight) -> GpuLayout:
-    """w in the GPU layout (see the module docstring), made on first use and kept on w."""
+    """w in the GPU layout (see the module docstring), made once and kept on w."""
     return w.prepared("gpu_layout", _make_layout)
 
 
 def keep_gpu_layout_only(w: QuantWeight) -> None:
     """w's GPU layout made now, in place of its packed form (QuantWeight.replace_packed)."""
     w.replace_packed("gpu_layout", _make_layout)
+
+
+def format_args(w: QuantWeight) -> dict:
+    """The constexprs that name w's format in the kernels that read its GPU layout."""
+    return {"BITS": w.bits, "GROUP": w.group_size, "HAS_OFFSET": w.offsets is not None, "CODEBOOK": w.codebook}
 
 
 def use_asm() -> bool:
@@ -264,10 +269,7 @@ def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torc
         n_rows,
         n,
         k,
-        BITS=w.bits,
-        GROUP=w.group_size,
-        HAS_OFFSET=w.offsets is not None,
-        CODEBOOK=w.codebook,
+        **format_args(w),
         HAS_IDS=ids is not None,
         BLOCK_R=block_r,
         DT=arith_dtype(dtype),

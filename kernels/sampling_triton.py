@@ -78,8 +78,10 @@ def _row_key(ints_ptr, positions_ptr, slot, row):
 
 
 @triton.jit
-def _row_max(cmax_ptr, carg_ptr, cbad_ptr, base, n_chunks, PB: tl.constexpr):
-    """The row's maximum, the first index holding it, and whether a chunk saw NaN or +inf."""
+def _row_max(maxima, base, PB: tl.constexpr):
+    """The row's maximum, the first index holding it, and whether a chunk saw NaN or +inf; maxima: the chunks'
+    (maximum, its index, NaN or +inf seen, chunks a row)."""
+    cmax_ptr, carg_ptr, cbad_ptr, n_chunks = maxima
     c = tl.arange(0, PB)
     ok = c < n_chunks
     maxima = tl.load(cmax_ptr + base + c, mask=ok, other=_NEG_INF)
@@ -149,26 +151,21 @@ def _chunk_candidates_kernel(
     positions_ptr,
     floats_ptr,
     ints_ptr,
-    cmax_ptr,
-    carg_ptr,
-    cbad_ptr,
-    n_chunks,
-    mass_ptr,
-    best_ptr,
-    best_id_ptr,
-    tau_ptr,
-    n_cand_ptr,
-    cand_ptr,
+    maxima,
+    found,
     CHUNK: tl.constexpr,
     L: tl.constexpr,
     PB: tl.constexpr,
 ):
+    """maxima and found: sample_triton's groups of buffers."""
+    n_chunks = maxima[3]
+    mass_ptr, best_ptr, best_id_ptr, tau_ptr, n_cand_ptr, cand_ptr = found
     row, c = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         f = floats_ptr + slot * 6
         temperature = tl.load(f + _TEMPERATURE)
-        m, _, bad = _row_max(cmax_ptr, carg_ptr, cbad_ptr, row * n_chunks, n_chunks, PB)
+        m, _, bad = _row_max(maxima, row * n_chunks, PB)
         if (temperature > 0) & (bad == 0) & (m > _NEG_INF):
             at = row * n_chunks + c
             offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -278,16 +275,8 @@ def _row_token_kernel(
     floats_ptr,
     ints_ptr,
     counts_ptr,
-    cmax_ptr,
-    carg_ptr,
-    cbad_ptr,
-    n_chunks,
-    mass_ptr,
-    best_ptr,
-    best_id_ptr,
-    tau_ptr,
-    n_cand_ptr,
-    cand_ptr,
+    maxima,
+    found,
     tokens_ptr,
     L: tl.constexpr,
     PB: tl.constexpr,
@@ -298,11 +287,13 @@ def _row_token_kernel(
     if slot >= 0:
         f = floats_ptr + slot * 6
         temperature = tl.load(f + _TEMPERATURE)
+        n_chunks = maxima[3]
         base = row * n_chunks
-        m, token, bad = _row_max(cmax_ptr, carg_ptr, cbad_ptr, base, n_chunks, PB)
+        m, token, bad = _row_max(maxima, base, PB)
         token = token.to(tl.int64)
         ok = (bad == 0) & (m > _NEG_INF)
         if ok & (temperature > 0):
+            mass_ptr, best_ptr, best_id_ptr, tau_ptr, n_cand_ptr, cand_ptr = found
             c = tl.arange(0, PB)
             chunks = c < n_chunks
             top_k = tl.load(ints_ptr + slot * _INTS + _TOP_K)
@@ -379,10 +370,8 @@ def sample_triton(
     maxima, found = (cmax, carg, cbad, p), (mass, best, best_id, tau, n_cand, cand)
     state = (t.floats, t.ints, t.counts, t.in_prompt, t.bias, t.bitmask, t.bitmask.shape[1])
     _chunk_stats_kernel[(n, p)](*rows, *state, *maxima, CHUNK=chunk, num_warps=warps)
-    _chunk_candidates_kernel[(n, p)](
-        *rows, *per_row, *maxima, *found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps
-    )
+    _chunk_candidates_kernel[(n, p)](*rows, *per_row, maxima, found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps)
     _row_token_kernel[(n,)](
-        *rows, *per_row, t.counts, *maxima, *found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
+        *rows, *per_row, t.counts, maxima, found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
     )
     return tokens
