@@ -12,7 +12,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Unpack
+from dataclasses import replace
+from typing import NamedTuple, Unpack
 from urllib.parse import urlsplit
 
 import httpx2
@@ -25,9 +26,11 @@ from llamaterm.engine.api import (
     RequestStream,
     SubmitOptions,
     TokenLogprob,
+    ToolCallDelta,
 )
 from llamaterm.engine.checkpoints.sampling_defaults import SERVER_DEFAULTS
 from llamaterm.engine.errors import LlamatermError, ModelNotFound, RequestError
+from llamaterm.engine.reply_reader import ReplyReader
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
@@ -59,6 +62,16 @@ class ServerTokens:
         return self._pieces[token_id]
 
 
+class Delta(NamedTuple):
+    """What a chunk of a server's reply adds to one choice."""
+
+    text: str
+    reasoning: str
+    tool_calls: tuple[ToolCallDelta, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    token_ids: tuple[int, ...]
+
+
 class RemoteStream(ArrivalStats, EventStream):
     def __init__(self, request_id: int, max_context: int, tokens: ServerTokens):
         self.id = request_id
@@ -73,15 +86,16 @@ class RemoteStream(ArrivalStats, EventStream):
         self.end: float | None = None
         self.response: httpx2.Response | None = None  # while the reply streams
         self.lock = threading.Lock()  # the reader thread and a cancel both may end the stream, once
+        self.reader = ReplyReader()  # its text read as the engine reads a reply's, under the lock
 
-    def text(
-        self, text: str, now: float, logprobs: tuple[TokenLogprob, ...] = (), token_ids: tuple[int, ...] = ()
-    ) -> None:
+    def text(self, delta: Delta, now: float) -> None:
         if self.first_token is None:
             self.first_token = now
         self.token_times.append(now)
         self.generated += 1
-        self.events_queue.put(Event(self.id, text, token_ids, logprobs=logprobs))
+        event = Event(self.id, delta.text, delta.token_ids, logprobs=delta.logprobs)
+        with self.lock:
+            self._put(event, delta.reasoning, delta.tool_calls)
 
     def finish(self, reason: str, error: str | None = None) -> bool:
         """The last event; False when the stream had already ended (cancelled while the reader still read)."""
@@ -89,8 +103,16 @@ class RemoteStream(ArrivalStats, EventStream):
             if self.end is not None:
                 return False
             self.end = time.perf_counter()
-            self.events_queue.put(Event(self.id, finished=True, finish_reason=reason, error=error))
+            self._put(Event(self.id, finished=True, finish_reason=reason, error=error))
             return True
+
+    def _put(self, event: Event, reasoning: str = "", calls: tuple[ToolCallDelta, ...] = ()) -> None:
+        """The event with its text read as the engine reads a reply's (a llamaterm server's content holds the
+        thinking as a <think> block), and what the server read itself: its reasoning, its calls."""
+        piece = self.reader.push(event.text, final=event.finished)
+        thinking = reasoning + piece.thinking
+        event = replace(event, content=piece.content, thinking=thinking, answer=piece.answer, tool_calls=calls)
+        self.events_queue.put(event)
 
 
 class RemoteEngine:
@@ -290,17 +312,36 @@ def take_chunk(stream: RemoteStream, chunk: dict) -> str | None:
         stream.cached_tokens = count((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     reason = None
     for choice in chunk.get("choices") or []:
-        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
-        if not isinstance(text, str | None) or not isinstance(choice.get("finish_reason"), str | None):
+        delta = choice.get("delta") or {}
+        text = delta.get("content") if "delta" in choice else choice.get("text")
+        # the thinking a server read itself: vLLM's and llama.cpp's reasoning_content, vLLM's newer reasoning
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if not isinstance(text, str | None) or not isinstance(reasoning, str | None):
+            raise TypeError(f"a choice of {json.dumps(choice)[:100]}")
+        if not isinstance(choice.get("finish_reason"), str | None):
             raise TypeError(f"a choice of {json.dumps(choice)[:100]}")
         logprobs = token_logprobs(choice.get("logprobs"), stream.tokens)
         ids = choice.get("token_ids") or []  # where asked for (RemoteEngine.token_ids)
         if not all(count(t) is not None for t in ids):
             raise TypeError(f"token_ids of {json.dumps(ids)[:100]}")
-        if text or logprobs or ids:
-            stream.text(text or "", time.perf_counter(), logprobs, tuple(ids))
+        calls = tool_call_deltas(delta.get("tool_calls") or [])
+        if text or reasoning or calls or logprobs or ids:
+            stream.text(Delta(text or "", reasoning or "", calls, logprobs, tuple(ids)), time.perf_counter())
         reason = choice.get("finish_reason") or reason
     return reason
+
+
+def tool_call_deltas(shown: list) -> tuple[ToolCallDelta, ...]:
+    """A chunk's delta.tool_calls as events carry them. TypeError or KeyError where they are not in OpenAI's
+    shape."""
+    out = []
+    for d in shown:
+        function = d.get("function") or {}
+        index, call_id, name, arguments = d["index"], d.get("id"), function.get("name"), function.get("arguments") or ""
+        if count(index) is None or not all(isinstance(x, str | None) for x in (call_id, name, arguments)):
+            raise TypeError(f"a tool call of {json.dumps(d)[:100]}")
+        out.append(ToolCallDelta(index, arguments, call_id, name))
+    return tuple(out)
 
 
 def token_logprobs(shown: dict | None, tokens: ServerTokens) -> tuple[TokenLogprob, ...]:

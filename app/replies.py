@@ -25,23 +25,8 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False, fatal: bool
     """Read a request's events to the end; with echo, stream the answer to stdout as it arrives, and the
     thinking (unless hidden) to stderr. A request that fails exits (fatal), or says so and ends with the
     finish reason "error" (a chat goes on: a server refuses a prompt over the context in its events)."""
-    from llamaterm.engine.thinking import ThinkingSplitter
-
-    reply, split = Reply("", [], None), ThinkingSplitter()
+    reply = Reply("", [], None)
     out, thought = TerminalStream(sys.stdout), TerminalStream(sys.stderr)
-
-    def take(thinking: str, answer: str) -> None:
-        if thinking and not hide_thinking:
-            reply.thinking = (reply.thinking or "") + thinking
-            if echo:
-                show_thinking(thought.push(thinking))
-        if answer and echo:
-            if reply.thinking and not reply.text:
-                show_thinking("\n")  # the answer starts on a line of its own
-            sys.stdout.write(out.push(answer))
-            sys.stdout.flush()
-        reply.text += answer
-
     for event in handle.events():
         if event.error:
             if fatal:
@@ -49,11 +34,19 @@ def collect(handle, echo: bool = False, hide_thinking: bool = False, fatal: bool
             say(f"llamaterm: generation failed: {event.error}")
             reply.finish_reason = "error"
             return reply
-        take(*split.push(event.text))
+        if event.thinking and not hide_thinking:
+            reply.thinking = (reply.thinking or "") + event.thinking
+            if echo:
+                show_thinking(thought.push(event.thinking))
+        if event.answer and echo:
+            if reply.thinking and not reply.text:
+                show_thinking("\n")  # the answer starts on a line of its own
+            sys.stdout.write(out.push(event.answer))
+            sys.stdout.flush()
+        reply.text += event.answer
         reply.token_ids += event.token_ids
         reply.logprobs += event.logprobs
         reply.finish_reason = event.finish_reason
-    take(*split.finish())
     if echo:
         show_thinking(thought.flush())
         sys.stdout.write(out.flush() + "\n")

@@ -57,8 +57,49 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as the model wrote it
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a reply's index-th tool call, as OpenAI's delta.tool_calls streams it: the first piece of a call
+    has its id and name, the next ones more of its arguments."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def openai(self) -> dict:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
+def whole_calls(deltas: Sequence[ToolCallDelta]) -> list[ToolCall]:
+    """A reply's calls from their streamed pieces."""
+    calls: list[ToolCall] = []
+    for d in deltas:
+        if d.index == len(calls):
+            calls.append(ToolCall(d.id or "", d.name or "", d.arguments))
+        else:
+            call = calls[d.index]
+            calls[d.index] = ToolCall(call.id, call.name, call.arguments + d.arguments)
+    return calls
+
+
+@dataclass(frozen=True)
 class Event:
-    """One step of a request's stream. `text` is a UTF-8-safe delta; the last event has finished=True."""
+    """One step of a request's stream. `text` is a UTF-8-safe delta of the reply as the model wrote it; the reply
+    reader (engine/reply_reader.py) gives its reading in the other text fields, each a delta too. The last event
+    has finished=True."""
 
     request_id: int
     text: str = ""
@@ -69,6 +110,10 @@ class Event:
     # when the request asked (SamplingParams.logprobs): one per token of token_ids that is part of the reply (a stop
     # token is not)
     logprobs: tuple[TokenLogprob, ...] = ()
+    thinking: str = ""  # the model's thinking (<think>...</think>, harmony's analysis channel)
+    answer: str = ""  # the reply less its thinking and its tool calls
+    content: str = ""  # OpenAI's message content: the reply less its tool calls, harmony's thinking as <think>
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # where the request reads calls (SubmitOptions.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -173,6 +218,9 @@ class SubmitOptions(TypedDict, total=False):
     enable_thinking: bool | None  # the chat template's thinking switch (default None: the template's own)
     prompt_ids: list[int] | None  # token ids as they are, in place of the prompt (an engine of this machine's)
     tools: list[dict] | None  # what the chat template renders of the request's tools (engine/tool_calls.py)
+    # the request offered tools: its reply is read for calls in this family's syntax (engine/tool_calls.py HERMES,
+    # LLAMA3, MISTRAL, HARMONY) into Event.tool_calls (default None: the reply is text)
+    tool_calls: str | None
 
 
 @runtime_checkable

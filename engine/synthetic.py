@@ -5,6 +5,10 @@ tokenizer."""
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 
 SYNTHETIC_PREFIX = "synthetic:"
 
@@ -43,6 +47,11 @@ class SyntheticTokenizer:
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self._fold(self._text.encode_chat(messages, **kwargs))
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The default model's, which renders chat prompts here (and says how their replies read)."""
+        return self._text.chat_template
 
     def _fold(self, ids: list[int]) -> list[int]:
         return ids if self.vocab is None else [i % self.vocab for i in ids]

@@ -2,10 +2,10 @@
 </think>, then answer. Where the chat template opens the block itself (the R1 distills, QwQ), the engine starts
 the reply's text with the tag (engine/serving/output_processor.py), so every reply that thinks opens with it.
 
-ThinkingSplitter parts a reply into its thinking and its answer as the text streams in, the way the CLI (thinking
-to stderr) and the TUI (thinking folded) show them. gpt-oss thinks in harmony's analysis channel instead
-(engine/harmony.py): a reply that opens with a channel is read as harmony's, so the same splitter serves both, on
-the engine's text and on a remote server's alike.
+ThinkingSplitter parts a reply into its thinking and its answer as the text streams in, for the reply reader
+(engine/reply_reader.py) that fills each event's thinking and answer. gpt-oss thinks in harmony's analysis channel
+instead (engine/harmony.py): a reply that opens with a channel is read as harmony's, so the same splitter serves
+both, on the engine's text and on a remote server's alike.
 """
 
 from llamaterm.engine.harmony import CHANNEL, HarmonySplitter

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamaterm.engine import harmony
+from llamaterm.engine.api import ToolCall, ToolCallDelta
 from llamaterm.engine.checkpoints.chat_template import ChatTemplate
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.sampling_params import Grammar
@@ -71,16 +72,6 @@ class ToolError(RequestError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as the model wrote it
-
-    def openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -520,13 +511,13 @@ def _without_marker_start(text: str, marker: str) -> str:
     return text
 
 
-# ---- streaming: text deltas -> content deltas and OpenAI's delta.tool_calls ----
+# ---- streaming: text deltas -> content deltas and the calls' pieces ----
 
 
 class ToolCallStream:
     """One reply's text as it streams, read as the family's calls. push() takes the next text and gives the content
-    that can no longer be part of a call, and the calls' deltas as OpenAI's delta.tool_calls: first each call's
-    index, id, type and name, then pieces of its arguments. read_calls=False leaves the calls out (a harmony reply
+    that can no longer be part of a call, and the calls' pieces as OpenAI's delta.tool_calls streams them: first
+    each call's index, id and name, then pieces of its arguments. read_calls=False leaves the calls out (a harmony reply
     read where its request reads none: its content is still a reading of its channels)."""
 
     def __init__(self, family: str, read_calls: bool = True):
@@ -538,12 +529,12 @@ class ToolCallStream:
         # push inside them reads its own text, not the reply's again (an agent writes whole files as arguments)
         self.open_arguments: Nesting | None = None
 
-    def push(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+    def push(self, delta: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         self.text += delta
         if self.open_arguments is not None and not final and _scan(self.text, self.open_arguments) is None:
             index = len(self.ids) - 1
             self.arguments_sent[index] += len(delta)
-            return "", [{"index": index, "function": {"arguments": delta}}] if delta else []
+            return "", [ToolCallDelta(index, delta)] if delta else []
         self.open_arguments = None
         parsed = parse(self.text, self.family, final)
         if final and len(parsed.calls) < len(self.ids):  # a call announced, then cut short: it stays a call
@@ -559,11 +550,9 @@ class ToolCallStream:
                     break
                 self.ids.append(new_call_id(self.family))
                 self.arguments_sent.append(0)
-                head = {"index": index, "id": self.ids[index], "type": "function"}
-                deltas.append({**head, "function": {"name": call.name, "arguments": call.arguments}})
+                deltas.append(ToolCallDelta(index, call.arguments, self.ids[index], call.name))
             elif len(call.arguments) > self.arguments_sent[index]:
-                piece = call.arguments[self.arguments_sent[index] :]
-                deltas.append({"index": index, "function": {"arguments": piece}})
+                deltas.append(ToolCallDelta(index, call.arguments[self.arguments_sent[index] :]))
             self.arguments_sent[index] = len(call.arguments)
         last = parsed.calls[-1] if parsed.calls else None
         if not final and last is not None and last.arguments and len(parsed.calls) == len(self.ids):
@@ -571,11 +560,6 @@ class ToolCallStream:
             if _scan(self.text, reading) is None:  # (once: later pushes read on from where it stops)
                 self.open_arguments = reading
         return content, deltas
-
-    def calls(self) -> list[ToolCall]:
-        """The calls announced so far, whole (after a final push)."""
-        parsed = parse(self.text, self.family, final=True).calls
-        return [ToolCall(i, c.name or "", c.arguments) for i, c in zip(self.ids, parsed, strict=False)]
 
 
 def check_tools(tools: object, enforced: Callable[[str], bool] = lambda name: True) -> list[dict]:

@@ -11,7 +11,6 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -40,9 +39,6 @@ from llamaterm.app.server.supervisor import EngineSupervisor, SupervisedEngine
 from llamaterm.engine.api import EngineClient, EngineStats, RequestStream
 from llamaterm.engine.errors import LlamatermError, RequestError
 from llamaterm.engine.serving import grammar
-
-if TYPE_CHECKING:
-    from llamaterm.engine.tool_calls import ToolCallStream
 
 BODY_TIMEOUT_S = 30  # a request's body must arrive within this of its headers (http_server.py times those)
 LINGER_BYTES = 8 << 20  # of a body over its limit, how much more is read and dropped before the 413
@@ -220,9 +216,8 @@ class Handlers:
             req = with_system(req, preset.system)
         if req.params.grammar is not None:
             await run_in_threadpool(check_grammar, req.params.grammar, req.grammar_field)
-        family = reply_family(engine, chat)
         if req.with_tools:
-            req, family = await run_in_threadpool(with_tool_prompt, engine, req)
+            req = await run_in_threadpool(with_tool_prompt, engine, req)
         streams = await submit(engine, req, chat)
         try:
             queue = self.service.pump.watch(streams)
@@ -231,12 +226,12 @@ class Handlers:
             raise
         asked = req.params.logprobs is not None
         responder = Responder(engine.model_name, chat, engine.tokenizer.token_bytes if asked else None, req.token_ids)
-        choices = [Choice(stream, call_reader(family, req)) for stream in streams]
+        choices = [Choice(stream) for stream in streams]
         if req.stream:
             events = stream_events(queue, choices, responder, req.include_usage)
             response: Response = EngineStreamResponse(events, engine, streams)
         else:
-            response = await whole_reply(request, engine, queue, choices, responder, asked)
+            response = await whole_reply(request, engine, queue, choices, responder, asked, req.reads_calls)
         if load_s is not None:  # the model had been unloaded (--keep-alive): what loading it again cost this request
             response.headers[LOAD_HEADER] = f"{load_s:.3f}"
         return response
@@ -250,9 +245,9 @@ def with_system(req: Completion, system: str) -> Completion:
     return replace(req, prompt=[{"role": "system", "content": system}, *req.prompt])
 
 
-def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Completion, str]:
+def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> Completion:
     """The request with its messages and tools as its chat template takes them (its calls and their replies too),
-    and the grammar its tool_choice asks for; and the family of calls its reply is read for (engine/tool_calls.py).
+    the grammar its tool_choice asks for, and the family of calls its reply is read for (engine/tool_calls.py).
     The engine renders the prompt, so a template that leaves a thinking block open starts the reply with its tag
     as it does without tools."""
     from llamaterm.engine import tool_calls  # noqa: PLC0415 (llguidance, when tools come)
@@ -261,30 +256,13 @@ def with_tool_prompt(engine: SupervisedEngine, req: Completion) -> tuple[Complet
     fmt = tool_calls.tool_format(tokenizer.chat_template)
     assert isinstance(req.prompt, list)  # chat: tools were refused on completions
     messages, tools = tool_calls.for_template(req.prompt, req.tools, fmt)
-    req = replace(req, prompt=messages, template_tools=tools)
+    req = replace(req, prompt=messages, template_tools=tools, call_family=fmt.family if req.reads_calls else None)
     if req.tools is not None and req.tool_choice not in ("none", "auto"):
         name = req.tool_choice.name if isinstance(req.tool_choice, NamedTool) else None
         parallel = name is None and req.parallel_tool_calls  # a named function: one call to it, as vLLM forces it
         grammar = tool_calls.call_grammar(fmt, req.tools, name, parallel, tokenizer.token_id)
         req = replace(req, params=replace(req.params, grammar=grammar), grammar_field="tools")
-    return req, fmt.family
-
-
-def reply_family(engine: SupervisedEngine, chat: bool) -> str | None:
-    """The family a chat reply is read as without tools: harmony's (gpt-oss), whose thinking and answer are channels
-    of the reply (engine/harmony.py); None, text as it is."""
-    from llamaterm.engine import harmony, tool_calls  # noqa: PLC0415
-
-    return tool_calls.HARMONY if chat and harmony.speaks_harmony(engine.tokenizer.chat_template.source) else None
-
-
-def call_reader(family: str | None, req: Completion) -> ToolCallStream | None:
-    """What reads the reply for calls, where it is read for them; a harmony reply always, for its channels."""
-    from llamaterm.engine.tool_calls import HARMONY, ToolCallStream  # noqa: PLC0415
-
-    if family == HARMONY:
-        return ToolCallStream(family, read_calls=req.reads_calls)
-    return ToolCallStream(family) if family is not None and req.reads_calls else None
+    return req
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -373,6 +351,7 @@ def submit_choices(engine: SupervisedEngine, req: Completion) -> list[RequestStr
                         enable_thinking=req.enable_thinking,
                         parse_special=req.parse_special,
                         tools=req.template_tools,
+                        tool_calls=req.call_family,
                     )
                 )
     except BaseException:

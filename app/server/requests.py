@@ -56,6 +56,7 @@ class Completion:
     tool_choice: str | NamedTool | None = None  # "none", "auto", "required" or a tool by name (None: no tools)
     parallel_tool_calls: bool = False  # in a forced call's grammar: several calls, where the client asks
     template_tools: list[dict] | None = None  # the tools as its chat template takes them (with_tool_prompt)
+    call_family: str | None = None  # the syntax of calls its reply is read for, where it reads them (with_tool_prompt)
     n: int = 1  # choices, each its own request to the engine
     parse_special: bool = True  # a raw prompt's special-token text becomes those tokens (False: plain text)
     token_ids: bool = False  # each choice carries its tokens' ids (vLLM's return_token_ids)

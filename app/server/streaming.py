@@ -11,18 +11,15 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llamaterm.app.openai_shapes import Responder
 from llamaterm.app.server.errors import APIError, shutting_down
-from llamaterm.engine.api import EngineClient, Event, RequestStream, TokenLogprob
+from llamaterm.engine.api import EngineClient, Event, RequestStream, TokenLogprob, ToolCallDelta, whole_calls
 from llamaterm.engine.errors import LlamatermError
-
-if TYPE_CHECKING:
-    from llamaterm.engine.tool_calls import ToolCallStream
 
 PUMP_S = 0.01  # how often the live requests' events are collected (the engine process sends one message per step)
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a client that left
@@ -32,19 +29,20 @@ Events = asyncio.Queue[tuple[int, list[Event]]]  # a response's events: (its cho
 
 @dataclass(eq=False)
 class Choice:
-    """One of a response's n choices, as its events arrive: its own request to the engine, and its reply so far."""
+    """One of a response's n choices, as its events arrive: its own request to the engine, and its reply so far
+    (its content and its calls' pieces, as the engine read them: Event)."""
 
     stream: RequestStream
-    calls: ToolCallStream | None  # what reads its reply for tool calls, where it is read for them
-    text: list[str] = dataclasses.field(default_factory=list)
+    content: list[str] = dataclasses.field(default_factory=list)
+    calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     offset: int = 0  # in a stream, the text offset of its next token's log-probabilities
     finish_reason: str | None = None
 
-    def read(self, text: str, final: bool = False) -> tuple[str, list[dict] | None]:
-        """A stream's new text: as it is, or less what is a tool call (and the call's deltas)."""
-        return (text, None) if self.calls is None else self.calls.push(text, final=final)
+    def finish(self, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for a reply that ended with calls."""
+        return "tool_calls" if reason == "stop" and self.calls else reason
 
 
 class EventPump:
@@ -117,9 +115,16 @@ def failure(event: Event) -> APIError | None:
     return None
 
 
-def finish_reason(reason: str | None, calls: ToolCallStream | None) -> str | None:
-    """OpenAI's "tool_calls" for a reply that ended with calls."""
-    return "tool_calls" if reason == "stop" and calls is not None and calls.ids else reason
+def joined(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """A chunk's call pieces, those of one call that follow each other as one (the tokens of a poll go as one
+    chunk)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.id is None:
+            out[-1] = dataclasses.replace(out[-1], arguments=out[-1].arguments + d.arguments)
+        else:
+            out.append(d)
+    return out
 
 
 def sse(data: dict) -> str:
@@ -152,18 +157,20 @@ async def stream_events(
         choice, last = choices[i], events[-1]
         # the tokens that arrived since the last poll go as one chunk: at tens of thousands of tokens a second,
         # a chunk per token would cost the server more than the engine
-        text = "".join(e.text for e in events[:-1])
+        text = "".join(e.content for e in events)
         logprobs = [lp for e in events for lp in e.logprobs]
         ids = [t for e in events for t in e.token_ids]
         if last.finished and (error := failure(last)) is not None:
             yield (sse(responder.chunk(text, index=i, ids=ids, **extra)) if text else "") + sse(error.body) + DONE
             return
-        text, deltas = choice.read(text + last.text, final=last.finished)
-        reason = finish_reason(last.finish_reason, choice.calls) if last.finished else None
+        deltas = [d for e in events for d in e.tool_calls]
+        choice.calls += deltas
+        reason = choice.finish(last.finish_reason) if last.finished else None
         if text or deltas or logprobs or reason or (ids and responder.token_ids):
             at = choice.offset  # (a token's text may come in a later chunk: a stop string held it back)
+            calls = [d.openai() for d in joined(deltas)]
             yield sse(
-                responder.chunk(text, reason, calls=deltas, index=i, logprobs=logprobs, offset=at, ids=ids, **extra)
+                responder.chunk(text, reason, calls=calls, index=i, logprobs=logprobs, offset=at, ids=ids, **extra)
             )
         if logprobs:
             choice.offset += responder.text_length(logprobs)
@@ -174,9 +181,16 @@ async def stream_events(
 
 
 async def whole_reply(
-    request: Request, engine: EngineClient, queue: Events, choices: list[Choice], responder: Responder, asked: bool
+    request: Request,
+    engine: EngineClient,
+    queue: Events,
+    choices: list[Choice],
+    responder: Responder,
+    asked: bool,
+    reads_calls: bool,
 ) -> Response:
-    """Every choice's whole reply, once all have ended. asked: the request asked for logprobs."""
+    """Every choice's whole reply, once all have ended. asked: the request asked for logprobs; reads_calls: its
+    reply is read for tool calls."""
     streams, running = [c.stream for c in choices], len(choices)
     check_at = time.monotonic() + DISCONNECT_CHECK_S
     while running:
@@ -192,7 +206,8 @@ async def whole_reply(
         if not events:
             continue
         choice, last = choices[i], events[-1]
-        choice.text += [e.text for e in events]
+        choice.content += [e.content for e in events]
+        choice.calls += [d for e in events for d in e.tool_calls]
         choice.logprobs += [lp for e in events for lp in e.logprobs]
         choice.token_ids += [t for e in events for t in e.token_ids]
         if last.finished:
@@ -202,10 +217,8 @@ async def whole_reply(
             choice.finish_reason, running = last.finish_reason, running - 1
     shown = []
     for i, c in enumerate(choices):
-        content, _ = c.read("".join(c.text), final=True)
-        found = [call.openai() for call in c.calls.calls()] if c.calls is not None else None
+        content, calls = "".join(c.content), [call.openai() for call in whole_calls(c.calls)]
         logprobs = c.logprobs if asked else None
-        reason = finish_reason(c.finish_reason, c.calls)
-        text = content or None if c.calls is not None else content  # with tools, no text is null, as OpenAI
-        shown.append(responder.choice(i, text, reason, found, logprobs, c.token_ids))
+        text = content or None if reads_calls else content  # with tools, no text is null, as OpenAI
+        shown.append(responder.choice(i, text, c.finish(c.finish_reason), calls, logprobs, c.token_ids))
     return JSONResponse(responder.whole(shown, usage(streams)))

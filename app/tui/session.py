@@ -17,6 +17,7 @@ from llamaterm.engine.api import EngineClient, RequestStats, RequestStream
 from llamaterm.engine.checkpoints.sampling_defaults import FIELDS, SamplingDefaults
 from llamaterm.engine.errors import LlamatermError
 from llamaterm.engine.sampling_params import Grammar, SamplingParams
+from llamaterm.engine.thinking import split_reply
 
 SAVE_EVERY_S = 1.0
 TOPIC_CHARS = 48
@@ -95,6 +96,15 @@ class ChatMessage:
     error: str | None = None
     # a reply whose request asked for logprobs (the pane shades tokens): its tokens as they arrive; not saved
     tokens: list[ShownToken] | None = None
+    # a reply's content parted as its events part it (Event.thinking, Event.answer); saved is the content alone
+    thinking: str = ""
+    answer: str = ""
+
+    @classmethod
+    def saved(cls, role: str, content: str, id: int | None, finish_reason: str | None) -> ChatMessage:
+        """A message from the history, a reply's content parted as the engine parts a reply's text."""
+        thinking, answer = split_reply(content) if role == "assistant" else ("", content)
+        return cls(role, content, id, finish_reason, thinking=thinking, answer=answer)
 
 
 class Session:
@@ -116,7 +126,7 @@ class Session:
     def reopen(cls, history: History, conv: Conversation) -> Session:
         session = cls(history, ChatSettings.from_dict(conv.settings), name=conv.title)
         session.conversation_id = conv.id
-        session.messages = [ChatMessage(m.role, m.content, m.id, m.finish_reason) for m in conv.messages]
+        session.messages = [ChatMessage.saved(m.role, m.content, m.id, m.finish_reason) for m in conv.messages]
         if conv.messages and conv.messages[-1].stats:
             session.stats = RequestStats(**known_fields(RequestStats, conv.messages[-1].stats))
         return session
@@ -181,6 +191,8 @@ class Session:
         text = "".join(e.text for e in events)
         reply = self.messages[-1]
         reply.content += text
+        reply.thinking += "".join(e.thinking for e in events)
+        reply.answer += "".join(e.answer for e in events)
         if self._tokens is not None and reply.tokens is not None:
             reply.tokens += [self._tokens(t) for e in events for t in e.logprobs]
         last = events[-1]

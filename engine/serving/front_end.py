@@ -2,7 +2,8 @@
 (engine/serving/engine.py) or in a child process (engine/serving/process.py), as vLLM's front end is over its engine
 core. A request goes in as the caller gives it and is encoded here (its template and tokenizer: prompt.py) and
 checked against the model's limits, so a refusal is the caller's exception; the core gets token ids and gives
-token ids back, which the output processor (output_processor.py) turns into each request's events. No torch here:
+token ids back, which the output processor (output_processor.py) turns into each request's events, read as the
+model's template writes replies (engine/reply_reader.py). No torch here:
 the engine process's parent loads none."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from llamaterm.engine.api import EngineStats, RequestStream, SubmitOptions
 from llamaterm.engine.checkpoints.sampling_defaults import SamplingDefaults
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
 from llamaterm.engine.errors import LlamatermError, RequestError
+from llamaterm.engine.reply_reader import reader_for
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.grammar import vocabulary
 from llamaterm.engine.serving.output_processor import OutputProcessor, RequestState, TokenOutput
@@ -76,7 +78,8 @@ class FrontEnd:
         if params.grammar is not None:  # compiled here, in the caller's thread, and refused as the caller's error
             vocabulary(self.tokenizer, info.vocab_size).check(params.grammar)
         request_id = next(self._ids)
-        state = self.output.add(request_id, params, len(ids), opens)
+        reader = reader_for(self.tokenizer, options)
+        state = self.output.add(request_id, params, len(ids), opens, reader)
         try:
             self._core.add(request_id, ids, params)
         except BaseException:

@@ -1,19 +1,21 @@
 """The engine core's token ids to each request's events, in the front end (front_end.py): the in-process engine
 runs it on the core's thread after each step, the engine process's parent on the thread that reads the child's
 messages. Per request it detokenizes and finds stop strings (detokenizer.py), starts the text of a reply whose
-chat template opened a thinking block with the block's tag, and measures the request's stats where its tokens
-arrive. A stop string ends a request here; the core is told to abort it."""
+chat template opened a thinking block with the block's tag, reads the text into thinking, answer and tool calls
+(engine/reply_reader.py), and measures the request's stats where its tokens arrive. A stop string ends a request
+here; the core is told to abort it."""
 
 from __future__ import annotations
 
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from llamaterm.engine.api import ArrivalStats, Event, EventStream, TokenLogprob
 from llamaterm.engine.checkpoints.tokenizer import Tokenizer
+from llamaterm.engine.reply_reader import ReplyReader
 from llamaterm.engine.sampling_params import SamplingParams
 from llamaterm.engine.serving.detokenizer import IncrementalDetokenizer
 from llamaterm.engine.thinking import OPEN as THINK_OPEN
@@ -36,6 +38,7 @@ class RequestState(ArrivalStats, EventStream):
 
     id: int
     detokenizer: IncrementalDetokenizer
+    reader: ReplyReader
     prompt_tokens: int
     max_context: int
     events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -62,18 +65,23 @@ class RequestState(ArrivalStats, EventStream):
             reason = "stop"
         logprobs = () if logprob is None else (logprob,)
         if reason is None:
-            self.events_queue.put(Event(self.id, text, (token,), logprobs=logprobs))
+            self._put(Event(self.id, text, (token,), logprobs=logprobs))
             return False, False
         if reason in ("length", "stop") and error is None:
             text += self.detokenizer.finish()
         self.end = now
         ids = (token,) if token >= 0 else ()
-        self.events_queue.put(Event(self.id, text, ids, True, reason, error, logprobs))
+        self._put(Event(self.id, text, ids, True, reason, error, logprobs))
         return True, stopped
 
     def fail(self, error: str) -> None:
         self.end = time.perf_counter()
-        self.events_queue.put(Event(self.id, finished=True, finish_reason="error", error=error))
+        self._put(Event(self.id, finished=True, finish_reason="error", error=error))
+
+    def _put(self, event: Event) -> None:
+        """The event with the reader's pieces of its text; the last gives what the reader held back."""
+        piece = self.reader.push(event.text, final=event.finished)
+        self.events_queue.put(replace(event, **piece._asdict()))
 
 
 class OutputProcessor:
@@ -81,11 +89,14 @@ class OutputProcessor:
         self.tokenizer, self.max_context = tokenizer, max_context
         self.requests: dict[int, RequestState] = {}  # those not ended yet
 
-    def add(self, request_id: int, params: SamplingParams, prompt_tokens: int, opens_thinking: bool) -> RequestState:
+    def add(
+        self, request_id: int, params: SamplingParams, prompt_tokens: int, opens_thinking: bool, reader: ReplyReader
+    ) -> RequestState:
         """A request about to reach the core. opens_thinking: its chat template opened a thinking block, which the
-        reply's text starts with (engine/thinking.py)."""
+        reply's text starts with (engine/thinking.py); reader: how its text is read (engine/reply_reader.py)."""
         text = IncrementalDetokenizer(self.tokenizer, params.stop, THINK_OPEN if opens_thinking else "")
-        state = self.requests[request_id] = RequestState(request_id, text, prompt_tokens, self.max_context)
+        state = RequestState(request_id, text, reader, prompt_tokens, self.max_context)
+        self.requests[request_id] = state
         return state
 
     def process(self, outputs: list[TokenOutput], cached: list[tuple[int, int]]) -> list[int]:

@@ -295,10 +295,10 @@ def test_text_that_is_not_unicode_is_refused_and_the_server_keeps_serving(server
 class FailingEngine(FakeEngine):
     """A fake engine whose submit fails with an exception no engine should raise, for the prompt "fail"."""
 
-    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True, tools=None):
+    def submit(self, prompt, params=None, **options):
         if prompt == "fail":
             raise RuntimeError("a bug")
-        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking, parse_special=parse_special)
+        return super().submit(prompt, params, **options)
 
 
 def test_an_unforeseen_failure_is_an_openai_error_and_the_server_keeps_serving():

@@ -68,12 +68,13 @@ class ToolFakeEngine(FakeEngine):
         self.tokenizer = tokenizer or Tokenizer.from_hf_dir(QWEN3_FILES)
         self.prompts: list[str] = []
 
-    def submit(self, prompt, params=None, *, raw=False, enable_thinking=None, parse_special=True, tools=None):
+    def submit(self, prompt, params=None, **options):
         if isinstance(prompt, list):  # rendered as the engine renders it, tools and all
-            ids = self.tokenizer.encode_chat(prompt, enable_thinking=enable_thinking, tools=tools)
-            prompt, raw = self.tokenizer.decode(ids), True
+            thinking, tools = options.get("enable_thinking"), options.get("tools")
+            ids = self.tokenizer.encode_chat(prompt, enable_thinking=thinking, tools=tools)
+            prompt = self.tokenizer.decode(ids)  # (the fake reads a string as a user message's text)
             self.prompts.append(prompt)
-        return super().submit(prompt, params, raw=raw, enable_thinking=enable_thinking, parse_special=parse_special)
+        return super().submit(prompt, params, **options)
 
 
 @pytest.fixture(scope="module")

@@ -190,10 +190,10 @@ def streamed(family: str, pieces: list[str]) -> tuple[str | None, list[tuple[str
         text, deltas = stream.push(piece, final=i == len(pieces))
         content += text
         for d in deltas:
-            call = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
-            assert ("id" in d) == (d["function"].get("name") is not None)  # the first delta names the call
-            call["name"] += d["function"].get("name") or ""
-            call["arguments"] += d["function"]["arguments"]
+            call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+            assert (d.id is None) == (d.name is None)  # the first delta names the call
+            call["name"] += d.name or ""
+            call["arguments"] += d.arguments
     return content or None, [(c["name"], c["arguments"]) for c in calls.values()], [c["id"] for c in calls.values()]
 
 

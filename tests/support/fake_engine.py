@@ -9,6 +9,7 @@ probability going to ALTERNATIVES, halving from one to the next.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import queue
@@ -30,6 +31,7 @@ from llamaterm.engine.api import (
 from llamaterm.engine.checkpoints.chat_template import CHATML_TEMPLATE, ChatTemplate
 from llamaterm.engine.checkpoints.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from llamaterm.engine.errors import RequestError
+from llamaterm.engine.reply_reader import ReplyReader, reader_for
 from llamaterm.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -83,9 +85,14 @@ class FakeHandle(EventStream):
     params: SamplingParams
     cached_tokens: int
     engine: FakeEngine
+    reader: ReplyReader  # its text read as the engine's output processor reads it
     events_queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     generated: int = 0
     finished: bool = False
+
+    def put(self, event: Event) -> None:
+        piece = self.reader.push(event.text, final=event.finished)
+        self.events_queue.put(dataclasses.replace(event, **piece._asdict()))
 
     def stats(self) -> RequestStats:
         rate = self.engine.tokens_per_s
@@ -155,7 +162,8 @@ class FakeEngine:
                 raise RequestError("the engine has shut down")
             cached = max((common_prefix(prompt, p) for p in self._prompts), default=0) // BLOCK_SIZE * BLOCK_SIZE
             self._prompts.append(prompt)
-            handle = FakeHandle(next(self._ids), prompt, words(self.reply(messages)), params, cached, self)
+            reply, reader = words(self.reply(messages)), reader_for(self.tokenizer, options)
+            handle = FakeHandle(next(self._ids), prompt, reply, params, cached, self, reader)
             self.submitted.append((messages, params))
             self.thinking_switches.append(options.get("enable_thinking"))
             self._live.append(handle)
@@ -215,12 +223,12 @@ class FakeEngine:
         token, wanted = handle.reply[handle.generated], handle.params.logprobs
         logprobs = () if wanted is None else (fake_logprob(self.vocabulary, token, handle.generated, wanted),)
         handle.generated += 1
-        handle.events_queue.put(Event(handle.id, token, (self.vocabulary.id_of(token),), logprobs=logprobs))
+        handle.put(Event(handle.id, token, (self.vocabulary.id_of(token),), logprobs=logprobs))
 
     def _finish(self, handle: FakeHandle, reason: str) -> None:
         self._live.remove(handle)
         handle.finished = True
-        handle.events_queue.put(Event(handle.id, finished=True, finish_reason=reason))
+        handle.put(Event(handle.id, finished=True, finish_reason=reason))
 
 
 def common_prefix(a: list[str], b: list[str]) -> int:

@@ -23,7 +23,7 @@ DOCUMENTS = {
 class Host(App):
     def __init__(self, content: str):
         super().__init__()
-        self.message = ChatMessage("assistant", content)
+        self.message = ChatMessage("assistant", content, answer=content)
 
     def compose(self) -> ComposeResult:
         yield ReplyMessage(self.message)
@@ -39,7 +39,7 @@ def render(text: str, streamed: bool) -> tuple[str, bool | None]:
             if streamed:
                 view = app.query_one(ReplyMessage)
                 for i in range(0, len(text), 3):
-                    view.message.content += text[i : i + 3]
+                    view.message.answer += text[i : i + 3]
                     await view.draw_new_text()
                     await pilot.pause(0)
                 await pilot.pause()
@@ -68,7 +68,7 @@ def test_a_reply_not_yet_mounted_waits_for_the_next_draw():
         app = Host("")
         async with app.run_test(size=(60, 30)) as pilot:
             early = ReplyMessage(ChatMessage("assistant", ""))
-            early.message.content = "streamed **text**"
+            early.message.answer = "streamed **text**"
             await early.draw()  # not mounted: nothing to draw into yet
             assert early.lagging
             await app.mount(early)

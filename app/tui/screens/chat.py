@@ -40,7 +40,6 @@ from llamaterm.app.tui.widgets.stats import StatusBar
 from llamaterm.app.tui.widgets.token_view import ShadedReply
 from llamaterm.app.tui.widgets.transcript import CopyRequested
 from llamaterm.engine.api import EngineClient
-from llamaterm.engine.thinking import split_reply
 
 if TYPE_CHECKING:
     from llamaterm.app.tui.app import ChatApp  # which imports this module
@@ -484,7 +483,7 @@ class ChatScreen(Screen):
 
     def action_copy_reply(self) -> None:
         reply = self.active.session.reply
-        answer = split_reply(reply.content)[1] if reply is not None else ""
+        answer = reply.answer if reply is not None else ""
         if not answer:
             self.notify("No reply to copy yet.")
             return

@@ -1,5 +1,6 @@
 """The messages of a conversation as shown in a pane: the user's as plain text, replies as streaming Markdown, a
-reply's thinking (<think>...</think>, engine/thinking.py) dimmed and folded to one line until it is shown."""
+reply's thinking (<think>...</think>, as the engine parts it: Event.thinking) dimmed and folded to one line until
+it is shown."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence, MarkdownStream
 
 from llamaterm.app.tui.session import ChatMessage
-from llamaterm.engine.thinking import ThinkingSplitter
 
 NOTES: dict[str | None, str] = {"cancelled": "⏹ stopped", "length": "… max tokens reached"}
 
@@ -38,43 +38,37 @@ class ReplyMessage(Vertical):
     """Text arrives in batches through a MarkdownStream, which re-parses only the last block. When the reply
     ends, the document is rendered in full wherever the streamed blocks differ from a full parse; where they
     match, re-rendering would cost a long reply a visible stall (every block rebuilt) for the same result.
-    The thinking, split off as the text arrives, is a dimmed line above the answer: folded, its length; shown,
-    its text."""
+    The thinking (the message's, as the engine parted it) is a dimmed line above the answer: folded, its length;
+    shown, its text."""
 
     def __init__(self, message: ChatMessage, thinking_shown: bool = False):
         super().__init__()
         self.message = message
         self.thinking_shown = thinking_shown
-        self.shown = 0  # how much of the message the view holds; the rest is to draw
-        self.thinking = self.answer = ""  # the message's parts, as far as the view holds it
+        self.shown = len(message.answer)  # how much of the message's answer the view holds; the rest is to draw
         self.finished = message.finish_reason is not None  # drawn in its final form
-        self._split = ThinkingSplitter()
-        self._take(message.content, end=self.finished)
         self._stream: MarkdownStream | None = None
+
+    @property
+    def answer(self) -> str:
+        """The answer as far as the view holds it."""
+        return self.message.answer[: self.shown]
 
     def compose(self) -> ComposeResult:
         thinking = Static(self._thinking_text(), classes="thinking", markup=False)
-        thinking.display = self._split.thinks
+        thinking.display = bool(self.message.thinking)
         yield thinking
         yield Markdown(self.answer)
         note = Static(self._note(), classes="note", markup=False)
         note.display = bool(self._note())
         yield note
 
-    def _take(self, text: str, end: bool = False) -> str:
-        """Split the message's new text; returns its new answer text."""
-        self.shown += len(text)
-        parts = [self._split.push(text)] + ([self._split.finish()] if end else [])
-        thinking, answer = ("".join(p[i] for p in parts) for i in (0, 1))
-        self.thinking += thinking
-        self.answer += answer
-        return answer
-
     def _thinking_text(self) -> str:
-        state = "Thinking…" if self._split.state == "thinking" else "Thought"
+        message = self.message
+        state = "Thinking…" if message.finish_reason is None and not message.answer else "Thought"
         if not self.thinking_shown:
-            return f"▸ {state} ({len(self.thinking.split())} words) · F3 shows"
-        return f"▾ {state} · F3 folds\n{self.thinking.strip()}"
+            return f"▸ {state} ({len(message.thinking.split())} words) · F3 shows"
+        return f"▾ {state} · F3 folds\n{message.thinking.strip()}"
 
     def show_thinking(self, shown: bool) -> None:
         self.thinking_shown = shown
@@ -82,21 +76,20 @@ class ReplyMessage(Vertical):
 
     def _draw_thinking(self) -> None:
         view = self.query_one(".thinking", Static)
-        view.display = self._split.thinks
-        if self._split.thinks:
+        view.display = bool(self.message.thinking)
+        if view.display:
             view.update(self._thinking_text())
 
     @property
     def lagging(self) -> bool:
         """Whether the message has text, or an end, that the view does not show yet."""
-        return self.shown < len(self.message.content) or (self.message.finish_reason is not None and not self.finished)
+        return self.shown < len(self.message.answer) or (self.message.finish_reason is not None and not self.finished)
 
     async def draw_new_text(self) -> None:
-        """Append, in one batch, all the text the message gained since the last draw."""
-        thought = len(self.thinking)
-        text = self._take(self.message.content[self.shown :])
-        if len(self.thinking) != thought:
-            self._draw_thinking()
+        """Append, in one batch, all the answer the message gained since the last draw, and its thinking's."""
+        self._draw_thinking()
+        text = self.message.answer[self.shown :]
+        self.shown += len(text)
         if not text:
             return
         if self._stream is None:
@@ -109,8 +102,7 @@ class ReplyMessage(Vertical):
         for the next tick."""
         if not self.is_mounted:
             return
-        if self.shown < len(self.message.content):
-            await self.draw_new_text()
+        await self.draw_new_text()
         if self.message.finish_reason is not None and not self.finished:
             await self.finish()
 
@@ -119,7 +111,7 @@ class ReplyMessage(Vertical):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self._take(self.message.content[self.shown :], end=True)
+        self.shown = len(self.message.answer)
         self._draw_thinking()
         markdown = self.query_one(Markdown)
         if markdown.source != self.answer or not streamed_blocks_match(markdown):
