@@ -147,17 +147,15 @@ def _chunk_candidates_kernel(
     logits_ptr,
     stride,
     vocab,
-    slots_ptr,
-    positions_ptr,
-    floats_ptr,
-    ints_ptr,
+    per_row,
     maxima,
     found,
     CHUNK: tl.constexpr,
     L: tl.constexpr,
     PB: tl.constexpr,
 ):
-    """maxima and found: sample_triton's groups of buffers."""
+    """per_row, maxima and found: sample_triton's groups of buffers."""
+    slots_ptr, positions_ptr, floats_ptr, ints_ptr = per_row
     n_chunks = maxima[3]
     mass_ptr, best_ptr, best_id_ptr, tau_ptr, n_cand_ptr, cand_ptr = found
     row, c = tl.program_id(0), tl.program_id(1)
@@ -270,11 +268,8 @@ def _row_token_kernel(
     logits_ptr,
     stride,
     vocab,
-    slots_ptr,
-    positions_ptr,
-    floats_ptr,
-    ints_ptr,
     counts_ptr,
+    per_row,
     maxima,
     found,
     tokens_ptr,
@@ -282,6 +277,7 @@ def _row_token_kernel(
     PB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    slots_ptr, positions_ptr, floats_ptr, ints_ptr = per_row
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
@@ -364,14 +360,16 @@ def sample_triton(
     cand = torch.empty(n, p, candidates, dtype=torch.int64, device=dev)
     t = tables
     warps = 16 if chunk >= 8192 else 8
-    # the kernels' arguments in the groups they share: the rows; each row's position and its slot's values; each
-    # chunk's maximum; the chunks' candidates
-    rows, per_row = (logits, logits.stride(0), vocab, slots), (positions, t.floats, t.ints)
+    # the kernels' arguments in the groups they share: the logits; each row's slot, position and its slot's values;
+    # each chunk's maximum; the chunks' candidates
+    logits_args, per_row = (logits, logits.stride(0), vocab), (slots, positions, t.floats, t.ints)
     maxima, found = (cmax, carg, cbad, p), (mass, best, best_id, tau, n_cand, cand)
     state = (t.floats, t.ints, t.counts, t.in_prompt, t.bias, t.bitmask, t.bitmask.shape[1])
-    _chunk_stats_kernel[(n, p)](*rows, *state, *maxima, CHUNK=chunk, num_warps=warps)
-    _chunk_candidates_kernel[(n, p)](*rows, *per_row, maxima, found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps)
+    _chunk_stats_kernel[(n, p)](*logits_args, slots, *state, *maxima, CHUNK=chunk, num_warps=warps)
+    _chunk_candidates_kernel[(n, p)](
+        *logits_args, per_row, maxima, found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps
+    )
     _row_token_kernel[(n,)](
-        *rows, *per_row, t.counts, maxima, found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
+        *logits_args, t.counts, per_row, maxima, found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
     )
     return tokens
