@@ -13,6 +13,7 @@ from typer.core import TyperGroup
 
 from llamaterm.app import bench, models_cli, servers_cli
 from llamaterm.app.console import echo, fail, imports_frozen, interrupts_held, say, startup_split
+from llamaterm.app.engine_flags import EngineFlags, engine_flags
 from llamaterm.app.inputs import read_file, read_prompt, reply_grammar
 from llamaterm.app.replies import Reply, collect, report, show_thinking
 from llamaterm.app.terminal import shown
@@ -74,7 +75,6 @@ ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Model name in the store, or a path.", autocompletion=models_cli.complete_model),
 ]
-DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")]
 ServerOpt = Annotated[
     str | None,
     typer.Option(
@@ -91,30 +91,6 @@ LocalOpt = Annotated[
         "--kv-tokens, --ctx, --gpu-memory, --threads and --speculate shape a local engine, and imply it).",
     ),
 ]
-KvTokensOpt = Annotated[
-    int | None, typer.Option(min=16, help="KV cache pool size in tokens (default: from free memory).")
-]
-CtxOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--ctx",
-        min=16,
-        help="Context length: the most tokens a conversation holds, prompt and reply (ollama's num_ctx, llama.cpp's "
-        "-c). Default and most: the model's own.",
-        show_default=False,
-    ),
-]
-GpuMemoryOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="The share of the GPU's memory (0-1] the engine may hold, as vLLM's --gpu-memory-utilization; the KV "
-        "cache takes what the weights leave of it. Default: most of what is free.",
-        show_default=False,
-    ),
-]
-ThreadsOpt = Annotated[
-    int | None, typer.Option(min=1, help="Threads for the CPU path (default: one per core).", show_default=False)
-]
 PresetOpt = Annotated[
     str | None,
     typer.Option(
@@ -122,52 +98,6 @@ PresetOpt = Annotated[
         show_default=False,
     ),
 ]
-SpeculateOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Speculative decoding: ngram drafts tokens from the prompt and the reply so far, draft from --draft's "
-        "model, off; the model verifies the drafts, so replies are the same. Default: draft with --draft, else ngram."
-    ),
-]
-DraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="A small model with the model's vocabulary that drafts tokens for it (a store name or a path).",
-        autocompletion=models_cli.complete_model,
-    ),
-]
-SPECULATE_KINDS = ("off", "ngram", "draft")
-
-
-def speculation(speculate: str | None, draft: str | None) -> dict:
-    """EngineConfig's speculation fields from --speculate and --draft, checked before any model loads; none when
-    neither is given (the engine's default)."""
-    if speculate is None and draft is None:
-        return {}
-    kind = speculate or "draft"
-    if kind not in SPECULATE_KINDS:
-        fail(f"unknown --speculate {kind!r}: one of {', '.join(SPECULATE_KINDS)}", 2)
-    if kind == "draft" and not draft:
-        fail("--speculate draft needs a draft model: add --draft MODEL", 2)
-    if draft and kind != "draft":
-        fail(f"--draft gives a draft model, which --speculate {kind} does not use: leave one out", 2)
-    return {"speculate": kind, "draft": draft}
-
-
-def engine_shape(
-    kv_tokens: int | None = None,
-    ctx: int | None = None,
-    gpu_memory: float | None = None,
-    threads: int | None = None,
-    speculate: str | None = None,
-    draft: str | None = None,
-) -> dict:
-    """The EngineConfig fields of the flags that shape a local engine, those given only, checked: any of them loads
-    the model in the command's own process rather than use a server that holds it."""
-    if gpu_memory is not None and not 0 < gpu_memory <= 1:
-        fail(f"--gpu-memory {gpu_memory:g} is not a share of the GPU's memory: give a number in (0, 1], as 0.9", 2)
-    given = {"kv_tokens": kv_tokens, "context_length": ctx, "gpu_memory": gpu_memory, "threads": threads}
-    return {k: v for k, v in given.items() if v is not None} | speculation(speculate, draft)
 
 
 def preset_named(name: str | None):
@@ -227,7 +157,7 @@ def load_engine(
     verbose: bool = False,
 ):
     """With --server, that server's `model` (None: its first). Else a `llamaterm serve` on this machine that holds
-    `model` (app/announcements.py), unless `local` or `shape` (engine_shape()'s fields: --kv-tokens, --ctx,
+    `model` (app/announcements.py), unless `local` or `shape` (EngineFlags.shape(): --kv-tokens, --ctx,
     --speculate, ...), which shape a local engine, say otherwise; else the local engine on `model` for `sessions`
     requests at a time (so start-up prepares no more). verbose: say which, and where a local start-up's time went."""
     if server:
@@ -282,6 +212,7 @@ def result_json(engine, reply: Reply, handle, logprobs: bool = False) -> dict:
 
 
 @app.command()
+@engine_flags
 def run(
     prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or none reads stdin.")] = None,
     model: ModelOpt = None,
@@ -346,13 +277,7 @@ def run(
     file: Annotated[
         Path | None, typer.Option(help="Read the prompt from this file (a prompt per line with --each-line).")
     ] = None,
-    device: DeviceOpt = None,
-    ctx: CtxOpt = None,
-    kv_tokens: KvTokensOpt = None,
-    gpu_memory: GpuMemoryOpt = None,
-    threads: ThreadsOpt = None,
-    speculate: SpeculateOpt = None,
-    draft: DraftOpt = None,
+    flags: EngineFlags = EngineFlags(),
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
@@ -405,8 +330,8 @@ def run(
         prompts = [read_file(file) if file else read_prompt(prompt)]
         if not prompts[0].strip():
             fail("the prompt is empty: give some text", 2)
-    shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
-    with load_engine(model, device, shape, server, api_key, len(prompts), local, verbose) as engine:
+    shape = flags.shape()
+    with load_engine(model, flags.device, shape, server, api_key, len(prompts), local, verbose) as engine:
         params = model_sampling(engine, given)
         inputs = [p if raw else messages_for(p, system) for p in prompts]
         handles = [
@@ -434,6 +359,7 @@ def run(
 
 
 @app.command()
+@engine_flags
 def chat(
     models: Annotated[
         list[str] | None,
@@ -453,13 +379,7 @@ def chat(
     max_tokens: Annotated[
         int | None, typer.Option(help="Most tokens a reply takes. Default: 1024.", show_default=False)
     ] = None,
-    device: DeviceOpt = None,
-    ctx: CtxOpt = None,
-    kv_tokens: KvTokensOpt = None,
-    gpu_memory: GpuMemoryOpt = None,
-    threads: ThreadsOpt = None,
-    speculate: SpeculateOpt = None,
-    draft: DraftOpt = None,
+    flags: EngineFlags = EngineFlags(),
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
@@ -472,7 +392,7 @@ def chat(
     Examples: llamaterm chat --sessions 4   |   llamaterm chat --preset coder --ctx 4096   |   llamaterm chat --plain
     """
     system, given = with_preset(preset, system, 1024, temperature=temperature, max_tokens=max_tokens)
-    shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
+    shape = flags.shape()
     if not plain:
         from llamaterm.app.tui.app import run_tui
         from llamaterm.app.tui.backends import Backend, Loader
@@ -480,18 +400,19 @@ def chat(
 
         backends = [Backend(m, server or "") for m in models or [""]]
         settings = ChatSettings(system=system or "", **{k: v for k, v in given.items() if v not in (None, ())})
-        return run_tui(backends, sessions, settings, Loader(api_key, device, shape, local))
+        return run_tui(backends, sessions, settings, Loader(api_key, flags.device, shape, local))
     if models and len(models) > 1:
         fail("--plain chats with one model: give one --model", 2)
     from llamaterm.app.line_chat import LineChat
 
-    with load_engine(models[0] if models else None, device, shape, server, api_key, local=local) as engine:
+    with load_engine(models[0] if models else None, flags.device, shape, server, api_key, local=local) as engine:
         for warning in engine.sampling_defaults.warnings:
             say(f"llamaterm: warning: {warning}")
         LineChat(engine, system, given, 1024).run()
 
 
 @app.command()
+@engine_flags
 def serve(
     model: ModelOpt = None,
     host: Annotated[
@@ -505,13 +426,7 @@ def serve(
             help="Refuse /v1 requests and /metrics without this key (sent as 'Authorization: Bearer KEY').",
         ),
     ] = None,
-    device: DeviceOpt = None,
-    ctx: CtxOpt = None,
-    kv_tokens: KvTokensOpt = None,
-    gpu_memory: GpuMemoryOpt = None,
-    threads: ThreadsOpt = None,
-    speculate: SpeculateOpt = None,
-    draft: DraftOpt = None,
+    flags: EngineFlags = EngineFlags(),
     preset: Annotated[
         str | None,
         typer.Option(
@@ -561,7 +476,7 @@ def serve(
     except ValueError as e:
         fail(f"--keep-alive: {e}", 2)
     chosen = preset_named(preset)
-    shape = engine_shape(kv_tokens, ctx, gpu_memory, threads, speculate, draft)
+    shape = flags.shape()
 
     problem = check_port(host, port)
     if problem:
@@ -570,7 +485,7 @@ def serve(
         typer.echo(
             f"llamaterm: warning: anyone who reaches {host}:{port} can use the model: consider --api-key", err=True
         )
-    config = EngineConfig(model=model, device=device, **shape)
+    config = EngineConfig(model=model, device=flags.device, **shape)
     with EngineSupervisor(lambda: EngineProcess(config)) as supervisor:
         engine = supervisor.engine
         for warning in engine.sampling_defaults.warnings:

@@ -32,7 +32,7 @@ class Backend:
 class Loader:
     """How `llamaterm chat` opens a backend's engine: a server's model with `api_key`; a local model on `device`,
     from a `llamaterm serve` on this machine that holds it (as `run` finds one), unless `local` or `shape` (the
-    EngineConfig fields of --ctx, --kv-tokens, --speculate, ...: app/cli.py engine_shape) say to load it here."""
+    EngineConfig fields of --ctx, --kv-tokens, --speculate, ...: app/engine_flags.py) say to load it here."""
 
     api_key: str | None = None
     device: str | None = None

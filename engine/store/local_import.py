@@ -17,18 +17,8 @@ from filelock import Timeout
 
 from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.errors import ModelFormatError
+from llamaterm.engine.store import model_store as store
 from llamaterm.engine.store.hub import SAFETENSORS_EXTRAS, PullError, default_name, quant_label
-from llamaterm.engine.store.model_store import (
-    VALID_NAME,
-    describe_checkpoint,
-    file_hash,
-    format_size,
-    install,
-    list_models,
-    model_lock,
-    models_dir,
-    write_manifest,
-)
 
 
 def is_path(ref: str) -> bool:
@@ -42,15 +32,15 @@ def import_checkpoint(ref: str, name: str | None = None, say: Callable[[str], No
     source = Path(ref).expanduser().resolve()
     files, fmt = checkpoint_files(source, ref)
     name = name or default_name(stem(source), None)
-    if not VALID_NAME.match(name):
+    if not store.VALID_NAME.match(name):
         raise PullError(f"{name!r} cannot be a model name: use lowercase letters, digits, '.', '_' and '-' (--name)")
-    lock = model_lock(name)
+    lock = store.model_lock(name)
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise PullError(f"{name} is being pulled or removed right now: try again when that finishes") from None
     try:
-        existing = next((m for m in list_models() if m.name == name), None)
+        existing = next((m for m in store.list_models() if m.name == name), None)
         if existing is not None:
             origin = existing.manifest.get("repo") or existing.manifest.get("source") or "a local checkpoint"
             raise PullError(f"the store already has a model named {name} (from {origin}): pick another with --name")
@@ -95,27 +85,29 @@ def stem(source: Path) -> str:
 
 def stage_and_install(source: Path, files: list[Path], fmt: str, name: str, say: Callable[[str], None]):
     try:  # read where the user named it, so that what is wrong is said of that path
-        described = describe_checkpoint(files[0] if fmt == "gguf" else source)
+        described = store.describe_checkpoint(files[0] if fmt == "gguf" else source)
     except ModelFormatError as e:
         raise PullError(f"{source} holds no checkpoint llamaterm can read: {e}") from None
-    staging = models_dir() / ".partial" / f"{name}@local"
+    staging = store.models_dir() / ".partial" / f"{name}@local"
     shutil.rmtree(staging, ignore_errors=True)  # an import interrupted before
     staging.mkdir(parents=True)
     try:
         size = sum(f.stat().st_size for f in files)
-        say(f"importing {source} ({fmt}: {len(files)} file{'s' * (len(files) > 1)}, {format_size(size)})")
+        say(f"importing {source} ({fmt}: {len(files)} file{'s' * (len(files) > 1)}, {store.format_size(size)})")
         linked = all([take(f, staging / f.name) for f in files])  # every file, whatever the first gave
         manifest = {
             "source": str(source),
             "format": fmt,
-            "files": [{"path": f.name, "size": f.stat().st_size, "sha256": file_hash(staging / f.name)} for f in files],
+            "files": [
+                {"path": f.name, "size": f.stat().st_size, "sha256": store.file_hash(staging / f.name)} for f in files
+            ],
             "imported_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         label = quant_label(stem(source)) if fmt == "gguf" else None  # as a pull names it: the file's label wins
-        write_manifest(staging, manifest | described | {"quant": label or described["quant"]})
+        store.write_manifest(staging, manifest | described | {"quant": label or described["quant"]})
         if not linked:
-            say(f"copied {format_size(size)} into the store (it is on another file system than {source})")
-        return install(staging, name)
+            say(f"copied {store.format_size(size)} into the store (it is on another file system than {source})")
+        return store.install(staging, name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -131,8 +123,8 @@ def take(source: Path, dest: Path) -> bool:
         free = shutil.disk_usage(dest.parent).free
         if source.stat().st_size > free:
             raise PullError(
-                f"not enough disk space to import {source.name}: it needs {format_size(source.stat().st_size)}, and "
-                f"{models_dir()} has {format_size(free)} free"
+                f"not enough disk space to import {source.name}: it needs {store.format_size(source.stat().st_size)}, "
+                f"and {store.models_dir()} has {store.format_size(free)} free"
             ) from None
         shutil.copyfile(source, dest)
         return False
