@@ -25,15 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llamaterm.kernels.triton_util import (
-    arith_dtype,
-    last_to_arrive,
-    launch_next,
-    num_sms,
-    pdl_launch,
-    split_counters,
-    wait_previous,
-)
+from llamaterm.kernels import triton_util
+from llamaterm.kernels.triton_util import last_to_arrive, launch_next, wait_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a compiled kernel reads only constexpr globals
 
@@ -245,7 +238,7 @@ def paged_attention_triton(
     max_context = block_tables.shape[1] * page  # an upper bound known without a device sync
     if window is not None:  # keys per query
         max_context = min(max_context, window)
-    cfg = config or pick_config(num_tokens, num_seqs, n_kv, group, head_dim, max_context, num_sms(q.device))
+    cfg = config or pick_config(num_tokens, num_seqs, n_kv, group, head_dim, max_context, triton_util.num_sms(q.device))
     n_blocks = num_tokens if cfg.block_q == 1 else num_tokens // cfg.block_q + num_seqs
     splits = cfg.splits
     if splits > 1:
@@ -265,7 +258,7 @@ def paged_attention_triton(
         out,
         part_o,
         part_lse,
-        split_counters(q.device, n_blocks * n_kv, "paged_attention"),
+        triton_util.split_counters(q.device, n_blocks * n_kv, "paged_attention"),
         scale * LOG2E.value,
         window or 0,
         num_seqs,
@@ -288,9 +281,9 @@ def paged_attention_triton(
         SPLIT=splits > 1,
         SLIDING=window is not None,
         SINKS=sinks is not None,
-        DT=arith_dtype(q.dtype),
+        DT=triton_util.arith_dtype(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch(q.device),
+        **triton_util.pdl_launch(q.device),
     )
     return out

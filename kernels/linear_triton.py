@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llamaterm.kernels import triton_util
 from llamaterm.kernels.activation_triton import act_and_mul_triton, gated
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.qweight_triton import (
@@ -39,15 +40,7 @@ from llamaterm.kernels.qweight_triton import (
     step_params,
     use_asm,
 )
-from llamaterm.kernels.triton_util import (
-    arith_dtype,
-    last_to_arrive,
-    launch_next,
-    num_sms,
-    pdl_launch,
-    split_counters,
-    wait_previous,
-)
+from llamaterm.kernels.triton_util import last_to_arrive, launch_next, wait_previous
 
 # Above this many rows: dequantize to a dense copy, then cuBLAS (BENCHMARKS.md: the fused kernel at M = 128).
 DENSE_M = 256
@@ -279,7 +272,7 @@ def qmatmul_triton(
         return y.view(*x.shape[:-1], n_out)
     layout = gpu_layout(w)
     steps = layout.values.shape[0]
-    cfg = config or pick_config(m, n, k, w.group_size, steps, num_sms(x.device))
+    cfg = config or pick_config(m, n, k, w.group_size, steps, triton_util.num_sms(x.device))
     steps_per_split = triton.cdiv(steps, cfg.split_k)
     split = triton.cdiv(steps, steps_per_split)
     tile_n = cfg.block_n if activation is None else cfg.block_n // 2  # output features per tile
@@ -292,7 +285,7 @@ def qmatmul_triton(
         layout.scales if layout.offsets is None else layout.offsets,
         y,
         part,
-        split_counters(x.device, grid[0] * grid[1], "qmatmul"),
+        triton_util.split_counters(x.device, grid[0] * grid[1], "qmatmul"),
         m,
         n,
         k,
@@ -306,13 +299,13 @@ def qmatmul_triton(
         SPLIT=split > 1,
         EVEN_N=n_out % tile_n == 0,
         EVEN_K=k % (w.group_size * 8 // w.bits) == 0,
-        DT=arith_dtype(x.dtype),
+        DT=triton_util.arith_dtype(x.dtype),
         ASM=use_asm(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         STAGES=cfg.num_stages,
         GATED=activation is not None,
         ACTIVATION=activation,
-        **pdl_launch(x.device),
+        **triton_util.pdl_launch(x.device),
     )
     return y.view(*x.shape[:-1], n_out)

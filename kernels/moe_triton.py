@@ -33,21 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
+from llamaterm.kernels import triton_util
 from llamaterm.kernels.activation_triton import gated
 from llamaterm.kernels.linear_triton import qdot
 from llamaterm.kernels.moe import Experts, Weight
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.qweight_triton import format_args, gpu_layout, use_asm
-from llamaterm.kernels.triton_util import (
-    after_previous,
-    arith_dtype,
-    last_to_arrive,
-    launch_next,
-    num_sms,
-    pdl_launch,
-    split_counters,
-    wait_previous,
-)
+from llamaterm.kernels.triton_util import after_previous, last_to_arrive, launch_next, wait_previous
 
 DENSE_BLOCK_K = 64  # K per loop step for dense experts
 
@@ -162,7 +154,7 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
-        **pdl_launch(logits.device),
+        **triton_util.pdl_launch(logits.device),
     )
     return weights, ids
 
@@ -228,7 +220,7 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
         # histogram counts an element once for each thread that holds a copy)
         CHUNK=min(1024, max(128, triton.next_power_of_2(p))),
         num_warps=4,
-        **pdl_launch(ids.device),
+        **triton_util.pdl_launch(ids.device),
     )
     return pairs, tile_expert
 
@@ -433,7 +425,7 @@ def moe_triton(
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or pick_config(m * top_k, n_experts, inter, hidden, num_sms(x.device))
+    cfg = config or pick_config(m * top_k, n_experts, inter, hidden, triton_util.num_sms(x.device))
     pairs, tile_expert = align(ids.to(torch.int32).contiguous(), n_experts, cfg.block_m)
     feature_tiles = max(triton.cdiv(inter, cfg.block_n_gate_up), triton.cdiv(hidden, cfg.block_n_down))
     step = _Step(
@@ -441,8 +433,8 @@ def moe_triton(
         tile_expert,
         weights.to(torch.float32).contiguous(),
         out,
-        split_counters(x.device, m * triton.cdiv(hidden, cfg.block_n_down), "moe"),
-        split_counters(x.device, tile_expert.numel() * feature_tiles, "moe_split"),
+        triton_util.split_counters(x.device, m * triton.cdiv(hidden, cfg.block_n_down), "moe"),
+        triton_util.split_counters(x.device, tile_expert.numel() * feature_tiles, "moe_split"),
         cfg,
     )
     # gate_up: h [P, I]; a stacked gate_up holds expert e's gate rows then its up rows, split parts hold one each
@@ -533,12 +525,12 @@ def _grouped_matmul(
         SLICED=slices > 1,
         EVEN_N=n % block_n == 0,
         EVEN_K=k % _step_k(parts[0]) == 0,
-        DT=arith_dtype(x.dtype),
+        DT=triton_util.arith_dtype(x.dtype),
         ASM=use_asm(),
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch(x.device),
+        **triton_util.pdl_launch(x.device),
     )
 
 
