@@ -54,9 +54,11 @@ def test_shell_completion_of_commands_options_and_model_names(tmp_path):
 
 
 def test_completion_installs_for_the_shell(tmp_path):
-    shown = llamaterm("--show-completion", "bash")
+    # Typer's switch for tests: the shell named on the command line, not detected from the parent processes (under
+    # make and pytest, no interactive shell)
+    env = {**os.environ, "HOME": str(tmp_path), "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
+    shown = subprocess.run([LLAMATERM, "--show-completion", "bash"], env=env, capture_output=True, text=True)
     assert shown.returncode == 0 and "_LLAMATERM_COMPLETE=complete_bash" in shown.stdout
-    env = {**os.environ, "HOME": str(tmp_path)}
     out = subprocess.run([LLAMATERM, "--install-completion", "bash"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "llamaterm" in (tmp_path / ".bashrc").read_text()
