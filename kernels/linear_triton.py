@@ -35,7 +35,6 @@ from llamaterm.kernels.qweight_triton import (
     ROW_PAD,
     centred_values,
     dequantize_rows_triton,
-    format_args,
     gpu_layout,
     step_params,
     use_asm,
@@ -67,27 +66,32 @@ class Config:
 @triton.jit
 def qdot(
     acc,
-    x,
-    weight,
+    x_ptr,
+    x_rows,
+    m_mask,
+    w_ptr,
+    s_ptr,
+    o_ptr,
     rows,
     row_mask,
+    n_pad,
     K,
     s_lo,
     s_hi,
-    FMT: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     MASK_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     DT: tl.constexpr,
     ASM: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """acc [BLOCK_N, BLOCK_M] plus W[rows] x^T over the steps s_lo .. s_hi - 1 of a weight in the GPU layout, given
-    as (bytes, scales, offsets, n_pad: rows a step). The tokens, x = (x_ptr, x_rows, m_mask), are the rows of x at
-    offsets x_rows [BLOCK_M] (masked by m_mask: a masked token reads zeros); MASK_N: weight rows under row_mask only
-    (else every row is below n_pad). FMT: the weight's (BITS, GROUP, HAS_OFFSET, CODEBOOK)."""
-    x_ptr, x_rows, m_mask = x
-    BITS, GROUP, HAS_OFFSET, CODEBOOK = FMT
-    w_ptr, s_ptr, o_ptr, n_pad = weight
+    """acc [BLOCK_N, BLOCK_M] plus W[rows] x^T over the steps s_lo .. s_hi - 1 of a weight in the GPU layout (bytes
+    at w_ptr, scales and offsets at s_ptr and o_ptr, n_pad rows a step). The tokens are the rows of x at offsets
+    x_rows [BLOCK_M] (masked by m_mask: a masked token reads zeros); MASK_N: weight rows under row_mask only (else
+    every row is below n_pad)."""
     GPS: tl.constexpr = 8 // BITS  # groups per step
     PACK: tl.constexpr = 4 if acc.shape[1] <= 8 else 2  # bytes a thread holds (centred_values)
     j = tl.arange(0, GROUP)
@@ -149,7 +153,9 @@ def _qmatmul_kernel(
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     n_steps = tl.cdiv(K, GROUP * (8 // BITS))
     n_pad = tl.cdiv(N, ROW_PAD) * ROW_PAD
     if GATED:  # the tile's rows alternate gate and up rows of the same BLOCK_N // 2 features
@@ -167,14 +173,22 @@ def _qmatmul_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc = qdot(
         acc,
-        (x_ptr, m * stride_xm, m_mask),
-        (w_ptr, s_ptr, o_ptr, n_pad),
+        x_ptr,
+        m * stride_xm,
+        m_mask,
+        w_ptr,
+        s_ptr,
+        o_ptr,
         rows,
         pad_mask,
+        n_pad,
         K,
         s_lo,
         s_hi,
-        (BITS, GROUP, HAS_OFFSET, CODEBOOK),
+        BITS,
+        GROUP,
+        HAS_OFFSET,
+        CODEBOOK,
         not EVEN_N,
         EVEN_K,
         DT,
@@ -293,7 +307,10 @@ def qmatmul_triton(
         y.stride(0),
         steps_per_split,
         split,
-        **format_args(w),
+        BITS=w.bits,
+        GROUP=w.group_size,
+        HAS_OFFSET=w.offsets is not None,
+        CODEBOOK=w.codebook,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SPLIT=split > 1,

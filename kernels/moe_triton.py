@@ -19,15 +19,11 @@ layers stay inside its CUDA graphs.
    order, in fp32, and writes out [M, H]: a row's result never depends on which other rows share the step.
 
 Decode (about one pair per chosen expert) reads only the chosen experts' rows, once: the 8-pair tile and the
-mma.sync path that the dense matmul takes for up to 8 tokens. Its few tiles leave SMs idle, so both matmuls cut a
-tile's K into slices (MoeConfig.slices), each summed from zero into an fp32 partial, shared out among split programs
-(a third grid axis); the last of a tile's programs to arrive (a counter per tile and feature block) adds the slices
-in order and runs the epilogue: the sums depend on the slices alone, never on the split or on timing. From a few
-pairs per expert on, wider tiles make it a grouped GEMM. Expert weights may also be dense fp16/bf16 tensors (the
-same kernel, a plain K loop).
+mma.sync path that the dense matmul takes for up to 8 tokens. From a few pairs per expert on, wider tiles make it a
+grouped GEMM. Expert weights may also be dense fp16/bf16 tensors (the same kernel, a plain K loop).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,15 +34,10 @@ from llamaterm.kernels.activation_triton import gated
 from llamaterm.kernels.linear_triton import qdot
 from llamaterm.kernels.moe import Experts, Weight
 from llamaterm.kernels.qweight import QuantWeight
-from llamaterm.kernels.qweight_triton import format_args, gpu_layout, use_asm
-from llamaterm.kernels.triton_util import after_previous, last_to_arrive, launch_next, wait_previous
+from llamaterm.kernels.qweight_triton import gpu_layout, use_asm
+from llamaterm.kernels.triton_util import after_previous, launch_next, wait_previous
 
 DENSE_BLOCK_K = 64  # K per loop step for dense experts
-
-
-# Decode's K slices (MoeConfig.slices) and the programs per SM its splits aim at
-DECODE_SLICES = 4
-PROGRAMS_PER_SM = 3
 
 
 @dataclass(frozen=True)
@@ -56,34 +47,17 @@ class MoeConfig:
     block_n_down: int  # output features per down tile
     num_warps: int
     num_stages: int
-    slices: int = 1  # K slices of a tile, each summed from zero, then added in order: these fix the sums
-    split_gate_up: int = 1  # programs that share a gate_up tile's slices (any split gives the same sums)
-    split_down: int = 1  # and a down tile's
 
 
-def pick_config(pairs: int, n_experts: int, inter: int, hidden: int, sms: int) -> MoeConfig:
-    """Tiles by the pairs a chosen expert gets if the pairs spread evenly; a function of M, k and E (and the
-    layer's shape and the device) only (the grid's size must be, for CUDA graphs), and the same sums for every step
-    of up to about 8 pairs per expert, so that a row's result does not depend on the batch: the splits, which vary
-    with M, do not change them. Decode tiles: moe_bench.py's --sweep (H100). The 8-pair tile (mma.sync, m16n8)
-    takes 2 warps: 16 weight rows each in a 32-row gate or up tile (4 warps would compute the same rows twice).
-    Decode reads each chosen expert's weights once over few tiles: its K is split until the grid has about
-    PROGRAMS_PER_SM programs per SM, the tiles with pairs being about one per chosen expert."""
+def pick_config(pairs: int, n_experts: int) -> MoeConfig:
+    """Tiles by the pairs a chosen expert gets if the pairs spread evenly; a function of M, k and E only (the
+    grid's size must be, for CUDA graphs), and the same for every step of up to about 8 pairs per expert, so
+    that a row's result does not depend on the batch. Decode tiles: moe_bench.py's --sweep (H100). The 8-pair tile
+    (mma.sync, m16n8) takes 2 warps: 16 weight rows each in a 32-row gate or up tile (4 warps would compute the
+    same rows twice)."""
     per_expert = pairs / min(n_experts, pairs)
     if per_expert <= 8:  # 8-row tiles throughout (a row's sums the same alone and batched); the rest by a sweep
-        cfg = MoeConfig(8, 64, 64, 4, 3) if pairs <= 16 else MoeConfig(8, 64, 128, 2, 5)
-        tiles = min(n_experts, pairs)
-
-        def split(n: int, block_n: int) -> int:
-            fill = round(PROGRAMS_PER_SM * sms / (tiles * triton.cdiv(n, block_n)))
-            return max(1, min(DECODE_SLICES, fill))
-
-        return replace(
-            cfg,
-            slices=DECODE_SLICES,
-            split_gate_up=split(inter, cfg.block_n_gate_up),
-            split_down=split(hidden, cfg.block_n_down),
-        )
+        return MoeConfig(8, 64, 64, 4, 3) if pairs <= 16 else MoeConfig(8, 64, 128, 2, 5)
     if per_expert <= 32:
         return MoeConfig(16 if per_expert <= 16 else 32, 64, 64, 4, 3)
     return MoeConfig(64, 64, 128, 8, 3)
@@ -226,12 +200,11 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
 
 
 @triton.jit
-def _dense_dot(acc, x_ptr, x_rows, m_mask, w_ptr, rows, row_mask, K, s_lo, s_hi, BLOCK_K: tl.constexpr, DT, STAGES):
-    """acc [BLOCK_N, BLOCK_M] plus W[rows] x^T over the steps s_lo .. s_hi - 1 (BLOCK_K each) of a dense weight
-    [rows, K] (x as in qdot)."""
+def _dense_dot(acc, x_ptr, x_rows, m_mask, w_ptr, rows, row_mask, K, BLOCK_K: tl.constexpr, DT, STAGES):
+    """acc [BLOCK_N, BLOCK_M] plus W[rows] x^T for a dense weight [rows, K] (x as in qdot)."""
     kk = tl.arange(0, BLOCK_K)
     w_rows = rows.to(tl.int64) * K
-    for k0 in tl.range(s_lo * BLOCK_K, tl.minimum(s_hi * BLOCK_K, K), BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
         x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
@@ -240,19 +213,62 @@ def _dense_dot(acc, x_ptr, x_rows, m_mask, w_ptr, rows, row_mask, K, s_lo, s_hi,
 
 
 @triton.jit
-def _expert_dot(x, weight, rows, row_mask, K, s_lo, s_hi, QUANT: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr):
-    """W[rows] x^T [BLOCK_M, BLOCK_N] in fp32 over the steps s_lo .. s_hi - 1, for a quantized weight (its GPU
-    layout) or a dense one. x: (pointer, the tile's row offsets, their mask); weight: (bytes, scales, offsets,
-    n_pad) and FMT (its format, when QUANT) as qdot takes them; TILE: (BLOCK_M, BLOCK_N, MASK_N, EVEN_K, BLOCK_K, DT,
-    ASM, STAGES)."""
-    x_ptr, x_rows, m_mask = x
-    BLOCK_M, BLOCK_N, MASK_N, EVEN_K, BLOCK_K, DT, ASM, STAGES = TILE
+def _expert_dot(
+    x_ptr,
+    x_rows,
+    m_mask,
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    rows,
+    row_mask,
+    n_pad,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
+    MASK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DT: tl.constexpr,
+    ASM: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """W[rows] x^T [BLOCK_N, BLOCK_M] in fp32, for a quantized weight (QUANT, its GPU layout) or a dense one."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if QUANT:
-        acc = qdot(acc, x, weight, rows, row_mask, K, s_lo, s_hi, FMT, MASK_N, EVEN_K, DT, ASM, STAGES)
+        n_steps = tl.cdiv(K, GROUP * (8 // BITS))
+        acc = qdot(
+            acc,
+            x_ptr,
+            x_rows,
+            m_mask,
+            w_ptr,
+            s_ptr,
+            o_ptr,
+            rows,
+            row_mask,
+            n_pad,
+            K,
+            0,
+            n_steps,
+            BITS,
+            GROUP,
+            HAS_OFFSET,
+            CODEBOOK,
+            MASK_N,
+            EVEN_K,
+            DT,
+            ASM,
+            STAGES,
+        )
     else:
-        acc = _dense_dot(acc, x_ptr, x_rows, m_mask, weight[0], rows, row_mask, K, s_lo, s_hi, BLOCK_K, DT, STAGES)
-    return tl.trans(acc)
+        acc = _dense_dot(acc, x_ptr, x_rows, m_mask, w_ptr, rows, row_mask, K, BLOCK_K, DT, STAGES)
+    return acc
 
 
 @triton.jit
@@ -280,8 +296,6 @@ def _moe_kernel(
     out_ptr,
     route_w_ptr,
     count_ptr,
-    part_ptr,
-    split_count_ptr,
     pairs_ptr,
     tile_expert_ptr,
     P,
@@ -292,20 +306,18 @@ def _moe_kernel(
     rows_per_expert,
     up_first,
     stride_xm,
-    n_steps,
-    slices,
-    steps_per_slice,
-    slices_per_split,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     QUANT: tl.constexpr,
-    FMT: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SLICED: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     DT: tl.constexpr,
@@ -313,62 +325,83 @@ def _moe_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One tile of pairs (one expert) times BLOCK_N output features; SLICED: one split of its K slices (axis 2).
-    GATED (gate_up): x has a row per token; the expert's gate rows are rows e * rows_per_expert + f of w, its up
-    rows e * rows_per_expert + up_first + f of w2 (the same tensors for a stacked gate_up), and y [P, N] gets
-    act(gate) * up. Else (down): x has a row per pair; y [P, N] takes each pair's rounded result, and the last pair
-    of a row to finish this feature tile writes out[row] = sum over its k slots of weight * y."""
+    """One tile of pairs (one expert) times BLOCK_N output features. GATED (gate_up): x has a row per token; the
+    expert's gate rows are rows e * rows_per_expert + f of w, its up rows e * rows_per_expert + up_first + f of w2
+    (the same tensors for a stacked gate_up), and y [P, N] gets act(gate) * up. Else (down): x has a row per pair;
+    y [P, N] takes each pair's rounded result, and the last pair of a row to finish this feature tile writes
+    out[row] = sum over its k slots of weight * y."""
     wait_previous(PDL)
-    pid_n, tile = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    pid_n = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tl.program_id(1))
     if expert >= 0:
-        pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+        pairs = tl.load(pairs_ptr + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))
         m_mask = pairs < P
-        x = (x_ptr, (pairs // TOP_K if GATED else pairs).to(tl.int64) * stride_xm, m_mask)
+        x_rows = (pairs // TOP_K if GATED else pairs).to(tl.int64) * stride_xm
         f = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         f_mask = f < N
-        gate_w, gate_rows = (w_ptr, s_ptr, o_ptr, n_pad), expert * rows_per_expert + f
-        up_w, up_rows = (w2_ptr, s2_ptr, o2_ptr, n_pad2), gate_rows + up_first
-        TILE: tl.constexpr = (BLOCK_M, BLOCK_N, not EVEN_N, EVEN_K, BLOCK_K, DT, ASM, STAGES)
+        rows = expert * rows_per_expert + f
+        acc = _expert_dot(
+            x_ptr,
+            x_rows,
+            m_mask,
+            w_ptr,
+            s_ptr,
+            o_ptr,
+            rows,
+            f_mask,
+            n_pad,
+            K,
+            BLOCK_M,
+            BLOCK_N,
+            QUANT,
+            BITS,
+            GROUP,
+            HAS_OFFSET,
+            CODEBOOK,
+            not EVEN_N,
+            EVEN_K,
+            BLOCK_K,
+            DT,
+            ASM,
+            STAGES,
+        )
+        if GATED:
+            acc_up = _expert_dot(
+                x_ptr,
+                x_rows,
+                m_mask,
+                w2_ptr,
+                s2_ptr,
+                o2_ptr,
+                rows + up_first,
+                f_mask,
+                n_pad2,
+                K,
+                BLOCK_M,
+                BLOCK_N,
+                QUANT,
+                BITS,
+                GROUP,
+                HAS_OFFSET,
+                CODEBOOK,
+                not EVEN_N,
+                EVEN_K,
+                BLOCK_K,
+                DT,
+                ASM,
+                STAGES,
+            )
+        launch_next(PDL)  # only now: see triton_util.launch_next
+        dt = y_ptr.dtype.element_ty
         mask = m_mask[:, None] & f_mask[None, :]
-        if SLICED:  # slice j's fp32 partial [P, C] at part_ptr + j * P * C (C = 2N gated: gate then up columns)
-            cols = 2 * N if GATED else N
-            part_ptrs = part_ptr + pairs.to(tl.int64)[:, None] * cols + f[None, :]
-            first = tl.program_id(2) * slices_per_split
-            for j in range(first, tl.minimum(first + slices_per_split, slices)):
-                s_lo = tl.minimum(j * steps_per_slice, n_steps)
-                s_hi = tl.minimum(s_lo + steps_per_slice, n_steps)
-                at = part_ptrs + j * P * cols
-                tl.store(at, _expert_dot(x, gate_w, gate_rows, f_mask, K, s_lo, s_hi, QUANT, FMT, TILE), mask=mask)
-                if GATED:
-                    tl.store(at + N, _expert_dot(x, up_w, up_rows, f_mask, K, s_lo, s_hi, QUANT, FMT, TILE), mask=mask)
-            launch_next(PDL)  # only now: see triton_util.launch_next
-            counter = split_count_ptr + tile * tl.num_programs(0) + pid_n
-            last = last_to_arrive(counter, tl.num_programs(2))
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if last:  # the slices in order, whichever split came last: the same sums for any split
-                for j in range(slices):
-                    acc += tl.load(part_ptrs + j * P * cols, mask=mask, other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        acc_up += tl.load(part_ptrs + j * P * cols + N, mask=mask, other=0.0, cache_modifier=".cg")
+        y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * N + f[None, :]
+        if GATED:  # the biases [E, 2N]: the expert's gate bias, then its up bias
+            gate = _rounded(tl.trans(acc), bias_ptr + expert * 2 * N, f, f_mask, HAS_BIAS, dt)
+            up = _rounded(tl.trans(acc_up), bias_ptr + expert * 2 * N + N, f, f_mask, HAS_BIAS, dt)
+            tl.store(y_ptrs, gated(gate, up, ACTIVATION).to(dt), mask=mask)
         else:
-            acc = _expert_dot(x, gate_w, gate_rows, f_mask, K, 0, n_steps, QUANT, FMT, TILE)
-            acc_up = _expert_dot(x, up_w, up_rows, f_mask, K, 0, n_steps, QUANT, FMT, TILE) if GATED else acc
-            launch_next(PDL)
-            last = True
-        if last:
-            dt = y_ptr.dtype.element_ty
-            y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * N + f[None, :]
-            if GATED:  # the biases [E, 2N]: the expert's gate bias, then its up bias
-                gate = _rounded(acc, bias_ptr + expert * 2 * N, f, f_mask, HAS_BIAS, dt)
-                up = _rounded(acc_up, bias_ptr + expert * 2 * N + N, f, f_mask, HAS_BIAS, dt)
-                tl.store(y_ptrs, gated(gate, up, ACTIVATION).to(dt), mask=mask)
-            else:
-                tl.store(y_ptrs, _rounded(acc, bias_ptr + expert * N, f, f_mask, HAS_BIAS, dt).to(dt), mask=mask)
-                _sum_slots(y_ptr, out_ptr, route_w_ptr, count_ptr, pairs, m_mask, f, f_mask, pid_n, N, TOP_K)
-            if SLICED:
-                tl.atomic_xchg(counter, 0)  # ready for the next launch
+            tl.store(y_ptrs, _rounded(tl.trans(acc), bias_ptr + expert * N, f, f_mask, HAS_BIAS, dt).to(dt), mask=mask)
+            _sum_slots(y_ptr, out_ptr, route_w_ptr, count_ptr, pairs, m_mask, f, f_mask, pid_n, N, TOP_K)
 
 
 @triton.jit
@@ -394,15 +427,21 @@ def _sum_slots(y_ptr, out_ptr, route_w_ptr, count_ptr, pairs, m_mask, f, f_mask,
         tl.atomic_xchg(counters, 0, mask=last)  # ready for the next launch
 
 
-def _weight_args(w: Weight) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict]:
-    """A weight's pointers (bytes, scales, offsets; a dense tensor three times) and its format: QUANT, and FMT as
-    qdot takes it."""
+def _weight_args(w: Weight) -> tuple[list[torch.Tensor], dict]:
+    """A weight's pointers (bytes, scales, offsets; a dense tensor three times) and its format's constexprs."""
     if isinstance(w, QuantWeight):
         layout = gpu_layout(w)
         offsets = layout.scales if layout.offsets is None else layout.offsets
-        return (layout.values, layout.scales, offsets), {"QUANT": True, "FMT": tuple(format_args(w).values())}
+        fmt = {
+            "QUANT": True,
+            "BITS": w.bits,
+            "GROUP": w.group_size,
+            "HAS_OFFSET": w.offsets is not None,
+            "CODEBOOK": w.codebook,
+        }
+        return [layout.values, layout.scales, offsets], fmt
     w = w.contiguous()
-    return (w, w, w), {"QUANT": False, "FMT": (None, None, False, None)}
+    return [w, w, w], {"QUANT": False, "BITS": None, "GROUP": None, "HAS_OFFSET": False, "CODEBOOK": None}
 
 
 def _format(w: Weight) -> tuple:
@@ -425,16 +464,12 @@ def moe_triton(
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or pick_config(m * top_k, n_experts, inter, hidden, triton_util.num_sms(x.device))
-    pairs, tile_expert = align(ids.to(torch.int32).contiguous(), n_experts, cfg.block_m)
-    feature_tiles = max(triton.cdiv(inter, cfg.block_n_gate_up), triton.cdiv(hidden, cfg.block_n_down))
+    cfg = config or pick_config(m * top_k, n_experts)
     step = _Step(
-        pairs,
-        tile_expert,
+        *align(ids.to(torch.int32).contiguous(), n_experts, cfg.block_m),
         weights.to(torch.float32).contiguous(),
         out,
         triton_util.split_counters(x.device, m * triton.cdiv(hidden, cfg.block_n_down), "moe"),
-        triton_util.split_counters(x.device, tile_expert.numel() * feature_tiles, "moe_split"),
         cfg,
     )
     # gate_up: h [P, I]; a stacked gate_up holds expert e's gate rows then its up rows, split parts hold one each
@@ -457,7 +492,6 @@ class _Step:
     route_w: torch.Tensor  # fp32 [M, k]
     out: torch.Tensor  # [M, H]
     counters: torch.Tensor  # the down launch's, per row and feature tile
-    split_counters: torch.Tensor  # a launch's, per tile and feature tile (zero again when it ends)
     config: MoeConfig
 
 
@@ -471,22 +505,14 @@ def _grouped_matmul(
     activation: str | None,
 ) -> None:
     """One _moe_kernel launch: gate_up (an activation, parts: one stacked weight or gate and up) or down. rows:
-    the weight rows per expert, and the offset of an expert's up rows from its gate rows. K's steps are cut into
-    the config's slices (at most one a step), shared out among split programs a tile."""
+    the weight rows per expert, and the offset of an expert's up rows from its gate rows."""
     cfg = step.config
     gated = activation is not None
-    block_n, split = (cfg.block_n_gate_up, cfg.split_gate_up) if gated else (cfg.block_n_down, cfg.split_down)
+    block_n = cfg.block_n_gate_up if gated else cfg.block_n_down
     n, k = y.shape[1], x.shape[1]
     (w, s, o), fmt = _weight_args(parts[0])
     (w2, s2, o2), _ = _weight_args(parts[-1])
-    n_steps = triton.cdiv(k, _step_k(parts[0]))
-    slices = min(cfg.slices, n_steps)
-    slices_per_split = triton.cdiv(slices, min(split, slices))
-    part = y
-    if slices > 1:  # slice j's partials [P, C]: gate's and up's columns gated
-        part = torch.empty(slices, y.shape[0], n * (2 if gated else 1), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), step.tile_expert.numel(), triton.cdiv(slices, slices_per_split))
-    _moe_kernel[grid](
+    _moe_kernel[(triton.cdiv(n, block_n), step.tile_expert.numel())](
         x,
         w,
         s,
@@ -499,8 +525,6 @@ def _grouped_matmul(
         step.out,
         step.route_w,
         step.counters,
-        part,
-        step.split_counters,
         step.pairs,
         step.tile_expert,
         y.shape[0],
@@ -510,19 +534,13 @@ def _grouped_matmul(
         w2.shape[-2],
         *rows,
         x.stride(0),
-        n_steps,
-        slices,
-        triton.cdiv(n_steps, slices),
-        slices_per_split,
         TOP_K=step.route_w.shape[1],
         GATED=gated,
         ACTIVATION=activation,
         HAS_BIAS=bias is not None,
-        **fmt,
         BLOCK_M=cfg.block_m,
         BLOCK_N=block_n,
         BLOCK_K=DENSE_BLOCK_K,
-        SLICED=slices > 1,
         EVEN_N=n % block_n == 0,
         EVEN_K=k % _step_k(parts[0]) == 0,
         DT=triton_util.arith_dtype(x.dtype),
@@ -530,6 +548,7 @@ def _grouped_matmul(
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **fmt,
         **triton_util.pdl_launch(x.device),
     )
 

@@ -195,11 +195,6 @@ def keep_gpu_layout_only(w: QuantWeight) -> None:
     w.replace_packed("gpu_layout", _make_layout)
 
 
-def format_args(w: QuantWeight) -> dict:
-    """The constexprs that name w's format in the kernels that read its GPU layout."""
-    return {"BITS": w.bits, "GROUP": w.group_size, "HAS_OFFSET": w.offsets is not None, "CODEBOOK": w.codebook}
-
-
 def use_asm() -> bool:
     """Inline PTX for the unpack, except under TRITON_INTERPRET (the CPU interpreter cannot run PTX)."""
     return os.environ.get("TRITON_INTERPRET") != "1"
@@ -269,7 +264,10 @@ def dequantize_rows_triton(w: QuantWeight, ids: torch.Tensor | None, dtype: torc
         n_rows,
         n,
         k,
-        **format_args(w),
+        BITS=w.bits,
+        GROUP=w.group_size,
+        HAS_OFFSET=w.offsets is not None,
+        CODEBOOK=w.codebook,
         HAS_IDS=ids is not None,
         BLOCK_R=block_r,
         DT=arith_dtype(dtype),

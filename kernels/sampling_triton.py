@@ -78,10 +78,8 @@ def _row_key(ints_ptr, positions_ptr, slot, row):
 
 
 @triton.jit
-def _row_max(maxima, base, PB: tl.constexpr):
-    """The row's maximum, the first index holding it, and whether a chunk saw NaN or +inf; maxima: the chunks'
-    (maximum, its index, NaN or +inf seen, chunks a row)."""
-    cmax_ptr, carg_ptr, cbad_ptr, n_chunks = maxima
+def _row_max(cmax_ptr, carg_ptr, cbad_ptr, base, n_chunks, PB: tl.constexpr):
+    """The row's maximum, the first index holding it, and whether a chunk saw NaN or +inf."""
     c = tl.arange(0, PB)
     ok = c < n_chunks
     maxima = tl.load(cmax_ptr + base + c, mask=ok, other=_NEG_INF)
@@ -147,23 +145,30 @@ def _chunk_candidates_kernel(
     logits_ptr,
     stride,
     vocab,
-    per_row,
-    maxima,
-    found,
+    slots_ptr,
+    positions_ptr,
+    floats_ptr,
+    ints_ptr,
+    cmax_ptr,
+    carg_ptr,
+    cbad_ptr,
+    n_chunks,
+    mass_ptr,
+    best_ptr,
+    best_id_ptr,
+    tau_ptr,
+    n_cand_ptr,
+    cand_ptr,
     CHUNK: tl.constexpr,
     L: tl.constexpr,
     PB: tl.constexpr,
 ):
-    """per_row, maxima and found: sample_triton's groups of buffers."""
-    slots_ptr, positions_ptr, floats_ptr, ints_ptr = per_row
-    n_chunks = maxima[3]
-    mass_ptr, best_ptr, best_id_ptr, tau_ptr, n_cand_ptr, cand_ptr = found
     row, c = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         f = floats_ptr + slot * 6
         temperature = tl.load(f + _TEMPERATURE)
-        m, _, bad = _row_max(maxima, row * n_chunks, PB)
+        m, _, bad = _row_max(cmax_ptr, carg_ptr, cbad_ptr, row * n_chunks, n_chunks, PB)
         if (temperature > 0) & (bad == 0) & (m > _NEG_INF):
             at = row * n_chunks + c
             offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -268,28 +273,36 @@ def _row_token_kernel(
     logits_ptr,
     stride,
     vocab,
+    slots_ptr,
+    positions_ptr,
+    floats_ptr,
+    ints_ptr,
     counts_ptr,
-    per_row,
-    maxima,
-    found,
+    cmax_ptr,
+    carg_ptr,
+    cbad_ptr,
+    n_chunks,
+    mass_ptr,
+    best_ptr,
+    best_id_ptr,
+    tau_ptr,
+    n_cand_ptr,
+    cand_ptr,
     tokens_ptr,
     L: tl.constexpr,
     PB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    slots_ptr, positions_ptr, floats_ptr, ints_ptr = per_row
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         f = floats_ptr + slot * 6
         temperature = tl.load(f + _TEMPERATURE)
-        n_chunks = maxima[3]
         base = row * n_chunks
-        m, token, bad = _row_max(maxima, base, PB)
+        m, token, bad = _row_max(cmax_ptr, carg_ptr, cbad_ptr, base, n_chunks, PB)
         token = token.to(tl.int64)
         ok = (bad == 0) & (m > _NEG_INF)
         if ok & (temperature > 0):
-            mass_ptr, best_ptr, best_id_ptr, tau_ptr, n_cand_ptr, cand_ptr = found
             c = tl.arange(0, PB)
             chunks = c < n_chunks
             top_k = tl.load(ints_ptr + slot * _INTS + _TOP_K)
@@ -360,16 +373,16 @@ def sample_triton(
     cand = torch.empty(n, p, candidates, dtype=torch.int64, device=dev)
     t = tables
     warps = 16 if chunk >= 8192 else 8
-    # the kernels' arguments in the groups they share: the logits; each row's slot, position and its slot's values;
-    # each chunk's maximum; the chunks' candidates
-    logits_args, per_row = (logits, logits.stride(0), vocab), (slots, positions, t.floats, t.ints)
+    # the kernels' arguments in the groups they share: the rows; each row's position and its slot's values; each
+    # chunk's maximum; the chunks' candidates
+    rows, per_row = (logits, logits.stride(0), vocab, slots), (positions, t.floats, t.ints)
     maxima, found = (cmax, carg, cbad, p), (mass, best, best_id, tau, n_cand, cand)
     state = (t.floats, t.ints, t.counts, t.in_prompt, t.bias, t.bitmask, t.bitmask.shape[1])
-    _chunk_stats_kernel[(n, p)](*logits_args, slots, *state, *maxima, CHUNK=chunk, num_warps=warps)
+    _chunk_stats_kernel[(n, p)](*rows, *state, *maxima, CHUNK=chunk, num_warps=warps)
     _chunk_candidates_kernel[(n, p)](
-        *logits_args, per_row, maxima, found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps
+        *rows, *per_row, *maxima, *found, CHUNK=chunk, L=candidates, PB=pb, num_warps=warps
     )
     _row_token_kernel[(n,)](
-        *logits_args, t.counts, per_row, maxima, found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
+        *rows, *per_row, t.counts, *maxima, *found, tokens, L=candidates, PB=pb, BLOCK=block, num_warps=16
     )
     return tokens

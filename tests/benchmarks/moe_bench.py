@@ -2,7 +2,7 @@
 peer and the device's limits, measured in the same run.
 
     python -m tests.benchmarks.moe_bench                              # both layers, every M
-    python -m tests.benchmarks.moe_bench --model qwen3 --m 1 8 --sweep  # also time candidate tile and split configs
+    python -m tests.benchmarks.moe_bench --model qwen3 --m 1 8 --sweep  # also time candidate tile configs
 
 Layers: Qwen3-30B-A3B's (128 experts, top-8, H 2048, I 768; gate_up 4-bit group 32 with offsets as Q4_K gives,
 down 8-bit group 16 as Q6_K's values) and gpt-oss-20b's (32 experts, top-4, H = I = 2880; MXFP4 experts with
@@ -19,17 +19,14 @@ syncs).
 
 import argparse
 import itertools
-from dataclasses import astuple, replace
 
 import torch
-import triton
 
 from llamaterm.kernels.activation import REFERENCES
 from llamaterm.kernels.moe import Experts, moe_ref, route, route_ref
-from llamaterm.kernels.moe_triton import MoeConfig, align, moe_triton, pick_config
+from llamaterm.kernels.moe_triton import MoeConfig, moe_triton, pick_config
 from llamaterm.kernels.qweight import QuantWeight
 from llamaterm.kernels.qweight_triton import gpu_layout
-from llamaterm.kernels.triton_util import num_sms
 from tests.benchmarks.kernels_bench import said_limits, timed
 from tests.support.kernel_cases import moe_layer
 
@@ -129,54 +126,22 @@ def layer_rows(model: str, batches: list[int], bw: float, peak: float, sweep: bo
     return header + rows
 
 
-# (slices, split_gate_up, split_down) tried on the fastest tiles: K unsplit, then each slice count with splits that
-# fill the SMs more or less
-SPLITS = [(1, 1, 1), (2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 2, 1), (4, 2, 2), (4, 4, 2), (4, 4, 4), (8, 4, 2), (8, 8, 4)]
-
-
 def sweep_configs(experts: Experts, top_k: int, x: torch.Tensor, logits: torch.Tensor) -> None:
-    """Times candidate tile configs beside pick_config's: the tiles with pick_config's K split, then K's splits
-    (SPLITS) on the three fastest tiles; prints the eight fastest and the grid each launch has."""
-    m, hidden = x.shape
-    pairs, inter = m * top_k, experts.intermediate_size
-    default = pick_config(pairs, experts.n_experts, inter, hidden, num_sms(x.device))
+    """Times candidate tile configs beside pick_config's; prints the five fastest."""
+    m = x.shape[0]
+    default = pick_config(m * top_k, experts.n_experts)
     weights, ids = route(logits, top_k, True)
-
-    def time(cfg: MoeConfig) -> float:
+    results = [(timed(lambda: moe_triton(x, weights, ids, experts, default)), "default", default)]
+    block_ms = sorted({default.block_m, 8, 16} if m * top_k <= 4 * experts.n_experts else {default.block_m, 32, 64})
+    for bm, bn_gu, bn_down, warps, stages in itertools.product(block_ms, (32, 64), (64, 128), (2, 4, 8), (3, 5)):
+        cfg = MoeConfig(bm, bn_gu, bn_down, warps, stages)
         try:
-            return timed(lambda: moe_triton(x, weights, ids, experts, cfg))
+            results.append((timed(lambda: moe_triton(x, weights, ids, experts, cfg)), "", cfg))  # noqa: B023
         except Exception as e:  # too much shared memory for a tile: go on
             print(f"  {cfg}: {type(e).__name__}")
-            return float("inf")
-
-    results = {default: time(default)}
-    decode = pairs <= 4 * experts.n_experts
-    block_ms = sorted({default.block_m, 8, 16} if decode else {default.block_m, 32, 64})
-    block_ns = (32, 64, 128) if decode else (64, 128)
-    for bm, bn_gu, bn_down, warps, stages in itertools.product(block_ms, (32, 64), block_ns, (2, 4, 8), (3, 5)):
-        cfg = replace(default, block_m=bm, block_n_gate_up=bn_gu, block_n_down=bn_down, num_warps=warps)
-        cfg = replace(cfg, num_stages=stages)
-        results.setdefault(cfg, time(cfg))
-    for tiles in sorted(results, key=results.__getitem__)[:3]:
-        for slices, split_gate_up, split_down in SPLITS:
-            cfg = replace(tiles, slices=slices, split_gate_up=split_gate_up, split_down=split_down)
-            results.setdefault(cfg, time(cfg))
-    tiles = align(ids, experts.n_experts, default.block_m)[1].numel()
-    print(f"  sweep M={m}: {tiles} tiles (grid axis 1) for block_m {default.block_m}")
-    print("  | us | block_m | bn gate_up | bn down | warps | stages | slices | split gate_up | split down | grids |")
-    print("  |" + "---|" * 10)
-    best = sorted(results, key=results.__getitem__)[:8]
-    for cfg in best + ([] if default in best else [default]):
-        t = align(ids, experts.n_experts, cfg.block_m)[1].numel()
-        grids = " + ".join(
-            f"{triton.cdiv(n, bn)}x{t}x{min(split, cfg.slices)}"
-            for n, bn, split in [
-                (inter, cfg.block_n_gate_up, cfg.split_gate_up),
-                (hidden, cfg.block_n_down, cfg.split_down),
-            ]
-        )
-        tag = " (pick_config)" if cfg == default else ""
-        print(f"  | {results[cfg]:.1f}{tag} | " + " | ".join(str(v) for v in astuple(cfg)) + f" | {grids} |")
+    results.sort(key=lambda r: r[0])
+    best = "; ".join(f"{us:.1f} {tag}{tuple(c.__dict__.values())}" for us, tag, c in results[:5])
+    print(f"  sweep M={m}: {best}; default {results[[r[1] for r in results].index('default')][0]:.1f}")
 
 
 def main() -> None:

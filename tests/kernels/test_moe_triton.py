@@ -1,10 +1,7 @@
 """The routed experts' Triton kernels (kernels/moe_triton.py) against kernels/moe.py's torch references, at small
 odd shapes: every weight format, split gate and up, biases, every activation, steps of 1 to 33 rows, experts no
-row chose, rows that all choose the same experts, K split among programs, and a row's result alone and in a batch.
-Without CUDA they run under TRITON_INTERPRET=1 (tests/conftest.py); every buffer the kernels allocate starts as NaN
-(`poisoned`)."""
-
-from dataclasses import replace
+row chose, rows that all choose the same experts, and a row's result alone and in a batch. Without CUDA they run
+under TRITON_INTERPRET=1 (tests/conftest.py); every buffer the kernels allocate starts as NaN (`poisoned`)."""
 
 import pytest
 import torch
@@ -42,22 +39,20 @@ def weight(n: int, k: int, fmt) -> torch.Tensor | QuantWeight:
     return w
 
 
-def random_experts(
-    gate_up_fmt, down_fmt=None, split=False, biases=False, activation="silu", n_experts=E, hidden=H, inter=INTER
-):
+def random_experts(gate_up_fmt, down_fmt=None, split=False, biases=False, activation="silu", n_experts=E):
     down_fmt = gate_up_fmt if down_fmt is None else down_fmt
     gate_up = (
-        [weight(n_experts * inter, hidden, gate_up_fmt) for _ in range(2)]
+        [weight(n_experts * INTER, H, gate_up_fmt) for _ in range(2)]
         if split
-        else [weight(n_experts * 2 * inter, hidden, gate_up_fmt)]
+        else [weight(n_experts * 2 * INTER, H, gate_up_fmt)]
     )
     return Experts(
         n_experts,
         gate_up,
-        weight(n_experts * hidden, inter, down_fmt),
+        weight(n_experts * H, INTER, down_fmt),
         activation,
-        torch.randn(n_experts, 2 * inter, device=DEVICE) if biases else None,
-        torch.randn(n_experts, hidden, device=DEVICE) if biases else None,
+        torch.randn(n_experts, 2 * INTER, device=DEVICE) if biases else None,
+        torch.randn(n_experts, H, device=DEVICE) if biases else None,
     )
 
 
@@ -75,8 +70,8 @@ def reference(x, weights, ids, experts):
     return moe_ref(x.float(), weights, ids, fp32)
 
 
-def step(m: int, top_k: int = 2, n_experts: int = E, dtype=torch.float16, hidden=H):
-    x = torch.randn(m, hidden, device=DEVICE).to(dtype)
+def step(m: int, top_k: int = 2, n_experts: int = E, dtype=torch.float16):
+    x = torch.randn(m, H, device=DEVICE).to(dtype)
     weights, ids = route_ref(torch.randn(m, n_experts, device=DEVICE), top_k, True)
     return x, weights, ids
 
@@ -166,42 +161,13 @@ def test_moe_tiles(config):
     assert rel_err(moe_triton(x, weights, ids, experts, config), want) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize(
-    "gate_up_fmt,down_fmt,activation,dtype",
-    [
-        ((4, 32, True), (8, 16, False), "silu", torch.float16),
-        ("mxfp4", "mxfp4", "swiglu_oai", torch.bfloat16),
-        (torch.float16, torch.float16, "silu", torch.float16),
-    ],
-)
-def test_moe_split_k(gate_up_fmt, down_fmt, activation, dtype):
-    """K cut into slices, shared out among a tile's split programs: every split gives the bits of one program
-    summing all the slices, and two launches in a row agree (the counters reset). gate_up's K of 5 steps (4-bit
-    group 32; dense: 3 of 64) in 4 slices of 2, 2, 1 and none; down's 5 steps (8-bit group 16; 4-bit: 3; dense: 2)
-    and splits of 2 and 3 programs that share the slices unevenly."""
-    hidden, inter = 320, 80
-    experts = random_experts(gate_up_fmt, down_fmt, biases=True, activation=activation, hidden=hidden, inter=inter)
-    x, weights, ids = step(5, 3, dtype=dtype, hidden=hidden)
-    one = MoeConfig(8, 32, 64, 4, 2, slices=4)
-    want = moe_triton(x, weights, ids, experts, one)
-    assert rel_err(want, reference(x, weights, ids, experts)) < TOL[dtype]
-    for split_gate_up, split_down in [(2, 3), (3, 2), (4, 4)]:
-        cfg = replace(one, split_gate_up=split_gate_up, split_down=split_down)
-        assert torch.equal(moe_triton(x, weights, ids, experts, cfg), want)
-        assert torch.equal(moe_triton(x, weights, ids, experts, cfg), want)
-
-
 def test_moe_row_alone_and_in_a_batch():
     """Each row of an 8-row step gives bit for bit what it gives alone (one tile config for both, sums in slot
-    order, K split in 4 alone and in 2 in the batch on 4 SMs: the same slices): the batch does not change
-    a sequence's results."""
+    order): the batch does not change a sequence's results."""
     experts = random_experts("mxfp4", (8, 16, False), biases=True)
     x, weights, ids = step(8)
-    alone_cfg, batch_cfg = (pick_config(pairs, E, INTER, H, 4) for pairs in (2, ids.numel()))
-    assert alone_cfg.split_gate_up > batch_cfg.split_gate_up
-    unsplit = {"split_gate_up": 1, "split_down": 1}
-    assert replace(alone_cfg, **unsplit) == replace(batch_cfg, **unsplit)
-    batch = moe_triton(x, weights, ids, experts, batch_cfg)
+    assert pick_config(ids.numel(), E) == pick_config(2, E)
+    batch = moe_triton(x, weights, ids, experts)
     for r in range(8):
-        alone = moe_triton(x[r : r + 1], weights[r : r + 1], ids[r : r + 1], experts, alone_cfg)
+        alone = moe_triton(x[r : r + 1], weights[r : r + 1], ids[r : r + 1], experts)
         assert torch.equal(alone, batch[r : r + 1])
