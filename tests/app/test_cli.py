@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.capped import llamaterm_capped, one_line_error
-from tests.support.cli import LLAMATERM, llamaterm
+from tests.support.cli import LLAMATERM, interruptible, llamaterm
 from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow  # `llamaterm` in subprocesses
@@ -228,7 +228,9 @@ def test_ctrl_c_while_the_command_line_loads_exits_quietly(module, args):
         "from llamaterm.app.__main__ import main\n"
         "main()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=interruptible
+    )
     assert (out.returncode, out.stderr) == (130, "")
 
 

@@ -24,7 +24,7 @@ from llamaterm.engine.checkpoints.gguf_files import SPLIT_GGUF
 from llamaterm.engine.store import hub
 from llamaterm.engine.store.model_store import DEFAULT_GGUF, MANIFEST, resolve_model
 from tests.store.conftest import CHAT_TEMPLATE, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS
-from tests.support.cli import LLAMATERM
+from tests.support.cli import LLAMATERM, interruptible
 from tests.support.hub_store import assert_store_empty, assert_user_error, home, llamaterm, ls, stored
 
 pytestmark = pytest.mark.slow  # `llamaterm` in subprocesses, pulling from a Hub look-alike
@@ -219,7 +219,11 @@ def test_killed_download_resumes(hub_server, models, sig):
     hub_server.add_repo("tester/Tiny-Llama-GGUF", {"Tiny-Llama-Q4_K_M.gguf": data})
     hub_server.bytes_per_s = 1_000_000
     proc = subprocess.Popen(
-        [LLAMATERM, "pull", "tester/Tiny-Llama-GGUF"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [LLAMATERM, "pull", "tester/Tiny-Llama-GGUF"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
     )
     deadline = time.monotonic() + 60
     while not (partials() and partials()[0].stat().st_size > 300_000):
