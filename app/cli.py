@@ -442,6 +442,16 @@ def serve(
             "one; 0 keeps it loaded.",
         ),
     ] = "0",
+    allowed_origins: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-origins",
+            help="A web page's origin (http://localhost:3000; * for any) whose requests the server answers; a page's "
+            "requests from any other origin get 403. Repeat for more.",
+            metavar="ORIGIN",
+            show_default=False,
+        ),
+    ] = None,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -498,7 +508,8 @@ def serve(
         )
         # run and chat on this machine find the server by its announcement, once it answers
         announcer = Announcer(host, port, engine.device, [served_model(model, engine.model_name)])
-        serve_http(Service(supervisor, idle_s, chosen), host, port, api_key, shutdown_timeout, announcer)
+        service = Service(supervisor, idle_s, chosen, tuple(allowed_origins or ()))
+        serve_http(service, host, port, api_key, shutdown_timeout, announcer)
 
 
 servers_cli.register(app)  # ps, stop

@@ -50,14 +50,22 @@ log = logging.getLogger("uvicorn.error")  # uvicorn prints it
 class Service:
     """What the routes share with the server's stop: the engine's supervisor, the live requests' events, whether
     the server drains (refuses new requests while those in flight finish), the model's keep-alive (seconds; 0:
-    forever), and the preset whose system prompt and sampling values fill what requests leave out."""
+    forever), the preset whose system prompt and sampling values fill what requests leave out, and the web origins
+    allowed (--allowed-origins)."""
 
-    def __init__(self, supervisor: EngineSupervisor, keep_alive_s: float = 0, preset: Preset | None = None):
+    def __init__(
+        self,
+        supervisor: EngineSupervisor,
+        keep_alive_s: float = 0,
+        preset: Preset | None = None,
+        allowed_origins: tuple[str, ...] = (),
+    ):
         self.supervisor = supervisor
         self.pump = EventPump()
         self.draining = False
         self.keep_alive = KeepAlive(supervisor, self.pump, keep_alive_s)
         self.preset = preset
+        self.allowed_origins = allowed_origins  # web pages' origins the server answers besides its own ("*": any)
 
     def gauges(self) -> dict[str, float]:
         """The server's own figures for /metrics (app/server/metrics.py SERVER_METRICS)."""
@@ -163,6 +171,7 @@ class Handlers:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def authorize(self, request: Request, key: bool = True) -> None:
+        self.check_origin(request)
         if self.check_host and host_name(request.headers.get("host", "")) not in LOOPBACK_HOSTS:
             raise APIError(
                 403,
@@ -176,6 +185,21 @@ class Handlers:
         if not local and not self.is_key(request, self.api_key):
             raise APIError(
                 401, "Incorrect API key provided: give the server's key as a bearer token", code="invalid_api_key"
+            )
+
+    def check_origin(self, request: Request) -> None:
+        """A browser names the page that sends a request in Origin, and sends a cross-origin POST with a text/plain
+        body without asking first: a web page must not drive the server unless it is the server's own or allowed
+        (as ollama's OLLAMA_ORIGINS). Clients that are not browsers send no Origin."""
+        origin = request.headers.get("origin")
+        if origin is None or "*" in self.service.allowed_origins or origin in self.service.allowed_origins:
+            return
+        if origin.removeprefix("http://").removeprefix("https://") != request.headers.get("host"):
+            raise APIError(
+                403,
+                f"requests from web pages at {origin!r} are refused: serve with --allowed-origins {origin} to "
+                "allow them",
+                code="origin_not_allowed",
             )
 
     @staticmethod
@@ -207,6 +231,11 @@ class Handlers:
         if self.service.draining:
             raise shutting_down()
         self.check_engine()
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":  # (a form or text/plain body is what a page sends without asking)
+            raise APIError(
+                415, f"the body must be JSON sent as Content-Type: application/json, not {media_type or 'none'!r}"
+            )
         engine, load_s = await self.service.keep_alive.engine()
         body = parse_json(await read_body_in_time(request, engine))
         preset = self.service.preset

@@ -249,7 +249,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     if isinstance(body, dict) and body.get("model") == SERVED:
         body = body | {"model": model}
     sent = {"content": body} if isinstance(body, bytes) else {"json": body}
-    reply = httpx2.post(server + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=60, **sent)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    reply = httpx2.post(server + path, headers=headers, timeout=60, **sent)
     assert reply.status_code == status
     error = reply.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"

@@ -283,6 +283,31 @@ def test_a_keyless_server_on_loopback_answers_only_loopback_names(server, keyed)
     assert reply.status_code == 200
 
 
+def test_a_web_page_cannot_drive_the_server(server, keyed):
+    """A cross-origin POST with a text/plain body is what a browser sends without asking first: a body that is not
+    JSON by its Content-Type is a 415, and a request from a page at another origin a 403, key or not; the server's
+    own origin and clients that name none (not browsers) are answered."""
+    body = json.dumps({"model": model_of(server.url), "messages": HELLO, "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        reply = httpx2.post(server.url + "/chat/completions", content=body, headers=headers, timeout=60)
+        assert reply.status_code == 415 and "application/json" in reply.json()["error"]["message"], content_type
+    page = {"Origin": "http://evil.example"}
+    assert ask(server.url, body, **page).status_code == 403
+    reply = httpx2.get(keyed.url + "/models", headers={**page, "Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 403 and "--allowed-origins http://evil.example" in reply.json()["error"]["message"]
+    port = server.url.split(":")[2].split("/")[0]
+    assert ask(server.url, body, Origin=f"http://127.0.0.1:{port}").status_code == 200  # its own
+    assert ask(server.url, body, **{"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_allowed_origins_let_those_pages_in(tiny):
+    with serve_tiny(tiny, "--allowed-origins", "http://localhost:3000") as s:
+        body = {"model": model_of(s.url), "messages": HELLO, "max_tokens": 2}
+        assert ask(s.url, body, Origin="http://localhost:3000").status_code == 200
+        assert ask(s.url, body, Origin="http://localhost:3001").status_code == 403
+
+
 def test_the_key_is_a_bearer_token_in_any_case_and_metrics_need_it(keyed):
     def status(path: str, authorization: str | None) -> int:
         headers = {"Authorization": authorization} if authorization is not None else {}
@@ -342,7 +367,10 @@ def test_a_silent_or_slow_connection_is_closed(quick_timeouts):
 def test_a_body_that_never_arrives_gets_408(quick_timeouts):
     (host, port), records = quick_timeouts
     with socket.create_connection((host, int(port))) as sock:
-        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n"
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n"
+        )
         sock.sendall(head.encode() + b'{"model": "m"')
         reply = closed_within(sock, 3)
     assert reply.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in reply, reply
