@@ -24,7 +24,7 @@ from llamaterm.engine import bench as wl
 from llamaterm.engine.api import EngineConfig
 from llamaterm.engine.serving.weight_bytes import weight_bytes
 from llamaterm.engine.synthetic import SYNTHETIC_PREFIX
-from tests.benchmarks.step_profile import kernel_table, replay_ms
+from tests.benchmarks.step_profile import kernel_table, replay_ends, replay_ms
 
 LLAMA_CPP = {"qwen3-30b-a3b": {"H100": 194, "H200": 204}, "gpt-oss-20b": {"H100": 286, "H200": 292}}
 
@@ -52,22 +52,11 @@ def prefill_flops(engine, n: int) -> float:
 def layer_kernels(graph: torch.cuda.CUDAGraph, n: int = 10) -> list[str]:
     """One layer's kernels in order with the median us of each (from the end of the one before), anchored on the
     attention kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
-    )
-    per = len(events) // n
-    names = [e.name for e in events[:per]]
+    names, ends = replay_ends(graph, n)
     anchors = [i for i, name in enumerate(names) if "attention" in name]
     if len(anchors) < 6:
         return ["  (no layer table: no attention kernel found)"]
     period, layers = anchors[1] - anchors[0], anchors[2:-2]
-    ends = [[e.time_range.end for e in events[r * per : (r + 1) * per]] for r in range(n)]
     out, total = [], 0.0
     for p in range(period):
         us = statistics.median(e[i + p] - e[i + p - 1] for e in ends for i in layers)

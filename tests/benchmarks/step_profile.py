@@ -57,6 +57,12 @@ def layer_table(
 ) -> list[str]:
     """A layer's kernels in order, from its first matmul to the next layer's (see the docstring); linears: each
     matmul's name and the bytes it reads, in the order of a layer's matmul kernels."""
+    return layer_rows(*replay_ends(graph, n), linears, bandwidth)
+
+
+def replay_ends(graph: torch.cuda.CUDAGraph, n: int) -> tuple[list[str], list[list[float]]]:
+    """The graph replayed n times under the profiler: one replay's kernel names in order, and each replay's kernel
+    end times (us)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             graph.replay()
@@ -65,9 +71,8 @@ def layer_table(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
     per = len(events) // n
-    names = [e.name for e in events[:per]]
     ends = [[e.time_range.end for e in events[r * per : (r + 1) * per]] for r in range(n)]
-    return layer_rows(names, ends, linears, bandwidth)
+    return [e.name for e in events[:per]], ends
 
 
 def layer_rows(
